@@ -1,0 +1,5 @@
+import sys
+
+from diffserve.cli import main
+
+sys.exit(main())

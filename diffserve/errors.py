@@ -1,0 +1,58 @@
+"""Errors a client can see, and their mapping to HTTP, in one place.
+
+Every error body has the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class APIError(Exception):
+    message: str
+    param: str | None = None
+    code: str | None = None
+    status: int = 400
+    type: str = "invalid_request_error"
+    headers: dict[str, str] | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(message, param, code, 400, "invalid_request_error")
+
+
+def model_not_found(name: str, served: str) -> APIError:
+    return APIError(f"The model {name!r} does not exist; this server serves {served!r}.",
+                    "model", "model_not_found", 404, "invalid_request_error")
+
+
+def not_found(path: str) -> APIError:
+    return APIError(f"No route {path}.", None, "not_found", 404, "invalid_request_error")
+
+
+def method_not_allowed(method: str, path: str) -> APIError:
+    return APIError(f"Method {method} is not allowed on {path}.", None, "method_not_allowed", 405,
+                    "invalid_request_error")
+
+
+def unavailable(message: str, code: str = "service_unavailable") -> APIError:
+    return APIError(message, None, code, 503, "server_error")
+
+
+def engine_error(status: int, message: str, type: str = "server_error",
+                 code: str | None = None) -> APIError:
+    """An error answered by the scheduler or executor for one request."""
+    return APIError(message, None, code, status, type)
+
+
+def internal_error() -> APIError:
+    return APIError("The server had an internal error while processing the request.", None,
+                    "internal_error", 500, "server_error")

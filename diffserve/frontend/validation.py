@@ -1,0 +1,71 @@
+"""Checks that need the server's configuration or the loaded model, and the step from an HTTP
+body to the engine's :class:`~diffserve.protocol.GenerationRequest`. Pure functions."""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+from diffserve.config import ServerConfig
+from diffserve.errors import APIError, invalid_request, model_not_found
+from diffserve.frontend.schemas import SEED_MAX, ImageGenerationRequest
+from diffserve.protocol import GenerationRequest, ModelInfo
+
+_SIZE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
+
+
+def parse_size(size: str | None, info: ModelInfo, config: ServerConfig) -> tuple[int, int]:
+    if size is None or size == "auto":
+        return info.width, info.height
+    match = _SIZE.match(size)
+    if not match:
+        raise invalid_request(f"size {size!r} is not of the form WIDTHxHEIGHT (e.g. "
+                              f"'{info.width}x{info.height}') or 'auto'", "size", "invalid_size")
+    width, height = int(match.group(1)), int(match.group(2))
+    stride, top = info.spatial_stride, config.max_image_side
+    for side in (width, height):
+        if side % stride:
+            raise invalid_request(f"size {size!r}: width and height must be multiples of {stride} "
+                                  f"for this model", "size", "invalid_size")
+        if side > top:
+            raise invalid_request(f"size {size!r}: width and height must be at most {top}",
+                                  "size", "invalid_size")
+    return width, height
+
+
+def to_engine_request(body: ImageGenerationRequest, request_id: str, arrival_time: float,
+                      info: ModelInfo, config: ServerConfig) -> GenerationRequest:
+    if body.model is not None and body.model != info.name:
+        raise model_not_found(body.model, info.name)
+    if body.response_format == "url":
+        raise invalid_request("response_format 'url' is not supported by this server; use "
+                              "'b64_json'", "response_format", "unsupported_value")
+    if body.n > config.max_n:
+        raise invalid_request(f"n={body.n} is above this server's limit of {config.max_n}", "n",
+                              "invalid_value")
+    for param, text in (("prompt", body.prompt), ("negative_prompt", body.negative_prompt or "")):
+        if len(text) > config.max_prompt_chars:
+            raise invalid_request(f"{param} is {len(text)} characters long; the limit is "
+                                  f"{config.max_prompt_chars}", param, "string_above_max_length")
+        if "\x00" in text:
+            raise invalid_request(f"{param} contains a NUL character", param, "invalid_value")
+    if not body.prompt.strip():
+        raise invalid_request("prompt is empty", "prompt", "invalid_value")
+    if body.negative_prompt and not info.supports_negative_prompt:
+        raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) does not take a "
+                              "negative_prompt", "negative_prompt", "unsupported_parameter")
+    steps = body.num_inference_steps or info.default_steps
+    if steps > config.max_inference_steps:
+        raise invalid_request(f"num_inference_steps={steps} is above this server's limit of "
+                              f"{config.max_inference_steps}", "num_inference_steps",
+                              "invalid_value")
+    width, height = parse_size(body.size, info, config)
+    guidance = info.default_guidance_scale if body.guidance_scale is None else body.guidance_scale
+    seed = body.seed if body.seed is not None else secrets.randbelow(SEED_MAX - 1024)
+    return GenerationRequest(
+        request_id=request_id, model=info.name, width=width, height=height,
+        num_inference_steps=steps, guidance_scale=float(guidance), prompt=body.prompt,
+        negative_prompt=body.negative_prompt or "", seed=seed, n=body.n,
+        arrival_time=arrival_time)
+
+

@@ -1,0 +1,32 @@
+"""Where a ``--model`` value points to, and the serving defaults kept beside a model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from diffserve.models.embedded import EMBEDDED, SERVING_DEFAULTS_FILE, embedded_path
+
+
+def resolve_model(spec: str) -> str:
+    """An embedded model name, a local pipeline directory, or (left to diffusers) a hub id."""
+    if spec in EMBEDDED:
+        return str(embedded_path(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if path.exists():
+        raise ValueError(f"--model {spec!r} is a file; expected a diffusers pipeline directory")
+    if spec.startswith((".", "/", "~")):
+        raise ValueError(f"--model {spec!r}: no such directory")
+    return spec
+
+
+def serving_defaults(model_dir: str) -> dict[str, Any]:
+    """Optional ``diffserve.json`` beside the weights: width, height, spatial_stride,
+    num_inference_steps, guidance_scale and extra ``pipeline_kwargs`` for every call."""
+    path = Path(model_dir) / SERVING_DEFAULTS_FILE
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())

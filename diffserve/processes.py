@@ -1,0 +1,58 @@
+"""Starting and supervising the server's processes.
+
+Each process is one entry function taking one frozen spec, started with the spawn method (no
+forked torch or ZMQ state), named in ``ps`` and tied to its parent's life: the kernel signals
+it when the parent dies, so a killed server leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from typing import Any, Callable
+
+_PR_SET_PDEATHSIG = 1
+
+
+def start(target: Callable[[Any], None], spec: Any, name: str) -> multiprocessing.process.BaseProcess:
+    ctx = multiprocessing.get_context("spawn")
+    # Not daemonic: the scheduler must be able to start the executor itself.
+    process = ctx.Process(target=target, args=(spec,), name=name, daemon=False)
+    process.start()
+    return process
+
+
+def become(title: str, parent_pid: int, log_level: str = "info") -> None:
+    """First call in a child: set its name, die with its parent, set up logging."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # pragma: no cover - declared dependency
+        pass
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+    configure_logging(log_level, title)
+
+
+def configure_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr,
+        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s")
+
+
+def stop(process: multiprocessing.process.BaseProcess, timeout: float = 5.0) -> None:
+    """Ask a child to stop (SIGTERM), then kill it if it lingers."""
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout)

@@ -1,0 +1,101 @@
+"""``diffserve serve``: the frontend process, which starts the scheduler (which starts the
+executor), waits for the model, then serves HTTP until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+from contextlib import asynccontextmanager
+
+from diffserve import processes
+from diffserve.config import ServerConfig
+
+log = logging.getLogger("diffserve")
+
+
+def serve(config: ServerConfig) -> int:
+    """Run the server; returns the process exit code."""
+    from diffserve import metrics
+
+    metrics_dir = metrics.prepare_directory()  # before anything imports prometheus_client
+    ipc_dir = tempfile.mkdtemp(prefix="diffserve-")
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle("diffserve::frontend")
+    except ImportError:  # pragma: no cover
+        pass
+    processes.configure_logging(config.log_level, "diffserve::frontend")
+    try:
+        return _serve(config, ipc_dir)
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        metrics.remove_directory(metrics_dir)
+
+
+def _serve(config: ServerConfig, ipc_dir: str) -> int:
+    import uvicorn
+    import zmq
+
+    from diffserve.errors import unavailable
+    from diffserve.frontend.app import create_app
+    from diffserve.frontend.engine_client import EngineClient, StartupError
+    from diffserve.scheduler.process import SchedulerSpec, run_scheduler
+
+    ctx = zmq.Context()
+    engine = EngineClient(ctx, ipc_dir)
+    spec = SchedulerSpec(config, engine.request_addr, engine.result_addr, ipc_dir, os.getpid())
+    scheduler = processes.start(run_scheduler, spec, "diffserve::scheduler")
+    exit_code = 0
+    try:
+        log.info("loading model %r ...", config.model)
+        try:
+            info = engine.wait_ready(scheduler.sentinel, config.startup_timeout_s)
+        except StartupError as error:
+            log.error("cannot start: %s", error)
+            return 1
+        log.info("model %r ready (%s, %dx%d, %s/%s)", info.name, info.pipeline_class, info.width,
+                 info.height, info.device, info.dtype)
+        server: uvicorn.Server | None = None
+
+        def scheduler_died() -> None:
+            nonlocal exit_code
+            asyncio.get_running_loop().remove_reader(scheduler.sentinel)
+            if server is not None and server.should_exit:
+                return  # we are stopping it ourselves
+            log.error("the scheduler process died; answering every waiting request and exiting")
+            engine.fail_all(unavailable("The scheduler process died; the server is stopping."))
+            exit_code = 1
+            if server is not None:
+                server.should_exit = True
+
+        @asynccontextmanager
+        async def lifespan(app):
+            await engine.start()
+            asyncio.get_running_loop().add_reader(scheduler.sentinel, scheduler_died)
+            yield
+            await engine.close()
+
+        app = create_app(config, engine)
+        app.router.lifespan_context = lifespan
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.log_level,
+            timeout_graceful_shutdown=30, access_log=config.log_level == "debug"))
+        server.run()
+        if not server.started:
+            exit_code = exit_code or 1
+        return exit_code
+    finally:
+        _stop_scheduler(scheduler, engine)
+        ctx.destroy(linger=0)
+
+
+def _stop_scheduler(scheduler, engine) -> None:
+    """Ask the scheduler to stop (it answers what is left and stops the executor), then make sure."""
+    if scheduler.is_alive():
+        engine.send_shutdown()
+        scheduler.join(10)
+    processes.stop(scheduler)
