@@ -37,7 +37,10 @@ class _Metrics:
         from prometheus_client import Counter, Gauge, Histogram
 
         self.requests_total = Counter(
-            "diffserve_requests", "Finished requests by outcome.", ["status"])
+            "diffserve_requests", "Finished image requests by outcome: success, invalid (4xx), "
+            "failed (5xx), cancelled (the client went away).", ["status"])
+        for status in ("success", "invalid", "failed", "cancelled"):
+            self.requests_total.labels(status=status)
         self.num_requests_waiting = Gauge(
             "diffserve_num_requests_waiting", "Requests waiting for a batch.",
             multiprocess_mode="livesum")

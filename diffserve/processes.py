@@ -39,6 +39,8 @@ def become(title: str, parent_pid: int, log_level: str = "info") -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
+    # Ctrl-C reaches the whole process group; only the frontend decides how to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(log_level, title)
 
 

@@ -4,9 +4,11 @@ executor), waits for the model, then serves HTTP until stopped."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import tempfile
 from contextlib import asynccontextmanager
 
@@ -45,6 +47,8 @@ def _serve(config: ServerConfig, ipc_dir: str) -> int:
     from diffserve.frontend.engine_client import EngineClient, StartupError
     from diffserve.scheduler.process import SchedulerSpec, run_scheduler
 
+    _Server = _uvicorn_server_class()
+
     ctx = zmq.Context()
     engine = EngineClient(ctx, ipc_dir)
     spec = SchedulerSpec(config, engine.request_addr, engine.result_addr, ipc_dir, os.getpid())
@@ -81,7 +85,7 @@ def _serve(config: ServerConfig, ipc_dir: str) -> int:
 
         app = create_app(config, engine)
         app.router.lifespan_context = lifespan
-        server = uvicorn.Server(uvicorn.Config(
+        server = _Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level,
             timeout_graceful_shutdown=30, access_log=config.log_level == "debug"))
         server.run()
@@ -91,6 +95,25 @@ def _serve(config: ServerConfig, ipc_dir: str) -> int:
     finally:
         _stop_scheduler(scheduler, engine)
         ctx.destroy(linger=0)
+
+
+def _uvicorn_server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # SIGINT/SIGTERM mean "stop gracefully and exit 0". uvicorn's own version re-raises
+            # the signal once it has stopped, which would turn a clean stop into a crash.
+            previous = {sig: signal.signal(sig, self.handle_exit)
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def _stop_scheduler(scheduler, engine) -> None:

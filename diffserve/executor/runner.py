@@ -45,7 +45,7 @@ class ModelRunner:
         self.dtype = dtype
         path = resolve_model(model)
         self.defaults = serving_defaults(path)
-        pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=getattr(torch, _DTYPES[dtype]))
+        pipe = DiffusionPipeline.from_pretrained(path, dtype=getattr(torch, _DTYPES[dtype]))
         pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe
