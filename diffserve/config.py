@@ -41,10 +41,24 @@ class ServerConfig:
         8.0, "Longest a batch that is not full waits for more requests, counted from its oldest "
         "request's arrival. A full batch, or any batch once the executor frees up after the delay, "
         "goes at once.", ge=0, le=60_000)
+    max_queue_size: int = option(
+        0, "Most requests waiting for a batch; more are refused at once with 429 and Retry-After. "
+        "0 = unbounded.", ge=0, le=10_000_000)
+    request_timeout_s: float = option(
+        300.0, "A request that has waited this long without starting is answered 503 and never "
+        "runs. 0 = no limit.", ge=0, le=86_400)
+    shutdown_timeout_s: float = option(
+        30.0, "On SIGTERM/SIGINT, how long to keep finishing queued and running requests before "
+        "answering the rest 503 and exiting.", ge=0, le=86_400)
+    api_key: str = option("", "If set, /v1/* requires `Authorization: Bearer <key>`; /health and "
+                          "/metrics stay open.", env="DIFFSERVE_API_KEY")
+    max_body_bytes: int = option(1_048_576, "Largest request body; larger ones get 413.",
+                                 ge=1024, le=1 << 30)
     max_n: int = option(10, "Largest `n` (images per request).", ge=1, le=10_000)
     max_inference_steps: int = option(200, "Largest `num_inference_steps` a client may ask for.",
                                       ge=1, le=10_000)
     max_image_side: int = option(2048, "Largest width or height in pixels.", ge=8, le=16_384)
+    max_image_pixels: int = option(2048 * 2048, "Largest width x height.", ge=64, le=1 << 28)
     max_prompt_chars: int = option(4000, "Longest prompt or negative prompt, in characters.",
                                    ge=1, le=1_000_000)
     device: str = option("auto", "Torch device for the executor: auto (cuda when available), cpu, "
@@ -69,6 +83,11 @@ class ServerConfig:
                 raise ConfigError(f"{flag}={value!r} is above the maximum {meta['le']}")
             if meta.get("choices") and value not in meta["choices"]:
                 raise ConfigError(f"{flag}={value!r} is not one of {', '.join(meta['choices'])}")
+
+    def __repr__(self) -> str:  # keep the API key out of logs
+        shown = dataclasses.replace(self, api_key="***") if self.api_key else self
+        return "ServerConfig(" + ", ".join(
+            f"{f.name}={getattr(shown, f.name)!r}" for f in dataclasses.fields(self)) + ")"
 
     @property
     def model_name(self) -> str:

@@ -50,7 +50,20 @@ def unavailable(message: str, code: str = "service_unavailable") -> APIError:
 def engine_error(status: int, message: str, type: str = "server_error",
                  code: str | None = None) -> APIError:
     """An error answered by the scheduler or executor for one request."""
-    return APIError(message, None, code, status, type)
+    # 429 means "try again soon": the queue drains in about a batch time.
+    headers = {"Retry-After": "1"} if status == 429 else None
+    return APIError(message, None, code, status, type, headers)
+
+
+def unauthorized() -> APIError:
+    return APIError("Missing or invalid API key. Send 'Authorization: Bearer <key>'.", None,
+                    "invalid_api_key", 401, "invalid_request_error",
+                    {"WWW-Authenticate": "Bearer"})
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(f"The request body is larger than {limit} bytes (--max-body-bytes).", None,
+                    "request_too_large", 413, "invalid_request_error")
 
 
 def internal_error() -> APIError:

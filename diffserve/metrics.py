@@ -38,8 +38,8 @@ class _Metrics:
 
         self.requests_total = Counter(
             "diffserve_requests", "Finished image requests by outcome: success, invalid (4xx), "
-            "failed (5xx), cancelled (the client went away).", ["status"])
-        for status in ("success", "invalid", "failed", "cancelled"):
+            "rejected (429, queue full), failed (5xx), cancelled (the client went away).", ["status"])
+        for status in ("success", "invalid", "rejected", "failed", "cancelled"):
             self.requests_total.labels(status=status)
         self.num_requests_waiting = Gauge(
             "diffserve_num_requests_waiting", "Requests waiting for a batch.",
@@ -60,6 +60,11 @@ class _Metrics:
             buckets=_LATENCY_BUCKETS)
         self.images_generated_total = Counter(
             "diffserve_images_generated", "Images produced by the executor.")
+        self.requests_cancelled_total = Counter(
+            "diffserve_requests_cancelled", "Requests dropped by the scheduler because their "
+            "client went away.")
+        self.batches_interrupted_total = Counter(
+            "diffserve_batches_interrupted", "Batches stopped early because every caller had gone.")
         self.executor_restarts_total = Counter(
             "diffserve_executor_restarts", "Times the executor process was restarted after dying.")
 

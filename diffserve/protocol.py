@@ -167,6 +167,13 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class CancelBatch:
+    """Scheduler to executor: every caller of this batch has gone; stop it early."""
+
+    batch_id: int
+
+
+@dataclass(frozen=True)
 class EngineStatus:
     """Scheduler to frontend: whether an executor with a loaded model is serving."""
 
@@ -191,6 +198,7 @@ class Kind(enum.IntEnum):
     BATCH_RESULT = 8
     SHUTDOWN = 9
     FATAL = 10
+    CANCEL_BATCH = 11
 
 
 _DECODERS: dict[Kind, Any] = {
@@ -204,6 +212,7 @@ _DECODERS: dict[Kind, Any] = {
     Kind.BATCH_RESULT: BatchResult.from_dict,
     Kind.SHUTDOWN: lambda d: None,
     Kind.FATAL: lambda d: Fatal(**d),
+    Kind.CANCEL_BATCH: lambda d: CancelBatch(**d),
 }
 
 

@@ -87,7 +87,10 @@ def _serve(config: ServerConfig, ipc_dir: str) -> int:
         app.router.lifespan_context = lifespan
         server = _Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level,
-            timeout_graceful_shutdown=30, access_log=config.log_level == "debug"))
+            # A little longer than our own drain, so the 503s it ends with are still written.
+            timeout_graceful_shutdown=config.shutdown_timeout_s + 5,
+            access_log=config.log_level == "debug"))
+        server.engine, server.drain_s = engine, config.shutdown_timeout_s
         server.run()
         if not server.started:
             exit_code = exit_code or 1
@@ -101,17 +104,37 @@ def _uvicorn_server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
+        """uvicorn, with our own stop: SIGINT/SIGTERM refuse new work (503) at once, let
+        accepted requests finish for ``drain_s``, answer what is left 503, and exit 0. (uvicorn's
+        own handler re-raises the signal after stopping, which would make a clean stop a crash.)"""
+
+        engine = None
+        drain_s = 30.0
+
         @contextlib.contextmanager
         def capture_signals(self):
-            # SIGINT/SIGTERM mean "stop gracefully and exit 0". uvicorn's own version re-raises
-            # the signal once it has stopped, which would turn a clean stop into a crash.
-            previous = {sig: signal.signal(sig, self.handle_exit)
-                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._stop_gracefully, sig)
             try:
                 yield
             finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+        def _stop_gracefully(self, sig) -> None:
+            from diffserve.errors import unavailable
+
+            if self.should_exit:  # a second signal: stop now
+                self.force_exit = True
+                return
+            log.info("received %s: finishing accepted requests (up to %g s), refusing new ones",
+                     signal.Signals(sig).name, self.drain_s)
+            self.engine.draining = True
+            self.should_exit = True
+            asyncio.get_running_loop().call_later(self.drain_s, self.engine.fail_all, unavailable(
+                "The server is shutting down and could not finish this request in time "
+                "(--shutdown-timeout-s)."))
 
     return Server
 

@@ -6,6 +6,7 @@ and sends the images back as raw buffers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import traceback
 from dataclasses import dataclass
@@ -41,7 +42,6 @@ def run_executor(spec: ExecutorSpec) -> None:
     outbox.connect(spec.result_addr)
     try:
         from diffserve.executor.runner import ModelRunner
-        from diffserve.metrics import metrics
 
         runner = ModelRunner(spec.model, spec.served_name, spec.device, spec.dtype,
                              spec.torch_threads)
@@ -54,20 +54,62 @@ def run_executor(spec: ExecutorSpec) -> None:
         raise SystemExit(1)
     log.info("loaded %s (%s) on %s/%s, native %dx%d", spec.model, runner.info.pipeline_class,
              runner.info.device, runner.info.dtype, runner.info.width, runner.info.height)
-    m = metrics()
     outbox.send_multipart(encode(Kind.READY, runner.info))
-    while True:
-        kind, batch, _ = decode(inbox.recv_multipart())
-        if kind is Kind.SHUTDOWN:
-            break
-        if kind is not Kind.BATCH:
-            log.warning("executor ignored a %s message", kind.name)
-            continue
-        result, images = runner.execute(batch)
-        m.batch_execution_seconds.observe(result.execution_time_s)
-        m.images_generated_total.inc(len(images))
-        # numpy arrays expose the buffer protocol: ZMQ sends their memory without a copy.
-        outbox.send_multipart(encode(Kind.BATCH_RESULT, result, images), copy=False)
+    ExecutorLoop(runner, inbox, outbox).run()
     outbox.close()
     inbox.close()
     ctx.term()
+
+
+class ExecutorLoop:
+    """One batch at a time. While a batch runs, the pipeline's step callback peeks at the inbox,
+    so a batch whose callers have all gone stops at the next denoising step."""
+
+    def __init__(self, runner, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+        from diffserve.metrics import metrics
+
+        self.runner, self.inbox, self.outbox = runner, inbox, outbox
+        self.metrics = metrics()
+        self.running_id: int | None = None
+        self.cancelled = False
+        self.stopping = False
+        runner.should_interrupt = self._should_interrupt
+
+    def run(self) -> None:
+        while not self.stopping:
+            self._handle(*decode(self.inbox.recv_multipart())[:2])
+
+    def _handle(self, kind: Kind, msg) -> None:
+        if kind is Kind.SHUTDOWN:
+            self.stopping = True
+        elif kind is Kind.CANCEL_BATCH:
+            self.cancelled = self.cancelled or msg.batch_id == self.running_id
+        elif kind is Kind.BATCH and self.running_id is None:
+            self._execute(msg)
+        else:
+            log.warning("executor ignored a %s message", kind.name)
+
+    def _execute(self, batch) -> None:
+        self.running_id, self.cancelled = batch.batch_id, False
+        try:
+            result, images = self.runner.execute(batch)
+        finally:
+            self.running_id = None
+        self.metrics.batch_execution_seconds.observe(result.execution_time_s)
+        if self.cancelled:
+            self.metrics.batches_interrupted_total.inc()
+            result = dataclasses.replace(result, images=[], errors={
+                s.request_id: "cancelled: the client went away" for s in batch.samples})
+            images = []
+        self.metrics.images_generated_total.inc(len(images))
+        # numpy arrays expose the buffer protocol: ZMQ sends their memory without a copy.
+        self.outbox.send_multipart(encode(Kind.BATCH_RESULT, result, images), copy=False)
+
+    def _should_interrupt(self) -> bool:
+        while self.inbox.poll(0):
+            kind, msg, _ = decode(self.inbox.recv_multipart())
+            if kind is Kind.BATCH:
+                log.error("executor got a batch while busy; dropping it")
+            else:
+                self._handle(kind, msg)
+        return self.cancelled

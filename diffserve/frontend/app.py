@@ -6,6 +6,7 @@ Every error leaves through :func:`error_response`, the one place where errors be
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -21,10 +22,12 @@ from diffserve import metrics as metrics_module
 from diffserve.config import ServerConfig
 from diffserve.errors import (
     APIError,
+    body_too_large,
     internal_error,
     invalid_request,
     method_not_allowed,
     not_found,
+    unauthorized,
     unavailable,
 )
 from diffserve.frontend.encode import encode_image
@@ -62,9 +65,18 @@ def _json_body(model: type[BaseModel]) -> dict:
         "application/json": {"schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+async def parse_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
     """Parse the body as JSON whatever its content type (``curl -d`` sends form encoding)."""
-    raw = await request.body()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -75,11 +87,59 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
         raise validation_error(error.errors()) from None
 
 
+class BearerAuth:
+    """``Authorization: Bearer <key>`` on /v1/*; /health and /metrics stay open for probes.
+    A plain ASGI middleware, so it does not get between a handler and disconnect events."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            # compare_digest: the time taken does not tell how much of a guess was right.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                await error_response(unauthorized())(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def until_disconnected(request: Request, work):
+    """Await ``work``, unless the client disconnects first: then cancel it and return None.
+
+    After the body is read, the ASGI ``receive`` only returns on disconnect, so waiting on it is
+    an event, not a poll."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def create_app(config: ServerConfig, engine: EngineClient) -> FastAPI:
     m = metrics_module.metrics()
     encoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode")
     app = FastAPI(title="diffserve", version="0.1.0",
                   description="OpenAI-style image generation with dynamic batching.")
+
+    if config.api_key:
+        app.add_middleware(BearerAuth, key=config.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -107,13 +167,18 @@ def create_app(config: ServerConfig, engine: EngineClient) -> FastAPI:
         start = time.perf_counter()
         outcome = "cancelled"
         try:
-            body = await parse_body(http_request, ImageGenerationRequest)
+            body = await parse_body(http_request, ImageGenerationRequest, config.max_body_bytes)
             info = engine.model_info
             request = to_engine_request(body, f"img-{uuid.uuid4().hex}", arrival, info, config)
+            if engine.draining:
+                raise unavailable("The server is shutting down.", "shutting_down")
             if not engine.engine_ready:
                 raise unavailable("The model is not ready (the executor is starting or "
                                   "restarting); retry shortly.", "engine_not_ready")
-            done, frames = await engine.generate(request)
+            answer = await until_disconnected(http_request, engine.generate(request))
+            if answer is None:
+                return Response(status_code=499)  # nobody is listening; the work was dropped
+            done, frames = answer
             loop = asyncio.get_running_loop()
             encoded = await asyncio.gather(*(
                 loop.run_in_executor(encoder, encode_image, frame.buffer if hasattr(frame, "buffer")
@@ -128,7 +193,8 @@ def create_app(config: ServerConfig, engine: EngineClient) -> FastAPI:
                 "size": f"{done.width}x{done.height}",
             })
         except APIError as error:
-            outcome = "invalid" if error.status < 500 else "failed"
+            outcome = ("rejected" if error.status == 429 else
+                       "invalid" if error.status < 500 else "failed")
             raise
         except Exception:
             outcome = "failed"

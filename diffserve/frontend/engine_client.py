@@ -35,6 +35,7 @@ class EngineClient:
         self._in.bind(self.result_addr)
         self.model_info: ModelInfo | None = None
         self.engine_ready = False
+        self.draining = False  # stopping: refuse new work, finish what was accepted
         self.stopped_reason: str | None = None
         self._pending: dict[str, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None

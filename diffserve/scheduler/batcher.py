@@ -89,10 +89,9 @@ class Batcher:
         self._unlink(entry)
         return True
 
-    def oldest_enqueued_at(self) -> float | None:
-        for entry in self._queue.values():
-            return entry.enqueued_at
-        return None
+    def waiting_ids(self):
+        """Ids of waiting requests, oldest first."""
+        return iter(self._queue)
 
     def time_until_ready(self, now: float) -> float | None:
         """Seconds until :meth:`next_batch` returns a batch; None when nothing waits."""

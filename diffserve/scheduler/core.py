@@ -51,8 +51,11 @@ class Finished:
 
 
 class SchedulerCore:
-    def __init__(self, max_batch_size: int, max_delay_s: float) -> None:
+    def __init__(self, max_batch_size: int, max_delay_s: float, max_queue_size: int = 0,
+                 request_timeout_s: float = 0.0) -> None:
         self.batcher = Batcher(max_batch_size, max_delay_s)
+        self.max_queue_size = max_queue_size  # 0: unbounded
+        self.request_timeout_s = request_timeout_s  # 0: none
         self.requests: dict[str, _Tracked] = {}
         self.running: Batch | None = None
         self.executor_ready = False
@@ -74,6 +77,11 @@ class SchedulerCore:
             return Finished(failed=RequestFailed(
                 request.request_id, 409, f"request id {request.request_id!r} is already in use",
                 type="invalid_request_error", code="duplicate_request_id"))
+        if self.max_queue_size and self.num_waiting >= self.max_queue_size:
+            return Finished(failed=RequestFailed(
+                request.request_id, 429, f"The server is overloaded: {self.num_waiting} requests are "
+                f"waiting (--max-queue-size {self.max_queue_size}). Retry later.",
+                type="server_error", code="overloaded"))
         self.requests[request.request_id] = _Tracked(request, now)
         self.batcher.add(request, now)
         return None
@@ -84,12 +92,52 @@ class SchedulerCore:
         self.batcher.abort(request_id)
         return self.requests.pop(request_id, None) is not None
 
+    def abort_leaves_batch_unwanted(self, request_id: str) -> bool:
+        """After aborting ``request_id``: True if nobody is left waiting for the running batch."""
+        if self.running is None or request_id not in {s.request_id for s in self.running.samples}:
+            return False
+        return not any(s.request_id in self.requests for s in self.running.samples)
+
     def time_until_dispatch(self, now: float) -> float | None:
         """Seconds until :meth:`dispatch` has something to send; None if only an event can change
         that (nothing waiting, or the executor is busy or not ready)."""
         if not self.executor_ready or self.running is not None:
             return None
         return self.batcher.time_until_ready(now)
+
+    def time_until_wakeup(self, now: float) -> float | None:
+        """Seconds until the scheduler must act without an event: a dispatch or an expiry."""
+        times = [t for t in (self.time_until_dispatch(now), self._time_until_expiry(now))
+                 if t is not None]
+        return min(times) if times else None
+
+    def expire(self, now: float) -> list[Finished]:
+        """Answer 503 to requests that waited longer than the timeout without starting."""
+        if not self.request_timeout_s:
+            return []
+        expired = []
+        for request_id in self.batcher.waiting_ids():
+            tracked = self.requests[request_id]
+            if tracked.first_dispatch_at is not None:
+                continue  # started (a split request): it will finish
+            if now - tracked.enqueued_at < self.request_timeout_s:
+                break  # arrival order: every later one is younger
+            expired.append(request_id)
+        finished = []
+        for request_id in expired:
+            finished.extend(self._fail(request_id, 503, (
+                f"The request waited {self.request_timeout_s:g} s without starting "
+                "(--request-timeout-s) and was dropped; the server is overloaded."), code="timeout"))
+        return finished
+
+    def _time_until_expiry(self, now: float) -> float | None:
+        if not self.request_timeout_s:
+            return None
+        for request_id in self.batcher.waiting_ids():
+            tracked = self.requests[request_id]
+            if tracked.first_dispatch_at is None:
+                return max(0.0, tracked.enqueued_at + self.request_timeout_s - now)
+        return None
 
     def dispatch(self, now: float, force: bool = False) -> Dispatch | None:
         """The next batch, if the executor is free and a batch is ready."""
@@ -161,8 +209,9 @@ class SchedulerCore:
             finished.extend(self._fail(request_id, status, message))
         return finished
 
-    def _fail(self, request_id: str, status: int, message: str) -> list[Finished]:
+    def _fail(self, request_id: str, status: int, message: str,
+              code: str | None = None) -> list[Finished]:
         self.batcher.abort(request_id)  # a split request may still have images waiting
         if self.requests.pop(request_id, None) is None:
             return []
-        return [Finished(failed=RequestFailed(request_id, status, message))]
+        return [Finished(failed=RequestFailed(request_id, status, message, code=code))]

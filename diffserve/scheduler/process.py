@@ -16,7 +16,7 @@ import zmq
 from diffserve import processes
 from diffserve.config import ServerConfig
 from diffserve.executor.process import ExecutorSpec, run_executor
-from diffserve.protocol import EngineStatus, Fatal, Kind, decode, encode
+from diffserve.protocol import CancelBatch, EngineStatus, Fatal, Kind, decode, encode
 from diffserve.scheduler.core import Finished, SchedulerCore
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,9 @@ class SchedulerProc:
 
         self.spec = spec
         self.config = spec.config
-        self.core = SchedulerCore(self.config.dynamic_batch_max_size, self.config.dynamic_batch_delay_s)
+        c = self.config
+        self.core = SchedulerCore(c.dynamic_batch_max_size, c.dynamic_batch_delay_s,
+                                  c.max_queue_size, c.request_timeout_s)
         self.metrics = metrics()
         self.ctx = zmq.Context()
         self.from_frontend = self._socket(zmq.PULL, spec.request_addr, bind=False)
@@ -79,7 +81,7 @@ class SchedulerProc:
         sentinel = self.executor.sentinel
         poller.register(sentinel, zmq.POLLIN)
         while True:
-            wait = self.core.time_until_dispatch(time.monotonic())
+            wait = self.core.time_until_wakeup(time.monotonic())
             timeout_ms = None if wait is None else max(0, int(wait * 1000 + 0.999))
             events = dict(poller.poll(timeout_ms))
             if self.from_executor in events:
@@ -94,6 +96,7 @@ class SchedulerProc:
                     return
                 sentinel = self.executor.sentinel
                 poller.register(sentinel, zmq.POLLIN)
+            self._answer(self.core.expire(time.monotonic()))
             self._dispatch()
             self.metrics.num_requests_waiting.set(self.core.num_waiting)
             self.metrics.num_requests_running.set(self.core.num_running)
@@ -111,7 +114,11 @@ class SchedulerProc:
                 if rejected:
                     self._answer([rejected])
             elif kind is Kind.ABORT:
-                self.core.abort(msg.request_id)
+                if self.core.abort(msg.request_id):
+                    self.metrics.requests_cancelled_total.inc()
+                if self.core.abort_leaves_batch_unwanted(msg.request_id):
+                    self.to_executor.send_multipart(encode(
+                        Kind.CANCEL_BATCH, CancelBatch(self.core.running.batch_id)))
             elif kind is Kind.SHUTDOWN:
                 self._shutdown()
                 return False
@@ -154,8 +161,9 @@ class SchedulerProc:
         reason = (f"the executor process exited unexpectedly (exit code {code}) while running "
                   "this request; it is being restarted")
         log.error("executor pid %d died with exit code %s", self.executor.pid, code)
-        self._answer(self.core.executor_lost(reason))
+        # Not-ready first, so that a client told of the failure finds /health already 503.
         self.to_frontend.send_multipart(encode(Kind.ENGINE_STATUS, EngineStatus(False)))
+        self._answer(self.core.executor_lost(reason))
         self.failed_starts = 0 if was_ready else self.failed_starts + 1
         if not self.announced or self.failed_starts >= MAX_FAILED_STARTS:
             message = f"the executor died before loading the model (exit code {code})"

@@ -1,0 +1,20 @@
+"""``shapes``: a tiny text-to-image model trained from scratch on CPU.
+
+It draws one flat circle, square or triangle of one of eight colours on a plain background of
+another, at 32x32 pixels, from prompts such as ``"a red circle on a blue background"``. It is an
+ordinary diffusers StableDiffusionPipeline (autoencoder, UNet, CLIP text encoder, byte-level
+tokenizer) kept in :data:`WEIGHTS_DIR`. See ``docs/shapes.md``.
+
+- :mod:`diffserve.models.shapes.data`: the synthetic dataset (drawn with PIL) and its prompts.
+- :mod:`diffserve.models.shapes.train`: trains the model (``python -m diffserve.models.shapes.train``).
+- :mod:`diffserve.models.shapes.evaluate`: reads generated images back (``classify``) and scores
+  a pipeline on the held-out prompts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+
+__all__ = ["WEIGHTS_DIR"]
