@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 
 def _prompts(count: int) -> list[str]:
@@ -39,10 +41,15 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 def load_pipeline(model: str, device: str, dtype: str, torch_threads: int):
     """(pipeline, serving defaults, device, dtype name), loaded on this thread."""
+    import diffusers
     import torch
+    import transformers
     from diffusers import DiffusionPipeline
 
     from diffserve.models.registry import resolve_model, serving_defaults
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
 
     torch.set_num_threads(torch_threads or os.cpu_count() or 1)
     if device == "auto":

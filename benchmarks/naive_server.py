@@ -58,11 +58,15 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def create_app(model: str, device: str = "auto", threads: int | None = None) -> FastAPI:
+    import diffusers
     import torch
+    import transformers
     from diffusers import DiffusionPipeline
 
     from diffserve.models.registry import resolve_model, serving_defaults
 
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
     state: dict = {}
     # Like the diffusers example server: the event loop's thread pool runs the pipeline calls.
     # `threads` None keeps Python's default pool size (min(32, cpu_count + 4)).

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +16,8 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
+from PIL import Image
 
 READY_LINE = "Uvicorn running on"
 
@@ -112,3 +117,43 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def decode(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def metric(text: str, name: str) -> float:
+    """A sample's value from Prometheus text (0 if absent); ``name`` may include labels."""
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def wait_for_metric(server: "Server", name: str, predicate, timeout_s: float = 60) -> float:
+    """Poll /metrics until ``predicate(value)``: the server exposes no push event for this."""
+    deadline = time.monotonic() + timeout_s
+    with server.client() as c:
+        while True:
+            value = metric(c.get("/metrics").text, name)
+            if predicate(value):
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} stayed at {value}")
+            time.sleep(0.02)
+
+
+def assert_openai_error(response, status: int, param=None, code=None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param
+    if code is not None:
+        assert body["error"]["code"] == code
+    return body["error"]
+
+
+def pids_titled(root: int, title: str) -> list[int]:
+    return [p for p in descendants(root) if process_title(p).startswith(title)]

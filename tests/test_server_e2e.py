@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import io
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -13,7 +12,7 @@ from PIL import Image
 
 from diffserve.executor.runner import ModelRunner
 from diffserve.protocol import Sample
-from server import Server, descendants, process_title
+from server import Server, assert_openai_error, decode, descendants, metric, process_title
 
 METRIC_NAMES = [
     "diffserve_requests_total", "diffserve_num_requests_waiting", "diffserve_num_requests_running",
@@ -43,28 +42,6 @@ def reference():
         return runner.generate(params, [Sample("solo", 0, prompt, negative_prompt, seed)])[0]
 
     return solo
-
-
-def decode(b64: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
-
-
-def metric(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
-
-def assert_openai_error(response, status: int, param=None, code=None):
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["message"]
-    if param is not None:
-        assert body["error"]["param"] == param
-    if code is not None:
-        assert body["error"]["code"] == code
-    return body["error"]
 
 
 def test_processes_are_named(server):

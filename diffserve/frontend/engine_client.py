@@ -81,8 +81,9 @@ class EngineClient:
             await self._out.send_multipart(encode(Kind.GENERATE, request))
             return await future
         finally:
-            if self._pending.pop(request.request_id, None) is not None and not future.done():
-                # Our caller went away before the answer: the scheduler can drop the work.
+            if self._pending.pop(request.request_id, None) is not None:
+                # No answer came (our caller went away, so awaiting it was cancelled): the
+                # scheduler can drop the work.
                 await self._out.send_multipart(encode(Kind.ABORT, Abort(request.request_id)))
 
     def fail_all(self, error: APIError) -> None:

@@ -74,8 +74,10 @@ def noise_schedule_config() -> dict:
 def make_scheduler():
     from diffusers import DPMSolverMultistepScheduler
 
+    # steps_offset=1 only to match what StableDiffusionPipeline expects of any scheduler; with
+    # "linspace" timestep spacing it changes nothing.
     return DPMSolverMultistepScheduler(**noise_schedule_config(), algorithm_type="dpmsolver++",
-                                       solver_order=2)
+                                       solver_order=2, steps_offset=1)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.02) -> float:
@@ -129,10 +131,25 @@ def encode_latents(torch, vae, images: "torch.Tensor", batch: int = 256) -> "tor
     return torch.cat(out)
 
 
+def check_vae(torch, vae, combos, seed: int, count: int = 240) -> dict:
+    """Shape and colour accuracy of ``classify`` on autoencoder round trips of fresh images."""
+    from diffserve.models.shapes.evaluate import score_images
+
+    pixels, prompts, _ = data.make_dataset(count, combos, seed=seed + 99)
+    x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+    with torch.no_grad():
+        recon = vae.decode(vae.encode(x).latent_dist.mean).sample
+    recon = ((recon.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    result = score_images(recon, prompts)
+    return {k: result[k] for k in ("colour_accuracy", "shape_accuracy", "shape_accuracy_by_shape")}
+
+
 def train_denoiser(torch, latents: "torch.Tensor", token_ids: "torch.Tensor", blank_ids: "torch.Tensor",
                    steps: int, batch: int, lr: float, warmup: int, ema_decay: float,
-                   blank_fraction: float, min_snr: float, seed: int, log):
-    """Train UNet + text encoder; returns them holding their EMA weights."""
+                   blank_fraction: float, min_snr: float, seed: int, log,
+                   probe=None, probe_every: int = 0):
+    """Train UNet + text encoder; returns them holding their EMA weights. Every ``probe_every``
+    steps, ``probe(unet, text_encoder)`` is called with the EMA weights loaded (then restored)."""
     from diffusers import DDPMScheduler
 
     torch.manual_seed(seed)
@@ -187,7 +204,19 @@ def train_denoiser(torch, latents: "torch.Tensor", token_ids: "torch.Tensor", bl
         if step % 100 == 0 or step == steps - 1:
             elapsed = time.perf_counter() - started
             log(f"unet step {step:5d}/{steps} loss {running:.4f} lr {optimiser.param_groups[0]['lr']:.2e} "
-                f"({elapsed:.0f}s, {elapsed / (step + 1):.2f}s/step)")
+                f"({elapsed:.0f}s, {elapsed / (step + 1):.2f}s/step, cpu {time.process_time():.0f}s)")
+        if probe is not None and probe_every and (step + 1) % probe_every == 0 and step + 1 < steps:
+            with torch.no_grad():
+                saved = [p.detach().clone() for p in params]
+                for p, e in zip(params, ema):
+                    p.copy_(e)
+                unet.eval()
+                text_encoder.eval()
+                probe(unet, text_encoder)
+                for p, w in zip(params, saved):
+                    p.copy_(w)
+                unet.train()
+                text_encoder.train()
     with torch.no_grad():
         for p, e in zip(params, ema):
             p.copy_(e)
@@ -242,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="num_inference_steps written to diffserve.json")
     parser.add_argument("--guidance-default", type=float, default=4.0,
                         help="guidance_scale written to diffserve.json")
+    parser.add_argument("--probe-every", type=int, default=0,
+                        help="also score the EMA weights on the held-out prompts (one image "
+                             "each) every this many steps (0: never)")
     parser.add_argument("--eval-repeats", type=int, default=2,
                         help="score the result on the held-out prompts, this many images each "
                              "(0: skip)")
@@ -276,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     latents = (latents * scaling).contiguous()
     log(f"cached {tuple(latents.shape)} latents, scaling factor {scaling:.4f} "
         f"({time.perf_counter() - started:.0f}s)")
+    log("autoencoder round trip of held-out images: " + json.dumps(check_vae(torch, vae, held_out, args.seed)))
 
     tok_dir = args.out / "_tokenizer_tmp"
     tokenizer = write_byte_clip_tokenizer(tok_dir, max_length=MAX_TOKENS)
@@ -287,11 +320,21 @@ def main(argv: list[str] | None = None) -> None:
     token_ids = encoded[torch.tensor([row[p] for p in prompts])]
     blank_ids = encoded[-1]
 
+    def probe(unet, text_encoder) -> None:
+        from diffserve.models.shapes.evaluate import evaluation_prompts, score
+
+        pipe = build_pipeline(vae, unet, text_encoder, tokenizer)
+        pipe.set_progress_bar_config(disable=True)
+        result = score(pipe, evaluation_prompts(1), num_inference_steps=args.steps_default,
+                       guidance_scale=args.guidance_default)
+        log(f"probe: colour {result['colour_accuracy']:.3f} shape {result['shape_accuracy']:.3f} "
+            f"by shape {result['shape_accuracy_by_shape']}")
+
     unet, text_encoder = train_denoiser(
         torch, latents, token_ids, blank_ids, args.steps, args.batch, args.lr, args.warmup,
-        args.ema, args.blank_fraction, args.min_snr, args.seed, log)
+        args.ema, args.blank_fraction, args.min_snr, args.seed, log, probe, args.probe_every)
     train_seconds = time.perf_counter() - started
-    log(f"training done in {train_seconds / 60:.1f} min")
+    log(f"training done in {train_seconds / 60:.1f} min (process cpu {time.process_time() / 60:.1f} min)")
 
     pipe = build_pipeline(vae, unet, text_encoder, tokenizer)
     pipe.set_progress_bar_config(disable=True)

@@ -1,0 +1,369 @@
+"""Compare diffserve with and without batching, a naive baseline server, and the offline ceiling.
+
+In one run, on the same model and the same load (same prompts, same seeds):
+
+1. the offline ceiling: bench_offline.py, one in-process pipeline call per batch size;
+2. ``diffserve-b1``: diffserve with ``--dynamic-batch-max-size 1`` (no batching);
+3. ``diffserve``: diffserve with batching (``--max-batch-size``, ``--batch-delay-ms``);
+4. ``naive``: the baseline in naive_server.py (one pipeline call per request in a thread pool).
+
+Each server is started alone, measured at every concurrency level with bench_serving (a closed
+loop: ``--num-requests`` requests, at most ``concurrency`` in flight), then stopped. Prints a
+table, and writes ``compare.json``, ``compare.png`` and the servers' logs to ``--output-dir``.
+
+    python benchmarks/compare.py --model tiny-sd --concurrency 1,4,16 --num-requests 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_serving import BenchConfig, run_benchmark  # noqa: E402
+from launch import Server, ServerError, child_env, diffserve_command, free_port, naive_command  # noqa: E402
+
+SYSTEMS = ("diffserve-b1", "diffserve", "naive")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"compare.py: error: {flag} {text!r} is not a comma-separated list of integers")
+    if not values or min(values) < 1:
+        raise SystemExit(f"compare.py: error: {flag} needs positive integers")
+    return sorted(set(values))
+
+
+def default_offline_sizes(max_batch: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+def machine_description() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version()}
+
+
+def run_offline(args, model: str, out_dir: Path) -> dict | None:
+    out = out_dir / "offline.json"
+    cmd = [sys.executable, str(HERE / "bench_offline.py"), "--model", model,
+           "--batch-sizes", ",".join(map(str, args.offline_batch_sizes)),
+           "--repeats", str(args.offline_repeats), "--warmup", str(args.offline_warmup),
+           "--output-file", str(out)]
+    if args.size:
+        cmd += ["--size", args.size]
+    if args.steps:
+        cmd += ["--steps", str(args.steps)]
+    print(f"[offline] {' '.join(cmd[1:])}", flush=True)
+    done = subprocess.run(cmd, env=child_env())
+    if done.returncode != 0:
+        print(f"[offline] failed with exit code {done.returncode}", file=sys.stderr)
+        return None
+    return json.loads(out.read_text())
+
+
+def system_command(name: str, args, model: str, port: int) -> list[str]:
+    if name == "diffserve-b1":
+        return diffserve_command(model, port, 1, args.batch_delay_ms)
+    if name == "diffserve":
+        return diffserve_command(model, port, args.max_batch_size, args.batch_delay_ms)
+    return naive_command(model, port, args.naive_threads)
+
+
+def system_label(name: str, args) -> str:
+    if name == "diffserve-b1":
+        return "diffserve, max batch 1"
+    if name == "diffserve":
+        return f"diffserve, batch<={args.max_batch_size} {args.batch_delay_ms:g}ms"
+    return "naive baseline"
+
+
+def measure_system(name: str, args, model: str, out_dir: Path) -> dict:
+    port = free_port()
+    server = Server(system_command(name, args, model, port), out_dir / "logs" / f"{name}.log",
+                    port, startup_timeout_s=args.startup_timeout, env=child_env(), name=name)
+    record: dict = {"system": name, "label": system_label(name, args), "command": server.cmd,
+                    "levels": []}
+    print(f"[{name}] starting: {' '.join(server.cmd[1:])}", flush=True)
+    try:
+        with server:
+            record["startup_s"] = server.startup_s
+            print(f"[{name}] healthy after {server.startup_s:.1f} s", flush=True)
+            for concurrency in args.concurrency:
+                cfg = BenchConfig(
+                    base_url=server.base_url, num_prompts=args.num_requests,
+                    max_concurrency=concurrency, size=args.size, steps=args.steps, n=args.n,
+                    seed=args.seed, warmup=args.warmup, disable_tqdm=args.disable_tqdm,
+                    label=f"{name} c={concurrency}", timeout_s=args.request_timeout)
+                try:
+                    result = asyncio.run(run_benchmark(cfg))
+                except RuntimeError as error:  # every warm-up request failed
+                    print(f"[{name}] concurrency {concurrency}: {error}", file=sys.stderr)
+                    record["levels"].append({"concurrency": concurrency, "error": str(error)})
+                    continue
+                result["concurrency"] = concurrency
+                record["levels"].append(result)
+                print(f"[{name}] concurrency {concurrency:>3}: {result['images_per_s']:.2f} img/s, "
+                      f"p50 {1000 * (result['latency_s']['p50'] or 0):.0f} ms, "
+                      f"p99 {1000 * (result['latency_s']['p99'] or 0):.0f} ms, "
+                      f"failed {result['failed']}", flush=True)
+        record["exit_code"] = server.proc.returncode if server.proc else None
+    except ServerError as error:
+        print(f"[{name}] {error}", file=sys.stderr)
+        record["error"] = str(error)
+    return record
+
+
+def _level(record: dict, concurrency: int) -> dict | None:
+    for level in record.get("levels", []):
+        if level.get("concurrency") == concurrency and "images_per_s" in level:
+            return level
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(args, runs: list[dict], offline: dict | None) -> dict:
+    by_name = {r["system"]: r for r in runs}
+    top = max(args.concurrency)
+
+    def ips(name: str, concurrency: int) -> float | None:
+        level = _level(by_name.get(name, {}), concurrency)
+        return level["images_per_s"] if level else None
+
+    off = {r["batch_size"]: r["images_per_s"] for r in (offline or {}).get("results", [])}
+    off_b1 = off.get(1)
+    off_max_b = max(off) if off else None
+    off_max = off.get(off_max_b) if off_max_b else None
+    per_level = {}
+    for c in args.concurrency:
+        per_level[c] = {
+            "diffserve_vs_b1": _ratio(ips("diffserve", c), ips("diffserve-b1", c)),
+            "diffserve_vs_naive": _ratio(ips("diffserve", c), ips("naive", c)),
+            "b1_vs_naive": _ratio(ips("diffserve-b1", c), ips("naive", c)),
+        }
+    return {
+        "top_concurrency": top,
+        "offline_images_per_s": off,
+        "offline_max_batch": off_max_b,
+        "saturated_diffserve_vs_offline_max": _ratio(ips("diffserve", top), off_max),
+        "saturated_b1_vs_offline_b1": _ratio(ips("diffserve-b1", top), off_b1),
+        "batching_gain_served": _ratio(ips("diffserve", top), ips("diffserve-b1", top)),
+        "batching_gain_offline": _ratio(off_max, off_b1),
+        "ratios_by_concurrency": per_level,
+    }
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def format_tables(args, runs: list[dict], offline: dict | None, summary: dict) -> str:
+    lines = [f"{'system':<28}{'conc':>5}{'img/s':>9}{'req/s':>8}{'p50 ms':>9}{'p99 ms':>9}"
+             f"{'batch':>7}{'queue ms':>10}{'failed':>8}"]
+    lines.append("-" * len(lines[0]))
+    for record in runs:
+        if record.get("error"):
+            lines.append(f"{record['label']:<28}  server did not start (see its log)")
+            continue
+        for level in record["levels"]:
+            if "images_per_s" not in level:
+                lines.append(f"{record['label']:<28}{level['concurrency']:>5}  error: "
+                             f"{level.get('error', '')[:60]}")
+                continue
+            sm = level.get("server_metrics") or {}
+            lines.append(
+                f"{record['label']:<28}{level['concurrency']:>5}{level['images_per_s']:>9.2f}"
+                f"{level['requests_per_s']:>8.2f}{_fmt(level['latency_s']['p50'], '.0f', 1000):>9}"
+                f"{_fmt(level['latency_s']['p99'], '.0f', 1000):>9}"
+                f"{_fmt(sm.get('mean_batch_size'), '.2f'):>7}"
+                f"{_fmt(sm.get('mean_queue_time_s'), '.1f', 1000):>10}{level['failed']:>8}")
+    if offline:
+        for r in offline["results"]:
+            lines.append(f"{'offline (in-process) B=' + str(r['batch_size']):<28}{'-':>5}"
+                         f"{r['images_per_s']:>9.2f}{'-':>8}{r['median_s'] * 1000:>9.0f}{'-':>9}"
+                         f"{r['batch_size']:>7}{'-':>10}{'-':>8}")
+    lines += ["", f"{'throughput ratios':<28}" + "".join(f"{'c=' + str(c):>10}" for c in args.concurrency)]
+    for key, text in (("diffserve_vs_b1", "batched / max-batch-1"),
+                      ("diffserve_vs_naive", "batched / naive"),
+                      ("b1_vs_naive", "max-batch-1 / naive")):
+        lines.append(f"{text:<28}" + "".join(
+            f"{_fmt(summary['ratios_by_concurrency'][c][key], '.2f'):>9}x" if
+            summary['ratios_by_concurrency'][c][key] is not None else f"{'-':>10}"
+            for c in args.concurrency))
+    top, bmax = summary["top_concurrency"], summary["offline_max_batch"]
+    lines += [
+        "",
+        f"saturated diffserve (c={top}) / offline B={bmax}:       "
+        f"{_fmt(summary['saturated_diffserve_vs_offline_max'], '.2f')}",
+        f"saturated max-batch-1 (c={top}) / offline B=1:      "
+        f"{_fmt(summary['saturated_b1_vs_offline_b1'], '.2f')}",
+        f"batching gain served (batched / max-batch-1, c={top}): "
+        f"{_fmt(summary['batching_gain_served'], '.2f')}x",
+        f"batching gain offline (B={bmax} / B=1):               "
+        f"{_fmt(summary['batching_gain_offline'], '.2f')}x",
+    ]
+    return "\n".join(lines)
+
+
+def plot(args, runs: list[dict], offline: dict | None, path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    fig, (ax_tp, ax_lat) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for record in runs:
+        levels = [lv for lv in record.get("levels", []) if "images_per_s" in lv]
+        if not levels:
+            continue
+        xs = [lv["concurrency"] for lv in levels]
+        ax_tp.plot(xs, [lv["images_per_s"] for lv in levels], marker="o", label=record["label"])
+        ax_lat.plot(xs, [1000 * (lv["latency_s"]["p99"] or float("nan")) for lv in levels],
+                    marker="o", label=record["label"])
+    if offline and offline.get("results"):
+        results = offline["results"]
+        for r, style in ((results[0], ":"), (results[-1], "--")):
+            ax_tp.axhline(r["images_per_s"], color="grey", linestyle=style, linewidth=1,
+                          label=f"offline B={r['batch_size']}")
+    for ax in (ax_tp, ax_lat):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(args.concurrency, [str(c) for c in args.concurrency])
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.grid(True, alpha=0.3)
+    ax_tp.set_ylabel("throughput (images/s)")
+    ax_tp.set_ylim(bottom=0)
+    ax_tp.set_title("throughput")
+    ax_lat.set_ylabel("p99 latency (ms)")
+    ax_lat.set_yscale("log")
+    ax_lat.set_title("p99 latency")
+    ax_tp.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Measure diffserve (batched and max-batch-1), a naive baseline server and the "
+                    "offline ceiling on the same model and load; print a table, write JSON and a "
+                    "plot.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="tiny-sd",
+                        help="Embedded model name (tiny-sd, tiny-flux) or a pipeline directory "
+                             "(e.g. one built by benchmarks/models.py).")
+    parser.add_argument("--size", default=None, help='"WIDTHxHEIGHT" (default: the model\'s native).')
+    parser.add_argument("--steps", type=int, default=None,
+                        help="num_inference_steps (default: the model's).")
+    parser.add_argument("--n", type=int, default=1, help="Images per request.")
+    parser.add_argument("--concurrency", default="1,4,16", help="Concurrency levels to sweep.")
+    parser.add_argument("--num-requests", type=int, default=96,
+                        help="Requests per concurrency level (after warm-up).")
+    parser.add_argument("--warmup", type=int, default=4, help="Warm-up requests per level.")
+    parser.add_argument("--max-batch-size", type=int, default=8,
+                        help="diffserve --dynamic-batch-max-size for the batched system.")
+    parser.add_argument("--batch-delay-ms", type=float, default=8.0,
+                        help="diffserve --dynamic-batch-delay-ms.")
+    parser.add_argument("--naive-threads", type=int, default=None,
+                        help="Thread pool size of the naive server (default: Python's default).")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"Which servers to measure, from {', '.join(SYSTEMS)}.")
+    parser.add_argument("--offline-batch-sizes", default=None,
+                        help="Batch sizes for the offline ceiling (default: powers of two up to "
+                             "--max-batch-size, and it).")
+    parser.add_argument("--offline-repeats", type=int, default=5, help="Timed offline calls per B.")
+    parser.add_argument("--offline-warmup", type=int, default=2, help="Untimed offline calls per B.")
+    parser.add_argument("--skip-offline", action="store_true", help="Do not run the offline ceiling.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of prompts and images.")
+    parser.add_argument("--startup-timeout", type=float, default=600.0,
+                        help="Longest wait for a server to become healthy, s.")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="Per-request timeout, s.")
+    parser.add_argument("--output-dir", default=None,
+                        help="Where results go (default: benchmarks/results/compare-<time>).")
+    parser.add_argument("--no-plot", action="store_true", help="Skip the PNG plot.")
+    parser.add_argument("--disable-tqdm", action="store_true", help="No progress bars.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.concurrency = _ints(args.concurrency, "--concurrency")
+    args.offline_batch_sizes = (_ints(args.offline_batch_sizes, "--offline-batch-sizes")
+                                if args.offline_batch_sizes else default_offline_sizes(args.max_batch_size))
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        raise SystemExit(f"compare.py: error: unknown systems {unknown}; choose from {SYSTEMS}")
+    if args.num_requests < 1 or args.max_batch_size < 1 or args.n < 1:
+        raise SystemExit("compare.py: error: --num-requests, --max-batch-size and --n must be >= 1")
+    out_dir = Path(args.output_dir or HERE / "results" / time.strftime("compare-%Y%m%d-%H%M%S"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    model = args.model
+    from diffserve.models.embedded import EMBEDDED, embedded_path
+
+    if model in EMBEDDED:
+        embedded_path(model)  # build it once now, not in three servers at once
+    elif not Path(model).expanduser().is_dir():
+        print(f"compare.py: note: {model!r} is not an embedded model or a directory; each "
+              "system will try to load it as a hub id", file=sys.stderr)
+    started = time.time()
+    offline = None if args.skip_offline else run_offline(args, model, out_dir)
+    runs = [measure_system(name, args, model, out_dir) for name in systems]
+    summary = summarize(args, runs, offline)
+    report = {
+        "model": model, "machine": machine_description(),
+        "torch_version": (offline or {}).get("torch_version"),
+        "config": {k: v for k, v in vars(args).items()},
+        "systems": systems, "started": started, "duration_s": time.time() - started,
+        "offline": offline, "runs": runs, "summary": summary,
+    }
+    (out_dir / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = format_tables(args, runs, offline, summary)
+    (out_dir / "compare.txt").write_text(table + "\n")
+    print()
+    print(f"model {model}, size {args.size or 'native'}, steps {args.steps or 'model default'}, "
+          f"n={args.n}, {args.num_requests} requests per level; "
+          f"{machine_description()['cpu']} x{os.cpu_count()}")
+    print(table)
+    if not args.no_plot:
+        title = (f"{model}: size {args.size or 'native'}, steps {args.steps or 'default'}, "
+                 f"{args.num_requests} requests/level")
+        if plot(args, runs, offline, out_dir / "compare.png", title):
+            print(f"\nplot: {out_dir / 'compare.png'}")
+    print(f"results: {out_dir / 'compare.json'}")
+    failed = any(r.get("error") for r in runs) or any(
+        "error" in lv or lv.get("failed") for r in runs for lv in r.get("levels", []))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Every accepted request gets exactly one answer: overload, timeouts, disconnects, crashes,
+shutdown. Each test drives the real server: real processes, real signals, real sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from server import (
+    Server,
+    assert_openai_error,
+    descendants,
+    metric,
+    pids_titled,
+    wait_for_metric,
+)
+
+# Long enough (seconds on a small CPU) to act while it runs.
+SLOW = {"prompt": "a slow one", "num_inference_steps": 150, "seed": 1}
+FAST = {"prompt": "a quick one", "num_inference_steps": 2, "seed": 2}
+GENERATE = "/v1/images/generations"
+
+
+def post(server: Server, body: dict, timeout: float = 120) -> httpx.Response:
+    with server.client(timeout=timeout) as c:
+        return c.post(GENERATE, json=body)
+
+
+def wait_running(server: Server, count: int = 1) -> None:
+    wait_for_metric(server, "diffserve_num_requests_running", lambda v: v >= count)
+
+
+@pytest.fixture(scope="module")
+def serial_server():
+    """Batches of one, so a slow request holds the executor while others queue."""
+    srv = Server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
+                 "--max-queue-size", "2", "--request-timeout-s", "300").start().wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log
+
+
+def test_overload_gets_429_with_retry_after_and_accepted_requests_complete(serial_server):
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(post, serial_server, SLOW)
+        wait_running(serial_server)
+        with ThreadPoolExecutor(6) as burst:
+            responses = list(burst.map(lambda i: post(serial_server, {**FAST, "seed": i}), range(6)))
+        assert slow.result().status_code == 200
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(200) == 2 and statuses.count(429) == 4, statuses  # 2 = --max-queue-size
+    for r in responses:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1"
+            assert_openai_error(r, 429, code="overloaded")
+    text = httpx.get(serial_server.url + "/metrics").text
+    assert metric(text, 'diffserve_requests_total{status="rejected"}') >= 4
+
+
+def test_queued_request_of_a_departed_client_never_runs(serial_server):
+    with serial_server.client() as c:
+        before = c.get("/metrics").text
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(post, serial_server, SLOW)
+        wait_running(serial_server)
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+            post(serial_server, {**FAST, "prompt": "abandoned"}, timeout=0.5)
+        wait_for_metric(serial_server, "diffserve_requests_cancelled_total",
+                        lambda v: v > metric(before, "diffserve_requests_cancelled_total"))
+        assert slow.result().status_code == 200
+    with serial_server.client() as c:
+        after = c.get("/metrics").text
+    assert metric(after, "diffserve_batch_size_count") - metric(before, "diffserve_batch_size_count") == 1
+    assert metric(after, 'diffserve_requests_total{status="cancelled"}') > metric(
+        before, 'diffserve_requests_total{status="cancelled"}')
+
+
+def test_running_batch_stops_early_when_its_only_client_leaves(serial_server):
+    with pytest.raises(httpx.ReadTimeout):
+        with serial_server.client(timeout=httpx.Timeout(120, read=1.0)) as c:
+            c.post(GENERATE, json={**SLOW, "num_inference_steps": 1000})
+    started = time.monotonic()
+    wait_for_metric(serial_server, "diffserve_batches_interrupted_total", lambda v: v >= 1)
+    # 1000 steps take far longer than this; the interrupt lands at the next step.
+    assert time.monotonic() - started < 10
+    assert post(serial_server, FAST).status_code == 200
+
+
+def test_request_waiting_past_the_timeout_gets_503_and_never_runs():
+    with Server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
+                "--request-timeout-s", "0.5") as srv:
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(post, srv, SLOW)
+            wait_running(srv)
+            late = post(srv, FAST)
+            assert slow.result().status_code == 200
+        assert_openai_error(late, 503, code="timeout")
+        assert "--request-timeout-s" in late.json()["error"]["message"]
+        text = httpx.get(srv.url + "/metrics").text
+        assert metric(text, "diffserve_images_generated_total") == 1
+
+
+def test_executor_crash_fails_its_requests_fast_restarts_and_runs_the_queue():
+    with Server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000") as srv:
+        (executor,) = pids_titled(srv.proc.pid, "diffserve::executor")
+        with ThreadPoolExecutor(2) as pool:
+            slow = pool.submit(post, srv, SLOW)
+            wait_running(srv)
+            queued = pool.submit(post, srv, FAST)
+            wait_for_metric(srv, "diffserve_num_requests_waiting", lambda v: v >= 1)
+            killed_at = time.monotonic()
+            os.kill(executor, signal.SIGKILL)
+            failed = slow.result()
+            answered_in = time.monotonic() - killed_at
+            health = httpx.get(srv.url + "/health")
+            done = queued.result()
+        assert_openai_error(failed, 500)
+        assert "executor" in failed.json()["error"]["message"]
+        assert answered_in < 2.0, f"answered {answered_in:.2f} s after the executor died"
+        assert_openai_error(health, 503)
+        assert done.status_code == 200, done.text  # the queued one ran on the new executor
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert pids_titled(srv.proc.pid, "diffserve::executor") != [executor]
+        text = httpx.get(srv.url + "/metrics").text
+        assert metric(text, "diffserve_executor_restarts_total") == 1
+
+
+def test_scheduler_crash_answers_503_and_the_server_exits_nonzero():
+    srv = Server("--max-inference-steps", "1000").start().wait_ready()
+    root = srv.proc.pid
+    try:
+        (scheduler,) = pids_titled(root, "diffserve::scheduler")
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(post, srv, SLOW)
+            wait_running(srv)
+            killed_at = time.monotonic()
+            os.kill(scheduler, signal.SIGKILL)
+            response = slow.result()
+            answered_in = time.monotonic() - killed_at
+        assert_openai_error(response, 503)
+        assert answered_in < 2.0
+        assert srv.proc.wait(30) == 1
+        assert descendants(root) == []  # the executor died with its parent
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig):
+    srv = Server("--dynamic-batch-max-size", "1").start().wait_ready()
+    root = srv.proc.pid
+    bodies = [{**FAST, "num_inference_steps": 30, "seed": i} for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(post, srv, b) for b in bodies]
+        wait_running(srv)
+        wait_for_metric(srv, "diffserve_num_requests_waiting", lambda v: v >= 2)
+        srv.proc.send_signal(sig)
+        assert srv.wait_for_line("finishing accepted requests")
+        try:
+            late = post(srv, FAST, timeout=5)
+            assert_openai_error(late, 503, code="shutting_down")
+        except httpx.TransportError:
+            pass  # the listener is closed already: refused, which is also "not accepted"
+        assert [f.result().status_code for f in futures] == [200, 200, 200]
+    assert srv.proc.wait(60) == 0, srv.log
+    assert descendants(root) == []
+
+
+def test_shutdown_timeout_answers_what_is_left_with_503():
+    srv = Server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
+                 "--shutdown-timeout-s", "0.5").start().wait_ready()
+    root = srv.proc.pid
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(post, srv, {**SLOW, "num_inference_steps": 1000})
+        wait_running(srv)
+        queued = pool.submit(post, srv, FAST)
+        wait_for_metric(srv, "diffserve_num_requests_waiting", lambda v: v >= 1)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert_openai_error(slow.result(), 503)
+        assert_openai_error(queued.result(), 503)
+    assert srv.proc.wait(60) == 0, srv.log
+    assert descendants(root) == []
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_api_key_guards_v1_only(how):
+    key = "s3cret-key"
+    args, env = (["--api-key", key], None) if how == "flag" else ([], {"DIFFSERVE_API_KEY": key})
+    with Server(*args, env=env) as srv, srv.client() as c:
+        assert_openai_error(c.post(GENERATE, json=FAST), 401, code="invalid_api_key")
+        assert_openai_error(c.get("/v1/models"), 401)
+        for bad in ("Bearer wrong", "Basic " + key, key, "Bearer " + key + "x"):
+            assert_openai_error(c.post(GENERATE, json=FAST, headers={"Authorization": bad}), 401)
+        ok = c.post(GENERATE, json=FAST, headers={"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+        assert key not in srv.log
+
+
+def test_oversized_body_gets_413():
+    with Server("--max-body-bytes", "2048") as srv, srv.client() as c:
+        r = c.post(GENERATE, content=b'{"prompt": "' + b"x" * 4096 + b'"}')
+        assert_openai_error(r, 413, code="request_too_large")
+        assert c.post(GENERATE, json=FAST).status_code == 200
