@@ -30,6 +30,9 @@ def parse_size(size: str | None, info: ModelInfo, config: ServerConfig) -> tuple
         if side > top:
             raise invalid_request(f"size {size!r}: width and height must be at most {top}",
                                   "size", "invalid_size")
+    if width * height > config.max_image_pixels:
+        raise invalid_request(f"size {size!r} is {width * height} pixels; this server allows at "
+                              f"most {config.max_image_pixels} pixels", "size", "invalid_size")
     return width, height
 
 

@@ -132,3 +132,41 @@ def test_fail_all_answers_every_known_request_once():
     answers = c.fail_all(503, "stopping")
     assert sorted(a.request_id for a in answers) == ["a", "b", "c"]
     assert c.fail_all(503, "again") == []
+
+
+def test_queue_limit_refuses_with_429_and_counts_only_waiting_requests():
+    c = SchedulerCore(1, 0.0, max_queue_size=2)
+    c.executor_ready = True
+    assert c.add(make_request(request_id="a"), 0.0) is None
+    c.dispatch(0.0)  # a runs: not waiting any more
+    assert c.add(make_request(request_id="b"), 0.0) is None
+    assert c.add(make_request(request_id="c"), 0.0) is None
+    refused = c.add(make_request(request_id="d"), 0.0)
+    assert refused.failed.status == 429 and refused.failed.code == "overloaded"
+    assert "d" not in c.requests and c.num_waiting == 2
+
+
+def test_requests_that_wait_past_the_timeout_expire_unless_started():
+    c = SchedulerCore(2, 0.0, request_timeout_s=10.0)
+    c.executor_ready = True
+    c.add(make_request(request_id="split", n=3), 0.0)
+    c.dispatch(0.0)  # split has started; its last image still waits
+    c.add(make_request(request_id="old", width=128), 1.0)
+    c.add(make_request(request_id="young", width=128), 5.0)
+    assert c.time_until_wakeup(2.0) == 9.0  # busy executor: only the expiry of "old" is due
+    assert c.expire(10.5) == []
+    expired = c.expire(11.0)
+    assert [(f.request_id, f.failed.status, f.failed.code) for f in expired] == [("old", 503, "timeout")]
+    assert "old" not in c.batcher and "split" in c.batcher and "young" in c.batcher
+    assert [f.request_id for f in c.expire(15.0)] == ["young"]
+
+
+def test_abort_of_every_member_marks_the_running_batch_unwanted():
+    c = core()
+    c.add(make_request(request_id="a"), 0.0)
+    c.add(make_request(request_id="b"), 0.0)
+    c.dispatch(0.0)
+    c.abort("a")
+    assert not c.abort_leaves_batch_unwanted("a")
+    c.abort("b")
+    assert c.abort_leaves_batch_unwanted("b")

@@ -1,0 +1,61 @@
+"""Model- and config-aware request checks, in place."""
+
+import pytest
+
+from diffserve.config import ServerConfig
+from diffserve.errors import APIError
+from diffserve.frontend.schemas import ImageGenerationRequest
+from diffserve.frontend.validation import to_engine_request
+from diffserve.protocol import ModelInfo
+
+INFO = ModelInfo(name="tiny-sd", pipeline_class="StableDiffusionPipeline", width=64, height=64,
+                 spatial_stride=8, default_steps=4, default_guidance_scale=5.0,
+                 supports_negative_prompt=True, device="cpu", dtype="float32")
+
+
+def convert(config=None, info=INFO, **fields):
+    body = ImageGenerationRequest(**{"prompt": "a cat", **fields})
+    return to_engine_request(body, "rid", 0.0, info, config or ServerConfig())
+
+
+def test_defaults_come_from_the_model():
+    r = convert(seed=3)
+    assert (r.width, r.height, r.num_inference_steps, r.guidance_scale, r.seed, r.n) == (64, 64, 4, 5.0, 3, 1)
+    assert r.model == "tiny-sd" and r.negative_prompt == ""
+
+
+def test_server_draws_a_seed_when_none_is_given():
+    seeds = {convert().seed for _ in range(20)}
+    assert len(seeds) > 1
+
+
+@pytest.mark.parametrize("fields, param, status", [
+    ({"model": "other"}, "model", 404),
+    ({"size": "68x64"}, "size", 400),
+    ({"size": "64x64x3"}, "size", 400),
+    ({"size": "4096x64"}, "size", 400),
+    ({"n": 11}, "n", 400),
+    ({"num_inference_steps": 201}, "num_inference_steps", 400),
+    ({"response_format": "url"}, "response_format", 400),
+    ({"prompt": " \n\t"}, "prompt", 400),
+    ({"prompt": "a\x00b"}, "prompt", 400),
+    ({"negative_prompt": "x" * 4001}, "negative_prompt", 400),
+])
+def test_violations_name_the_parameter(fields, param, status):
+    with pytest.raises(APIError) as error:
+        convert(**fields)
+    assert (error.value.param, error.value.status) == (param, status)
+
+
+def test_pixel_budget_and_side_limit_are_configurable():
+    config = ServerConfig(max_image_side=256, max_image_pixels=128 * 128)
+    assert convert(config, size="128x128").width == 128
+    with pytest.raises(APIError, match="at most 16384 pixels"):
+        convert(config, size="256x128")
+
+
+def test_negative_prompt_refused_when_the_pipeline_takes_none():
+    info = ModelInfo(**{**INFO.__dict__, "supports_negative_prompt": False})
+    with pytest.raises(APIError) as error:
+        convert(info=info, negative_prompt="blurry")
+    assert error.value.param == "negative_prompt"
