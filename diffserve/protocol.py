@@ -136,6 +136,7 @@ class ModelInfo:
     height: int
     spatial_stride: int
     default_steps: int
+    max_steps: int  # the noise scheduler's limit (its training timesteps)
     default_guidance_scale: float
     supports_negative_prompt: bool
     device: str

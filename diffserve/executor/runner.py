@@ -72,11 +72,13 @@ class ModelRunner:
         stride = d.get("spatial_stride") or scale * (2 if getattr(pipe, "transformer", None) else 1)
         guidance = d.get("guidance_scale", call_defaults.get("guidance_scale"))
         steps = d.get("num_inference_steps", call_defaults.get("num_inference_steps"))
+        sched = getattr(getattr(pipe, "scheduler", None), "config", {})
+        max_steps = int(sched.get("num_train_timesteps", 1000)) - int(sched.get("steps_offset", 0) or 0)
         return ModelInfo(
             name=served_name, pipeline_class=type(pipe).__name__,
             width=int(d.get("width", native)), height=int(d.get("height", native)),
             spatial_stride=int(stride),
-            default_steps=int(steps if isinstance(steps, int) else 30),
+            default_steps=int(steps if isinstance(steps, int) else 30), max_steps=max_steps,
             default_guidance_scale=float(guidance if isinstance(guidance, (int, float)) else 5.0),
             supports_negative_prompt="negative_prompt" in self._accepts,
             device=self.device, dtype=self.dtype)

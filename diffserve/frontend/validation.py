@@ -58,10 +58,11 @@ def to_engine_request(body: ImageGenerationRequest, request_id: str, arrival_tim
         raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) does not take a "
                               "negative_prompt", "negative_prompt", "unsupported_parameter")
     steps = body.num_inference_steps or info.default_steps
-    if steps > config.max_inference_steps:
-        raise invalid_request(f"num_inference_steps={steps} is above this server's limit of "
-                              f"{config.max_inference_steps}", "num_inference_steps",
-                              "invalid_value")
+    limit = min(config.max_inference_steps, info.max_steps)
+    if steps > limit:
+        raise invalid_request(f"num_inference_steps={steps} is above the limit of {limit} "
+                              f"(--max-inference-steps, and the model's noise schedule)",
+                              "num_inference_steps", "invalid_value")
     width, height = parse_size(body.size, info, config)
     guidance = info.default_guidance_scale if body.guidance_scale is None else body.guidance_scale
     seed = body.seed if body.seed is not None else secrets.randbelow(SEED_MAX - 1024)

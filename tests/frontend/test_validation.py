@@ -9,7 +9,7 @@ from diffserve.frontend.validation import to_engine_request
 from diffserve.protocol import ModelInfo
 
 INFO = ModelInfo(name="tiny-sd", pipeline_class="StableDiffusionPipeline", width=64, height=64,
-                 spatial_stride=8, default_steps=4, default_guidance_scale=5.0,
+                 spatial_stride=8, default_steps=4, max_steps=999, default_guidance_scale=5.0,
                  supports_negative_prompt=True, device="cpu", dtype="float32")
 
 
@@ -45,6 +45,13 @@ def test_violations_name_the_parameter(fields, param, status):
     with pytest.raises(APIError) as error:
         convert(**fields)
     assert (error.value.param, error.value.status) == (param, status)
+
+
+def test_steps_are_bounded_by_the_model_schedule_too():
+    config = ServerConfig(max_inference_steps=5000)
+    assert convert(config, num_inference_steps=999).num_inference_steps == 999
+    with pytest.raises(APIError, match="limit of 999"):
+        convert(config, num_inference_steps=1000)
 
 
 def test_pixel_budget_and_side_limit_are_configurable():

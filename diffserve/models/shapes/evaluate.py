@@ -17,6 +17,7 @@ import json
 import re
 import time
 from collections import Counter, deque
+from pathlib import Path
 
 import numpy as np
 
@@ -163,6 +164,33 @@ def score(pipe, prompts: list[str], seed: int = 0, batch_size: int = 16,
     return score_images(images, prompts)
 
 
+def make_grid(images: np.ndarray, prompts: list[str], columns: int = 6, scale: int = 4):
+    """A PIL image: ``images`` upscaled ``scale`` times (nearest neighbour) in a grid, each with
+    its prompt underneath and, in red, what ``classify`` read where it differs from the prompt."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default(size=12)
+    height, width = images.shape[1] * scale, images.shape[2] * scale
+    cell_w, caption, pad = max(width, 120), 44, 8
+    rows = -(-len(images) // columns)
+    grid = Image.new("RGB", (columns * (cell_w + pad) + pad, rows * (height + caption + pad) + pad),
+                     (255, 255, 255))
+    pen = ImageDraw.Draw(grid)
+    for i, (image, prompt) in enumerate(zip(images, prompts)):
+        x = pad + (i % columns) * (cell_w + pad)
+        y = pad + (i // columns) * (height + caption + pad)
+        tile = Image.fromarray(image).resize((width, height), Image.NEAREST)
+        grid.paste(tile, (x + (cell_w - width) // 2, y))
+        fg, shape, bg = parse_prompt(prompt)
+        got_fg, got_bg, got_shape = classify(image)
+        pen.text((x, y + height + 2), f"{fg} {shape}", fill=(0, 0, 0), font=font)
+        pen.text((x, y + height + 15), f"on {bg}", fill=(0, 0, 0), font=font)
+        if (got_fg, got_shape, got_bg) != (fg, shape, bg):
+            pen.text((x, y + height + 28), f"read: {got_fg} {got_shape} / {got_bg}",
+                     fill=(200, 0, 0), font=font)
+    return grid
+
+
 def evaluation_prompts(repeats: int = 2) -> list[str]:
     """The held-out prompts, each ``repeats`` times (with different seeds when generated)."""
     return held_out_prompts() * repeats
@@ -179,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                         help="dtype to run in (CPU: float32)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--grid", type=Path, default=None,
+                        help="also save a PNG grid of one image per held-out prompt here")
     args = parser.parse_args(argv)
 
     import torch
@@ -190,14 +220,18 @@ def main(argv: list[str] | None = None) -> None:
     defaults = serving_defaults(args.model)
     pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=getattr(torch, args.dtype))
     pipe.set_progress_bar_config(disable=True)
+    settings = dict(num_inference_steps=args.steps or defaults.get("num_inference_steps", 20),
+                    guidance_scale=args.guidance or defaults.get("guidance_scale", 4.0),
+                    width=defaults.get("width"), height=defaults.get("height"))
     started = time.perf_counter()
-    result = score(pipe, evaluation_prompts(args.repeats), seed=args.seed,
-                   num_inference_steps=args.steps or defaults.get("num_inference_steps", 20),
-                   guidance_scale=args.guidance or defaults.get("guidance_scale", 4.0),
-                   width=defaults.get("width"), height=defaults.get("height"))
+    result = score(pipe, evaluation_prompts(args.repeats), seed=args.seed, **settings)
     result.pop("predictions")
     result["seconds"] = round(time.perf_counter() - started, 1)
+    result["settings"] = settings | {"dtype": args.dtype, "seed": args.seed}
     print(json.dumps(result, indent=2))
+    if args.grid is not None:
+        prompts = held_out_prompts()
+        make_grid(generate(pipe, prompts, seed=args.seed, **settings), prompts).save(args.grid)
 
 
 if __name__ == "__main__":
