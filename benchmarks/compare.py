@@ -76,19 +76,31 @@ def run_offline(args, model: str, out_dir: Path) -> dict | None:
         cmd += ["--size", args.size]
     if args.steps:
         cmd += ["--steps", str(args.steps)]
+    if args.torch_threads:
+        cmd += ["--torch-threads", str(args.torch_threads)]
     print(f"[offline] {' '.join(cmd[1:])}", flush=True)
-    done = subprocess.run(cmd, env=child_env())
+    done = subprocess.run(cmd, env=children_env(args))
     if done.returncode != 0:
         print(f"[offline] failed with exit code {done.returncode}", file=sys.stderr)
         return None
     return json.loads(out.read_text())
 
 
+def children_env(args) -> dict[str, str]:
+    """Environment of every server and of the offline run. With --torch-threads, OMP_NUM_THREADS
+    too, which is how the naive server (which sets no thread count) gets the same limit."""
+    updates = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error"}
+    if args.torch_threads:
+        updates["OMP_NUM_THREADS"] = str(args.torch_threads)
+    return child_env(**updates)
+
+
 def system_command(name: str, args, model: str, port: int) -> list[str]:
+    extra = ["--torch-threads", str(args.torch_threads)] if args.torch_threads else []
     if name == "diffserve-b1":
-        return diffserve_command(model, port, 1, args.batch_delay_ms)
+        return diffserve_command(model, port, 1, args.batch_delay_ms, extra)
     if name == "diffserve":
-        return diffserve_command(model, port, args.max_batch_size, args.batch_delay_ms)
+        return diffserve_command(model, port, args.max_batch_size, args.batch_delay_ms, extra)
     return naive_command(model, port, args.naive_threads)
 
 
@@ -103,7 +115,7 @@ def system_label(name: str, args) -> str:
 def measure_system(name: str, args, model: str, out_dir: Path) -> dict:
     port = free_port()
     server = Server(system_command(name, args, model, port), out_dir / "logs" / f"{name}.log",
-                    port, startup_timeout_s=args.startup_timeout, env=child_env(), name=name)
+                    port, startup_timeout_s=args.startup_timeout, env=children_env(args), name=name)
     record: dict = {"system": name, "label": system_label(name, args), "command": server.cmd,
                     "levels": []}
     print(f"[{name}] starting: {' '.join(server.cmd[1:])}", flush=True)
@@ -294,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="diffserve --dynamic-batch-delay-ms.")
     parser.add_argument("--naive-threads", type=int, default=None,
                         help="Thread pool size of the naive server (default: Python's default).")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="torch intra-op threads for every system and the offline run "
+                             "(diffserve --torch-threads, OMP_NUM_THREADS for the naive server); "
+                             "0 leaves each at its default (diffserve and bench_offline: all "
+                             "cores). On a machine shared with other CPU work, 1 avoids the large "
+                             "slowdowns of intra-op threads that wait on each other.")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"Which servers to measure, from {', '.join(SYSTEMS)}.")
     parser.add_argument("--offline-batch-sizes", default=None,
@@ -351,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "compare.txt").write_text(table + "\n")
     print()
     print(f"model {model}, size {args.size or 'native'}, steps {args.steps or 'model default'}, "
-          f"n={args.n}, {args.num_requests} requests per level; "
-          f"{machine_description()['cpu']} x{os.cpu_count()}")
+          f"n={args.n}, {args.num_requests} requests per level, torch threads "
+          f"{args.torch_threads or 'default'}; {machine_description()['cpu']} x{os.cpu_count()}")
     print(table)
     if not args.no_plot:
         title = (f"{model}: size {args.size or 'native'}, steps {args.steps or 'default'}, "

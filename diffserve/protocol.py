@@ -189,31 +189,26 @@ class Fatal:
 
 
 class Kind(enum.IntEnum):
-    GENERATE = 1
-    ABORT = 2
-    READY = 3
-    REQUEST_DONE = 4
-    REQUEST_FAILED = 5
-    ENGINE_STATUS = 6
-    BATCH = 7
-    BATCH_RESULT = 8
-    SHUTDOWN = 9
-    FATAL = 10
-    CANCEL_BATCH = 11
+    """The one-byte message kind, and what each kind carries."""
+
+    GENERATE = 1        # frontend -> scheduler: GenerationRequest
+    ABORT = 2           # frontend -> scheduler: Abort
+    READY = 3           # executor -> scheduler -> frontend: ModelInfo
+    REQUEST_DONE = 4    # scheduler -> frontend: RequestDone + image frames
+    REQUEST_FAILED = 5  # scheduler -> frontend: RequestFailed
+    ENGINE_STATUS = 6   # scheduler -> frontend: EngineStatus
+    BATCH = 7           # scheduler -> executor: Batch
+    BATCH_RESULT = 8    # executor -> scheduler: BatchResult + image frames
+    SHUTDOWN = 9        # parent -> child: no payload
+    FATAL = 10          # child -> parent: Fatal
+    CANCEL_BATCH = 11   # scheduler -> executor: CancelBatch
 
 
-_DECODERS: dict[Kind, Any] = {
-    Kind.GENERATE: lambda d: GenerationRequest(**d),
-    Kind.ABORT: lambda d: Abort(**d),
-    Kind.READY: lambda d: ModelInfo(**d),
-    Kind.REQUEST_DONE: lambda d: RequestDone(**d),
-    Kind.REQUEST_FAILED: lambda d: RequestFailed(**d),
-    Kind.ENGINE_STATUS: lambda d: EngineStatus(**d),
-    Kind.BATCH: Batch.from_dict,
-    Kind.BATCH_RESULT: BatchResult.from_dict,
-    Kind.SHUTDOWN: lambda d: None,
-    Kind.FATAL: lambda d: Fatal(**d),
-    Kind.CANCEL_BATCH: lambda d: CancelBatch(**d),
+_PAYLOADS: dict[Kind, type | None] = {
+    Kind.GENERATE: GenerationRequest, Kind.ABORT: Abort, Kind.READY: ModelInfo,
+    Kind.REQUEST_DONE: RequestDone, Kind.REQUEST_FAILED: RequestFailed,
+    Kind.ENGINE_STATUS: EngineStatus, Kind.BATCH: Batch, Kind.BATCH_RESULT: BatchResult,
+    Kind.SHUTDOWN: None, Kind.FATAL: Fatal, Kind.CANCEL_BATCH: CancelBatch,
 }
 
 
@@ -228,4 +223,11 @@ def decode(frames: Sequence[Any]) -> tuple[Kind, Any, list[Any]]:
     head = frames[0]
     head = head.bytes if hasattr(head, "bytes") else bytes(head)
     kind = Kind(head[0])
-    return kind, _DECODERS[kind](orjson.loads(head[1:])), list(frames[1:])
+    payload, cls = orjson.loads(head[1:]), _PAYLOADS[kind]
+    if cls is None:
+        message = None
+    elif hasattr(cls, "from_dict"):
+        message = cls.from_dict(payload)
+    else:
+        message = cls(**payload)
+    return kind, message, list(frames[1:])

@@ -58,3 +58,9 @@ def test_messages_round_trip_with_raw_buffers():
     assert frames[1] is pixels  # the pixel buffer is sent as it is, not serialised
     kind, decoded, buffers = decode([frames[0], pixels.tobytes()])
     assert decoded == result and buffers == [pixels.tobytes()]
+
+
+def test_every_kind_has_a_payload_type():
+    from diffserve.protocol import _PAYLOADS
+
+    assert set(_PAYLOADS) == set(Kind)

@@ -152,12 +152,12 @@ def test_scheduler_crash_answers_503_and_the_server_exits_nonzero():
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig):
-    srv = Server("--dynamic-batch-max-size", "1").start().wait_ready()
+    srv = Server("--dynamic-batch-max-size", "1", "--shutdown-timeout-s", "600").start().wait_ready()
     root = srv.proc.pid
-    bodies = [{**FAST, "num_inference_steps": 30, "seed": i} for i in range(3)]
     with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(post, srv, b) for b in bodies]
+        futures = [pool.submit(post, srv, {**SLOW, "num_inference_steps": 60})]
         wait_running(srv)
+        futures += [pool.submit(post, srv, {**FAST, "seed": i}) for i in range(2)]
         wait_for_metric(srv, "diffserve_num_requests_waiting", lambda v: v >= 2)
         srv.proc.send_signal(sig)
         assert srv.wait_for_line("finishing accepted requests")
@@ -207,3 +207,23 @@ def test_oversized_body_gets_413():
         r = c.post(GENERATE, content=b'{"prompt": "' + b"x" * 4096 + b'"}')
         assert_openai_error(r, 413, code="request_too_large")
         assert c.post(GENERATE, json=FAST).status_code == 200
+
+
+def test_children_die_with_a_killed_frontend():
+    srv = Server().start().wait_ready()
+    children = descendants(srv.proc.pid)
+    assert len(children) >= 2
+    srv.proc.kill()
+    srv.proc.wait(30)
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in children):
+        assert time.monotonic() < deadline, "scheduler/executor outlived the frontend"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
