@@ -34,11 +34,14 @@ def diffserve_command(model: str, port: int, max_batch_size: int, delay_ms: floa
             "--dynamic-batch-delay-ms", str(delay_ms), "--log-level", "warning", *(extra or [])]
 
 
-def naive_command(model: str, port: int, threads: int | None = None) -> list[str]:
+def naive_command(model: str, port: int, threads: int | None = None,
+                  copy_tokenizers: bool = False) -> list[str]:
     cmd = [sys.executable, str(HERE / "naive_server.py"), "--host", "127.0.0.1", "--port",
            str(port), "--model", model]
     if threads:
         cmd += ["--threads", str(threads)]
+    if copy_tokenizers:
+        cmd.append("--copy-tokenizers")
     return cmd
 
 
@@ -65,15 +68,17 @@ class Server:
         self.name = name
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        self._launched_at = 0.0
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "Server":
+    def launch(self) -> "Server":
+        """Start the process without waiting for it (see :meth:`wait_ready`)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
-        started = time.monotonic()
+        self._launched_at = time.monotonic()
         try:
             # Own session: a Ctrl-C in the terminal reaches us, and we stop the server in order.
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -81,13 +86,25 @@ class Server:
                                          start_new_session=True)
         finally:
             log.close()
+        return self
+
+    def wait_ready(self) -> "Server":
+        """Wait for ``/health``; on failure the server is stopped and ServerError raised."""
         try:
             wait_healthy(self.base_url, self.startup_timeout_s, self.proc, self.log_path, self.name)
         except BaseException:
             self.stop()
             raise
-        self.startup_s = time.monotonic() - started
+        self.startup_s = time.monotonic() - self._launched_at
         return self
+
+    def start(self) -> "Server":
+        return self.launch().wait_ready()
+
+    def interrupt(self) -> None:
+        """Ask for a clean shutdown (SIGINT) without waiting."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
 
     def stop(self, grace_s: float = 20.0) -> int | None:
         """SIGINT (a clean shutdown), then SIGKILL if it lingers. Returns the exit code."""
@@ -96,11 +113,11 @@ class Server:
             return None
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
         return proc.returncode
 
     def __enter__(self) -> "Server":

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 SIZE = 128            # native width and height in pixels
 VAE_SCALE = 8         # pixels per latent cell (three VAE downsamplings)
@@ -39,6 +43,7 @@ def build_mid_sd(directory: Path, unet_channels: tuple[int, ...] = (96, 192, 384
                  seed: int = 0) -> dict[str, float]:
     """Write the pipeline to ``directory`` (which must not exist yet or be empty).
     Returns the parameter count of each component, in millions."""
+    import diffusers
     import torch
     from diffusers import (AutoencoderKL, DDIMScheduler, StableDiffusionPipeline,
                            UNet2DConditionModel)
@@ -46,6 +51,10 @@ def build_mid_sd(directory: Path, unet_channels: tuple[int, ...] = (96, 192, 384
 
     from diffserve.models.tokenizers import write_byte_clip_tokenizer
 
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
     text_dim = 256
     levels = len(unet_channels)
     torch.manual_seed(seed)
@@ -99,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--unet-channels {args.unet_channels!r} is not a comma-separated list of ints")
     if len(channels) < 2 or any(c <= 0 or c % 32 for c in channels):
         parser.error("--unet-channels needs at least two positive multiples of 32")
-    out: Path = args.out
+    out: Path = args.out.expanduser()
     occupied = any(out.iterdir()) if out.is_dir() else out.exists()
     if occupied and not args.force:
         print(f"models.py: {out} exists; pass --force to replace it", file=sys.stderr)

@@ -7,6 +7,11 @@ scheduler per request because schedulers keep per-call state. There is no batchi
 requests and no control over how many calls run at once; concurrent calls share the CPU or GPU
 through the thread pool.
 
+Like that example, it shares the tokenizers between threads. Fast tokenizers keep their padding
+and truncation settings as state, so concurrent calls can race and a request fails now and then
+(e.g. "Sizes of tensors must match ... Expected size 77 but got size 33"); that is part of what
+this baseline represents. ``--copy-tokenizers`` gives each request its own tokenizers instead.
+
 It speaks the same API shape as diffserve (``POST /v1/images/generations`` with prompt, n,
 size, seed, num_inference_steps, guidance_scale, negative_prompt, output_format; ``GET
 /health``) so that bench_serving.py and compare.py can measure both the same way. It has no
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import copy
 import io
 import os
 import secrets
@@ -57,7 +63,8 @@ def _error(status: int, message: str) -> JSONResponse:
                                    if status < 500 else "server_error"}}, status_code=status)
 
 
-def create_app(model: str, device: str = "auto", threads: int | None = None) -> FastAPI:
+def create_app(model: str, device: str = "auto", threads: int | None = None,
+               copy_tokenizers: bool = False) -> FastAPI:
     import diffusers
     import torch
     import transformers
@@ -97,8 +104,11 @@ def create_app(model: str, device: str = "auto", threads: int | None = None) -> 
         # One pipeline object per request sharing the weights, with its own scheduler: a
         # scheduler holds the timesteps of the call in progress, so sharing one between
         # threads would mix up concurrent calls.
-        pipe = type(base).from_pipe(
-            base, scheduler=base.scheduler.from_config(base.scheduler.config))
+        own = {"scheduler": base.scheduler.from_config(base.scheduler.config)}
+        if copy_tokenizers:
+            own.update({name: copy.deepcopy(component) for name, component in
+                        base.components.items() if name.startswith("tokenizer") and component})
+        pipe = type(base).from_pipe(base, **own)
         pipe.set_progress_bar_config(disable=True)
         kwargs = dict(defaults.get("pipeline_kwargs", {}))
         guidance = body.guidance_scale if body.guidance_scale is not None else defaults.get(
@@ -167,12 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N.")
     parser.add_argument("--threads", type=int, default=None,
                         help="Thread pool size (default: Python's default pool).")
+    parser.add_argument("--copy-tokenizers", action="store_true",
+                        help="Give each request its own tokenizers (avoids the occasional failure "
+                             "when concurrent calls race on shared fast tokenizers).")
     args = parser.parse_args(argv)
 
     import uvicorn
 
-    uvicorn.run(create_app(args.model, args.device, args.threads), host=args.host, port=args.port,
-                log_level="warning")
+    uvicorn.run(create_app(args.model, args.device, args.threads, args.copy_tokenizers),
+                host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -65,7 +65,8 @@ class ServerConfig:
                          "cuda, cuda:N.")
     dtype: str = option("auto", "Weights dtype: auto (float16 on cuda, float32 on cpu), float32, "
                         "float16, bfloat16.", choices=("auto", "float32", "float16", "bfloat16"))
-    torch_threads: int = option(0, "Intra-op threads for torch in the executor; 0 = all cores.",
+    torch_threads: int = option(0, "Intra-op threads for torch in the executor; 0 = torch's default "
+                                "(OMP_NUM_THREADS if set, else the cores).",
                                 ge=0, le=1024)
     startup_timeout_s: float = option(600.0, "Longest wait for the model to load before giving up.",
                                       ge=1, le=86_400)

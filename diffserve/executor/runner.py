@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import time
 from typing import Callable
 
@@ -37,8 +36,16 @@ class ModelRunner:
         import torch
         from diffusers import DiffusionPipeline
 
+        from diffusers.utils import logging as diffusers_logging
+        from transformers.utils import logging as transformers_logging
+
+        # Per-request warnings (e.g. prompt truncation) and progress bars would flood the log.
+        diffusers_logging.set_verbosity_error()
+        diffusers_logging.disable_progress_bar()
+        transformers_logging.set_verbosity_error()
         self._torch = torch
-        torch.set_num_threads(torch_threads or os.cpu_count() or 1)
+        if torch_threads:  # 0: torch's default (OMP_NUM_THREADS if set, else the cores)
+            torch.set_num_threads(torch_threads)
         self.device = pick_device(device)
         if dtype == "auto":
             dtype = "float16" if self.device.startswith("cuda") else "float32"

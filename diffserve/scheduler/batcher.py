@@ -112,18 +112,21 @@ class Batcher:
         sig = head.signature
         room = self.max_batch_size
         taken: list[Slice] = []
-        for entry in list(self._groups[sig].values()):
+        finished: list[_Entry] = []
+        for entry in self._groups[sig].values():  # arrival order; stops once the batch is full
             count = min(room, entry.remaining)
             taken.append(Slice(entry.request, entry.next_index, entry.next_index + count,
                                entry.enqueued_at))
             entry.next_index += count
-            self._group_images[sig] -= count
             room -= count
             if entry.remaining == 0:
-                del self._queue[entry.request.request_id]
-                self._unlink(entry, images_left=0)
+                finished.append(entry)
             if room == 0:
                 break
+        self._group_images[sig] -= self.max_batch_size - room
+        for entry in finished:
+            del self._queue[entry.request.request_id]
+            self._unlink(entry, images_left=0)
         return taken
 
     def _head(self) -> _Entry | None:

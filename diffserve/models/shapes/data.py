@@ -79,17 +79,20 @@ def held_out_prompts() -> list[str]:
     return [c.prompt for c in split_combos()[1]]
 
 
-def draw(fg: str, shape: str, bg: str, side: int, x: int, y: int, size: int = IMAGE_SIZE) -> Image.Image:
-    """``shape`` with a bounding box of ``side`` pixels whose top-left corner is at (x, y)."""
-    image = Image.new("RGB", (size, size), PALETTE[bg])
+def draw(fg: str | tuple[int, int, int], shape: str, bg: str | tuple[int, int, int], side: int,
+         x: int, y: int, size: int = IMAGE_SIZE) -> Image.Image:
+    """``shape`` with a bounding box of ``side`` pixels whose top-left corner is at (x, y).
+    Colours are palette names or RGB triples."""
+    fill = PALETTE[fg] if isinstance(fg, str) else tuple(fg)
+    image = Image.new("RGB", (size, size), PALETTE[bg] if isinstance(bg, str) else tuple(bg))
     pen = ImageDraw.Draw(image)
     x1, y1 = x + side - 1, y + side - 1
     if shape == "circle":
-        pen.ellipse((x, y, x1, y1), fill=PALETTE[fg])
+        pen.ellipse((x, y, x1, y1), fill=fill)
     elif shape == "square":
-        pen.rectangle((x, y, x1, y1), fill=PALETTE[fg])
+        pen.rectangle((x, y, x1, y1), fill=fill)
     elif shape == "triangle":
-        pen.polygon(((x, y1), (x1, y1), (x + (side - 1) / 2, y)), fill=PALETTE[fg])
+        pen.polygon(((x, y1), (x1, y1), (x + (side - 1) / 2, y)), fill=fill)
     else:
         raise ValueError(f"unknown shape {shape!r}")
     return image
@@ -98,11 +101,31 @@ def draw(fg: str, shape: str, bg: str, side: int, x: int, y: int, size: int = IM
 def draw_random(combo: Combo, rng: random.Random, size: int = IMAGE_SIZE) -> Image.Image:
     """``combo`` at a random size in [MIN_SIDE, MAX_SIDE] and a random place that keeps at
     least one background pixel between the shape and the image border."""
+    return _draw_placed(combo.fg, combo.shape, combo.bg, rng, size)
+
+
+def _draw_placed(fg, shape, bg, rng: random.Random, size: int) -> Image.Image:
     scale = size / IMAGE_SIZE
     side = rng.randint(round(MIN_SIDE * scale), round(MAX_SIDE * scale))
     x = rng.randint(1, size - side - 1)
     y = rng.randint(1, size - side - 1)
-    return draw(combo.fg, combo.shape, combo.bg, side, x, y, size)
+    return draw(fg, shape, bg, side, x, y, size)
+
+
+def make_random_colour_images(count: int, seed: int = 0, size: int = IMAGE_SIZE) -> np.ndarray:
+    """Shapes placed as in :func:`draw_random` but in random RGB colours (foreground and
+    background at least 60 apart), with no prompt: extra data for the autoencoder, so that it
+    learns flat shapes on flat backgrounds in general rather than particular colour pairs."""
+    rng = random.Random(seed)
+    images = np.empty((count, size, size, 3), dtype=np.uint8)
+    for i in range(count):
+        while True:
+            fg = tuple(rng.randrange(256) for _ in range(3))
+            bg = tuple(rng.randrange(256) for _ in range(3))
+            if sum((a - b) ** 2 for a, b in zip(fg, bg)) >= 60 ** 2:
+                break
+        images[i] = np.asarray(_draw_placed(fg, rng.choice(SHAPES), bg, rng, size))
+    return images
 
 
 def make_dataset(count: int, combos: list[Combo], seed: int = 0,

@@ -35,12 +35,12 @@ from diffserve.models.shapes import data
 MAX_TOKENS = 48
 
 
-def build_vae(image_size: int = data.IMAGE_SIZE):
+def build_vae(image_size: int = data.IMAGE_SIZE, latent_channels: int = 4):
     from diffusers import AutoencoderKL
 
-    # Three levels: 4x spatial downsampling (32x32 pixels -> 8x8 latents), 4 latent channels.
+    # Three levels: 4x spatial downsampling (32x32 pixels -> 8x8 latents).
     return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32, 64),
+        in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(16, 32, 64),
         down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
         layers_per_block=1, norm_num_groups=8, sample_size=image_size)
 
@@ -54,13 +54,13 @@ def build_text_encoder():
         eos_token_id=513, pad_token_id=513, projection_dim=64))
 
 
-def build_unet(latent_size: int):
+def build_unet(latent_size: int, latent_channels: int = 4):
     from diffusers import UNet2DConditionModel
 
     # Cross-attention at both levels (8x8 and 4x4 latents) and in the middle block.
     # ``attention_head_dim`` is, for this class, the number of heads: 8 heads at every level.
     return UNet2DConditionModel(
-        sample_size=latent_size, in_channels=4, out_channels=4, layers_per_block=1,
+        sample_size=latent_size, in_channels=latent_channels, out_channels=latent_channels, layers_per_block=1,
         block_out_channels=(64, 128), down_block_types=("CrossAttnDownBlock2D",) * 2,
         up_block_types=("CrossAttnUpBlock2D",) * 2, cross_attention_dim=64,
         attention_head_dim=8, norm_num_groups=32)
@@ -95,8 +95,9 @@ def _log(message: str, log_file: Path | None) -> None:
             f.write(line + "\n")
 
 
-def train_vae(torch, images: "torch.Tensor", steps: int, batch: int, lr: float, seed: int, log):
-    vae = build_vae(images.shape[-1])
+def train_vae(torch, images: "torch.Tensor", steps: int, batch: int, lr: float, seed: int, log,
+              latent_channels: int = 4):
+    vae = build_vae(images.shape[-1], latent_channels)
     optimiser = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(seed)
     vae.train()
@@ -131,9 +132,10 @@ def encode_latents(torch, vae, images: "torch.Tensor", batch: int = 256) -> "tor
     return torch.cat(out)
 
 
-def check_vae(torch, vae, combos, seed: int, count: int = 240) -> dict:
-    """Shape and colour accuracy of ``classify`` on autoencoder round trips of fresh images."""
-    from diffserve.models.shapes.evaluate import score_images
+def check_vae(torch, vae, combos, seed: int, count: int = 240, grid: Path | None = None) -> dict:
+    """Shape and colour accuracy of ``classify`` on autoencoder round trips of fresh images;
+    the ones it misreads go to ``grid`` (a PNG) if given."""
+    from diffserve.models.shapes.evaluate import make_grid, parse_prompt, score_images
 
     pixels, prompts, _ = data.make_dataset(count, combos, seed=seed + 99)
     x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
@@ -141,7 +143,15 @@ def check_vae(torch, vae, combos, seed: int, count: int = 240) -> dict:
         recon = vae.decode(vae.encode(x).latent_dist.mean).sample
     recon = ((recon.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     result = score_images(recon, prompts)
-    return {k: result[k] for k in ("colour_accuracy", "shape_accuracy", "shape_accuracy_by_shape")}
+    if grid is not None:
+        wrong = [i for i, (p, got) in enumerate(zip(prompts, result["predictions"]))
+                 if parse_prompt(p) != got]
+        if wrong:
+            pairs = [j for i in wrong[:24] for j in (i, i)]
+            both = np.stack([pixels[i] if k % 2 == 0 else recon[i] for k, i in enumerate(pairs)])
+            make_grid(both, [prompts[i] for i in pairs], columns=8).save(grid)
+    result["mse"] = float(((recon.astype(np.float32) - pixels) / 127.5).__pow__(2).mean())
+    return {k: result[k] for k in ("mse", "colour_accuracy", "shape_accuracy", "shape_accuracy_by_shape")}
 
 
 def train_denoiser(torch, latents: "torch.Tensor", token_ids: "torch.Tensor", blank_ids: "torch.Tensor",
@@ -153,7 +163,7 @@ def train_denoiser(torch, latents: "torch.Tensor", token_ids: "torch.Tensor", bl
     from diffusers import DDPMScheduler
 
     torch.manual_seed(seed)
-    unet = build_unet(latents.shape[-1])
+    unet = build_unet(latents.shape[-1], latents.shape[1])
     text_encoder = build_text_encoder()
     modules = (unet, text_encoder)
     params = [p for m in modules for p in m.parameters()]
@@ -254,6 +264,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--num-images", type=int, default=40000,
                         help="training images drawn (and their latents cached) once")
+    parser.add_argument("--vae-random-colours", type=int, default=20000,
+                        help="extra autoencoder training images of shapes in random RGB colours")
+    parser.add_argument("--latent-channels", type=int, default=4)
+    parser.add_argument("--vae", type=Path, default=None,
+                        help="reuse the autoencoder of this pipeline directory (skips stage 1)")
+    parser.add_argument("--stop-after-vae", action="store_true",
+                        help="train and check the autoencoder only (saved to OUT/vae)")
     parser.add_argument("--vae-steps", type=int, default=800)
     parser.add_argument("--vae-batch", type=int, default=64)
     parser.add_argument("--vae-lr", type=float, default=2e-3)
@@ -301,14 +318,28 @@ def main(argv: list[str] | None = None) -> None:
     pixels, prompts, _ = data.make_dataset(args.num_images, train_combos, seed=args.seed)
     images = torch.from_numpy(pixels).permute(0, 3, 1, 2).float().div(127.5).sub(1.0).contiguous()
 
-    vae = train_vae(torch, images, args.vae_steps, args.vae_batch, args.vae_lr, args.seed, log)
+    if args.vae is not None:
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.from_pretrained(args.vae / "vae", torch_dtype=torch.float32).eval()
+        log(f"autoencoder loaded from {args.vae}")
+    else:
+        extra = data.make_random_colour_images(args.vae_random_colours, seed=args.seed + 1)
+        extra = torch.from_numpy(extra).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+        vae = train_vae(torch, torch.cat([images, extra]), args.vae_steps, args.vae_batch,
+                        args.vae_lr, args.seed, log, args.latent_channels)
+        del extra
     latents = encode_latents(torch, vae, images)
     scaling = 1.0 / latents.std().item()
     vae.register_to_config(scaling_factor=scaling)
     latents = (latents * scaling).contiguous()
     log(f"cached {tuple(latents.shape)} latents, scaling factor {scaling:.4f} "
         f"({time.perf_counter() - started:.0f}s)")
-    log("autoencoder round trip of held-out images: " + json.dumps(check_vae(torch, vae, held_out, args.seed)))
+    log("autoencoder round trip of held-out images: " + json.dumps(
+        check_vae(torch, vae, held_out, args.seed, grid=args.out / "vae_misread.png")))
+    if args.stop_after_vae:
+        vae.save_pretrained(args.out / "vae")
+        return
 
     tok_dir = args.out / "_tokenizer_tmp"
     tokenizer = write_byte_clip_tokenizer(tok_dir, max_length=MAX_TOKENS)
