@@ -38,7 +38,7 @@ def start_server(port: int, args: list[str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for line in proc.stdout:  # the server says when it listens
-        if "Uvicorn running on" in line:
+        if "diffserve ready: serving" in line:
             return proc
     raise RuntimeError(f"server exited with {proc.wait()} before it was ready")
 

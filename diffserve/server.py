@@ -91,6 +91,9 @@ def _serve(config: ServerConfig, ipc_dir: str) -> int:
             timeout_graceful_shutdown=config.shutdown_timeout_s + 5,
             access_log=config.log_level == "debug"))
         server.engine, server.drain_s = engine, config.shutdown_timeout_s
+        server.ready_message = (
+            f"diffserve ready: serving {info.name!r} on http://{config.host}:{config.port} "
+            f"(max batch {config.dynamic_batch_max_size}, delay {config.dynamic_batch_delay_ms:g} ms)")
         server.run()
         if not server.started:
             exit_code = exit_code or 1
@@ -110,6 +113,12 @@ def _uvicorn_server_class():
 
         engine = None
         drain_s = 30.0
+        ready_message = ""
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:  # listening: the one line that tells a user (or a test) it is ready
+                log.info("%s", self.ready_message)
 
         @contextlib.contextmanager
         def capture_signals(self):

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-READY_LINE = "Uvicorn running on"
+READY_LINE = "diffserve ready: serving"
 
 
 def free_port() -> int:

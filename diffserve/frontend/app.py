@@ -36,6 +36,13 @@ from diffserve.frontend.schemas import ImageGenerationRequest, ModelCard, ModelL
 from diffserve.frontend.validation import to_engine_request
 
 
+class OrjsonResponse(JSONResponse):
+    """Large base64 payloads: orjson serialises them several times faster than json."""
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content)
+
+
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -186,7 +193,7 @@ def create_app(config: ServerConfig, engine: EngineClient) -> FastAPI:
                                      body.output_compression)
                 for frame in frames))
             outcome = "success"
-            return JSONResponse({
+            return OrjsonResponse({
                 "created": int(arrival),
                 "data": [{"b64_json": b64, "seed": seed} for b64, seed in zip(encoded, done.seeds)],
                 "output_format": body.output_format,
