@@ -42,10 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "models":
-        from diffserve.models.embedded import EMBEDDED
         from diffserve.config import DEFAULT_MODEL
+        from diffserve.models.embedded import EMBEDDED, PACKAGED
 
-        for name, (description, _) in EMBEDDED.items():
+        for name, (description, _) in {**PACKAGED, **EMBEDDED}.items():
             marker = " (default)" if name == DEFAULT_MODEL else ""
             print(f"{name}{marker}: {description}")
         return 0

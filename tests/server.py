@@ -56,9 +56,15 @@ def process_title(pid: int) -> str:
 
 
 class Server:
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout_s: float = 120):
+    """``model``: the fast random-weight fixture by default; None serves the product's default
+    model, exactly as a user who passes no --model."""
+
+    def __init__(self, *args: str, model: str | None = "tiny-sd",
+                 env: dict[str, str] | None = None, timeout_s: float = 120):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        if model is not None and "--model" not in args:
+            args = ("--model", model, *args)
         self.args = ["--port", str(self.port), *args]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.timeout_s = timeout_s

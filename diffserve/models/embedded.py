@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from diffserve.models.shapes import WEIGHTS_DIR as SHAPES_WEIGHTS
 from diffserve.models.tokenizers import character_t5_tokenizer, write_byte_clip_tokenizer
 
 SERVING_DEFAULTS_FILE = "diffserve.json"
@@ -99,6 +100,12 @@ def build_tiny_flux(directory: Path) -> None:
     _write_defaults(directory, width=64, height=64, spatial_stride=16, num_inference_steps=4,
                     guidance_scale=3.5, pipeline_kwargs={"max_sequence_length": 64})
 
+
+# Models whose trained weights ship inside the package: name -> (description, directory).
+PACKAGED: dict[str, tuple[str, Path]] = {
+    "shapes": ("Stable Diffusion trained on CPU to draw a coloured circle, square or triangle on a "
+               "plain background, 32x32, 20 steps (see docs/shapes.md)", SHAPES_WEIGHTS),
+}
 
 EMBEDDED: dict[str, tuple[str, Callable[[Path], None]]] = {
     "tiny-sd": ("Stable Diffusion (UNet) with random weights, 64x64, 4 steps", build_tiny_sd),

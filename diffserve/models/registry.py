@@ -6,11 +6,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from diffserve.models.embedded import EMBEDDED, SERVING_DEFAULTS_FILE, embedded_path
+from diffserve.models.embedded import EMBEDDED, PACKAGED, SERVING_DEFAULTS_FILE, embedded_path
 
 
 def resolve_model(spec: str) -> str:
-    """An embedded model name, a local pipeline directory, or (left to diffusers) a hub id."""
+    """A packaged or embedded model name, a local pipeline directory, or (left to diffusers) a
+    hub id."""
+    if spec in PACKAGED:
+        return str(PACKAGED[spec][1])
     if spec in EMBEDDED:
         return str(embedded_path(spec))
     path = Path(spec).expanduser()
