@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_MODEL = "tiny-sd"
+DEFAULT_MODEL = "shapes"
 
 
 class ConfigError(ValueError):

@@ -112,22 +112,6 @@ def _draw_placed(fg, shape, bg, rng: random.Random, size: int) -> Image.Image:
     return draw(fg, shape, bg, side, x, y, size)
 
 
-def make_random_colour_images(count: int, seed: int = 0, size: int = IMAGE_SIZE) -> np.ndarray:
-    """Shapes placed as in :func:`draw_random` but in random RGB colours (foreground and
-    background at least 60 apart), with no prompt: extra data for the autoencoder, so that it
-    learns flat shapes on flat backgrounds in general rather than particular colour pairs."""
-    rng = random.Random(seed)
-    images = np.empty((count, size, size, 3), dtype=np.uint8)
-    for i in range(count):
-        while True:
-            fg = tuple(rng.randrange(256) for _ in range(3))
-            bg = tuple(rng.randrange(256) for _ in range(3))
-            if sum((a - b) ** 2 for a, b in zip(fg, bg)) >= 60 ** 2:
-                break
-        images[i] = np.asarray(_draw_placed(fg, rng.choice(SHAPES), bg, rng, size))
-    return images
-
-
 def make_dataset(count: int, combos: list[Combo], seed: int = 0,
                  size: int = IMAGE_SIZE) -> tuple[np.ndarray, list[str], list[Combo]]:
     """``count`` images cycling through ``combos`` in shuffled order: uint8 (count, size,

@@ -35,12 +35,13 @@ from diffserve.models.shapes import data
 MAX_TOKENS = 48
 
 
-def build_vae(image_size: int = data.IMAGE_SIZE, latent_channels: int = 4):
+def build_vae(image_size: int = data.IMAGE_SIZE, latent_channels: int = 4,
+              channels: tuple[int, ...] = (32, 64, 64)):
     from diffusers import AutoencoderKL
 
     # Three levels: 4x spatial downsampling (32x32 pixels -> 8x8 latents).
     return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(16, 32, 64),
+        in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=tuple(channels),
         down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
         layers_per_block=1, norm_num_groups=8, sample_size=image_size)
 
@@ -96,8 +97,8 @@ def _log(message: str, log_file: Path | None) -> None:
 
 
 def train_vae(torch, images: "torch.Tensor", steps: int, batch: int, lr: float, seed: int, log,
-              latent_channels: int = 4):
-    vae = build_vae(images.shape[-1], latent_channels)
+              latent_channels: int = 4, channels: tuple[int, ...] = (32, 64, 64)):
+    vae = build_vae(images.shape[-1], latent_channels, channels)
     optimiser = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(seed)
     vae.train()
@@ -107,8 +108,9 @@ def train_vae(torch, images: "torch.Tensor", steps: int, batch: int, lr: float, 
             group["lr"] = lr_at(step, steps, lr, warmup=min(50, steps // 10 + 1))
         x = images[torch.randint(len(images), (batch,), generator=generator)]
         posterior = vae.encode(x).latent_dist
-        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
-        recon = vae.decode(z).sample
+        # The mean is decoded, not a sample: sampling noise in training makes the decoder blur
+        # edges (and so round off corners), and the pipeline only ever decodes what the UNet made.
+        recon = vae.decode(posterior.mean).sample
         mse = (recon - x).pow(2).mean()
         l1 = (recon - x).abs().mean()
         kl = posterior.kl().mean()
@@ -262,11 +264,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, type=Path, help="pipeline directory to write")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--num-images", type=int, default=40000,
+    parser.add_argument("--num-images", type=int, default=30000,
                         help="training images drawn (and their latents cached) once")
-    parser.add_argument("--vae-random-colours", type=int, default=20000,
-                        help="extra autoencoder training images of shapes in random RGB colours")
     parser.add_argument("--latent-channels", type=int, default=4)
+    parser.add_argument("--vae-channels", type=lambda v: tuple(int(c) for c in v.split(",")),
+                        default=(32, 64, 64), help="autoencoder widths, one per level")
     parser.add_argument("--vae", type=Path, default=None,
                         help="reuse the autoencoder of this pipeline directory (skips stage 1)")
     parser.add_argument("--stop-after-vae", action="store_true",
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vae-steps", type=int, default=800)
     parser.add_argument("--vae-batch", type=int, default=64)
     parser.add_argument("--vae-lr", type=float, default=2e-3)
-    parser.add_argument("--steps", type=int, default=2800, help="UNet + text encoder steps")
+    parser.add_argument("--steps", type=int, default=2600, help="UNet + text encoder steps")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
@@ -324,11 +326,8 @@ def main(argv: list[str] | None = None) -> None:
         vae = AutoencoderKL.from_pretrained(args.vae / "vae", torch_dtype=torch.float32).eval()
         log(f"autoencoder loaded from {args.vae}")
     else:
-        extra = data.make_random_colour_images(args.vae_random_colours, seed=args.seed + 1)
-        extra = torch.from_numpy(extra).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
-        vae = train_vae(torch, torch.cat([images, extra]), args.vae_steps, args.vae_batch,
-                        args.vae_lr, args.seed, log, args.latent_channels)
-        del extra
+        vae = train_vae(torch, images, args.vae_steps, args.vae_batch, args.vae_lr, args.seed, log,
+                        args.latent_channels, args.vae_channels)
     latents = encode_latents(torch, vae, images)
     scaling = 1.0 / latents.std().item()
     vae.register_to_config(scaling_factor=scaling)
