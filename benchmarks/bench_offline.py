@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from diffserve.config import DEFAULT_MODEL  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Offline ceiling: images/s of one in-process pipeline call per batch size.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default="tiny-sd",
+    parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="Embedded model name, pipeline directory or hub id.")
     parser.add_argument("--batch-sizes", default="1,2,4,8", help="Comma-separated batch sizes.")
     parser.add_argument("--size", default=None,

@@ -11,6 +11,11 @@ Each server is started alone, measured at every concurrency level with bench_ser
 loop: ``--num-requests`` requests, at most ``concurrency`` in flight), then stopped. Prints a
 table, and writes ``compare.json``, ``compare.png`` and the servers' logs to ``--output-dir``.
 
+With ``--rounds R`` all of that is repeated R times (fresh processes each round, the order of the
+servers rotated), and the table gives medians. On a small or shared machine the speed of the same
+pipeline drifts by tens of percent between processes and minutes, so a ratio is taken within
+each round, where the offline run and the servers are minutes apart, and its median reported.
+
     python benchmarks/compare.py --model tiny-sd --concurrency 1,4,16 --num-requests 256
 """
 
@@ -21,15 +26,18 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from diffserve.config import DEFAULT_MODEL  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_serving import BenchConfig, run_benchmark  # noqa: E402
+from bench_serving import BenchConfig, _percentiles, run_benchmark  # noqa: E402
 from launch import Server, ServerError, child_env, diffserve_command, free_port, naive_command  # noqa: E402
 
 SYSTEMS = ("diffserve-b1", "diffserve", "naive")
@@ -208,8 +216,27 @@ def summarize(args, runs: list[dict], offline: dict | None) -> dict:
             "diffserve_vs_naive": _ratio(ips("diffserve", c), ips("naive", c)),
             "b1_vs_naive": _ratio(ips("diffserve-b1", c), ips("naive", c)),
         }
+    # Idle latency at the lowest level (1 for the targets) of the batched server, two ways: over
+    # the offline B=1 call plus the batching delay (the target: <= 5 ms), and over its own
+    # executor's mean call time (same process and minutes, so free of drift between processes).
+    low = min(args.concurrency)
+    idle = _level(by_name.get("diffserve", {}), low)
+    idle_over_offline = idle_over_executor = None
+    if idle:
+        delay = args.batch_delay_ms / 1000
+        b1 = next((r["median_s"] for r in (offline or {}).get("results", []) if r["batch_size"] == 1),
+                  None)
+        if b1 is not None and idle["latency_s"]["p50"] is not None:
+            idle_over_offline = 1000 * (idle["latency_s"]["p50"] - b1 - delay)
+        sm = idle.get("server_metrics") or {}
+        if sm.get("mean_batch_execution_s") is not None and low == 1:
+            idle_over_executor = 1000 * (idle["latency_s"]["mean"] - sm["mean_batch_execution_s"]
+                                         - delay)
     return {
         "top_concurrency": top,
+        "idle_concurrency": low,
+        "idle_p50_over_offline_b1_and_delay_ms": idle_over_offline,
+        "idle_mean_over_executor_and_delay_ms": idle_over_executor,
         "offline_images_per_s": off,
         "offline_max_batch": off_max_b,
         "saturated_diffserve_vs_offline_max": _ratio(ips("diffserve", top), off_max),
@@ -220,13 +247,82 @@ def summarize(args, runs: list[dict], offline: dict | None) -> dict:
     }
 
 
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def merge_rounds(systems: list[str], rounds: list[dict]) -> tuple[list[dict], dict | None]:
+    """One record per system and one offline result from several rounds: medians of the
+    throughputs and server figures, latency percentiles over every request of every round."""
+    runs = []
+    for name in systems:
+        records = [r for rnd in rounds for r in rnd["runs"] if r["system"] == name]
+        merged = {k: records[0][k] for k in ("system", "label", "command")}
+        merged["levels"] = []
+        if all(r.get("error") for r in records):
+            merged["error"] = records[0]["error"]
+        levels = sorted({lv["concurrency"] for r in records for lv in r.get("levels", [])})
+        for c in levels:
+            ok = [lv for lv in (_level(r, c) for r in records) if lv is not None]
+            if not ok:
+                merged["levels"].append({"concurrency": c, "error": "failed in every round"})
+                continue
+            latencies = [x for lv in ok for x in lv["latencies_s"]]
+            server = [lv.get("server_metrics") or {} for lv in ok]
+            merged["levels"].append({
+                "concurrency": c, "rounds": len(ok),
+                "images_per_s": _median([lv["images_per_s"] for lv in ok]),
+                "images_per_s_by_round": [lv["images_per_s"] for lv in ok],
+                "requests_per_s": _median([lv["requests_per_s"] for lv in ok]),
+                "latency_s": _percentiles(latencies), "latencies_s": latencies,
+                "failed": sum(lv["failed"] for lv in ok),
+                "server_metrics": {k: _median([sm.get(k) for sm in server]) for k in (
+                    "mean_batch_size", "mean_queue_time_s", "mean_batch_execution_s",
+                    "executor_busy_fraction")} if any(server) else None,
+            })
+        runs.append(merged)
+    offlines = [rnd["offline"] for rnd in rounds if rnd.get("offline")]
+    if not offlines:
+        return runs, None
+    offline = dict(offlines[0])
+    sizes = [r["batch_size"] for r in offlines[0]["results"]]
+    offline["results"] = [{
+        "batch_size": b,
+        "images_per_s": _median([r["images_per_s"] for o in offlines for r in o["results"]
+                                 if r["batch_size"] == b]),
+        "median_s": _median([r["median_s"] for o in offlines for r in o["results"]
+                             if r["batch_size"] == b]),
+        "images_per_s_by_round": [r["images_per_s"] for o in offlines for r in o["results"]
+                                  if r["batch_size"] == b],
+    } for b in sizes]
+    return runs, offline
+
+
+_HEADLINE = ("saturated_diffserve_vs_offline_max", "saturated_b1_vs_offline_b1",
+             "batching_gain_served", "batching_gain_offline",
+             "idle_p50_over_offline_b1_and_delay_ms", "idle_mean_over_executor_and_delay_ms")
+
+
+def combine_summaries(args, runs: list[dict], offline: dict | None, rounds: list[dict]) -> dict:
+    """The summary of the merged results, with each headline ratio replaced by the median of
+    the per-round ratios (each taken between measurements close together in time)."""
+    summary = summarize(args, runs, offline)
+    if len(rounds) > 1:
+        for key in _HEADLINE:
+            per_round = [rnd["summary"][key] for rnd in rounds]
+            summary[key] = _median(per_round)
+            summary[key + "_by_round"] = per_round
+    return summary
+
+
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
 def format_tables(args, runs: list[dict], offline: dict | None, summary: dict) -> str:
     lines = [f"{'system':<28}{'conc':>5}{'img/s':>9}{'req/s':>8}{'p50 ms':>9}{'p99 ms':>9}"
-             f"{'batch':>7}{'queue ms':>10}{'failed':>8}"]
+             f"{'batch':>7}{'queue ms':>10}{'busy %':>8}{'failed':>8}"]
     lines.append("-" * len(lines[0]))
     for record in runs:
         if record.get("error"):
@@ -243,12 +339,13 @@ def format_tables(args, runs: list[dict], offline: dict | None, summary: dict) -
                 f"{level['requests_per_s']:>8.2f}{_fmt(level['latency_s']['p50'], '.0f', 1000):>9}"
                 f"{_fmt(level['latency_s']['p99'], '.0f', 1000):>9}"
                 f"{_fmt(sm.get('mean_batch_size'), '.2f'):>7}"
-                f"{_fmt(sm.get('mean_queue_time_s'), '.1f', 1000):>10}{level['failed']:>8}")
+                f"{_fmt(sm.get('mean_queue_time_s'), '.1f', 1000):>10}"
+                f"{_fmt(sm.get('executor_busy_fraction'), '.1f', 100):>8}{level['failed']:>8}")
     if offline:
         for r in offline["results"]:
             lines.append(f"{'offline (in-process) B=' + str(r['batch_size']):<28}{'-':>5}"
                          f"{r['images_per_s']:>9.2f}{'-':>8}{r['median_s'] * 1000:>9.0f}{'-':>9}"
-                         f"{r['batch_size']:>7}{'-':>10}{'-':>8}")
+                         f"{r['batch_size']:>7}{'-':>10}{'-':>8}{'-':>8}")
     lines += ["", f"{'throughput ratios':<28}" + "".join(f"{'c=' + str(c):>10}" for c in args.concurrency)]
     for key, text in (("diffserve_vs_b1", "batched / max-batch-1"),
                       ("diffserve_vs_naive", "batched / naive"),
@@ -258,17 +355,32 @@ def format_tables(args, runs: list[dict], offline: dict | None, summary: dict) -
             summary['ratios_by_concurrency'][c][key] is not None else f"{'-':>10}"
             for c in args.concurrency))
     top, bmax = summary["top_concurrency"], summary["offline_max_batch"]
+
+    def headline(key: str, suffix: str = "", spec: str = ".2f") -> str:
+        text = _fmt(summary[key], spec) + (suffix if summary[key] is not None else "")
+        by_round = summary.get(key + "_by_round")
+        if by_round:
+            text += "   (by round: " + ", ".join(_fmt(v, spec) for v in by_round) + ")"
+        return text
+
     lines += [
         "",
         f"saturated diffserve (c={top}) / offline B={bmax}:       "
-        f"{_fmt(summary['saturated_diffserve_vs_offline_max'], '.2f')}",
+        + headline("saturated_diffserve_vs_offline_max"),
         f"saturated max-batch-1 (c={top}) / offline B=1:      "
-        f"{_fmt(summary['saturated_b1_vs_offline_b1'], '.2f')}",
+        + headline("saturated_b1_vs_offline_b1"),
         f"batching gain served (batched / max-batch-1, c={top}): "
-        f"{_fmt(summary['batching_gain_served'], '.2f')}x",
+        + headline("batching_gain_served", "x"),
         f"batching gain offline (B={bmax} / B=1):               "
-        f"{_fmt(summary['batching_gain_offline'], '.2f')}x",
+        + headline("batching_gain_offline", "x"),
     ]
+    if summary.get("idle_concurrency") == 1:
+        lines += [
+            f"idle p50 (batched, c=1) - offline B=1 - delay:      "
+            + headline("idle_p50_over_offline_b1_and_delay_ms", " ms", ".1f"),
+            f"idle mean (batched, c=1) - its executor - delay:    "
+            + headline("idle_mean_over_executor_and_delay_ms", " ms", ".1f"),
+        ]
     return "\n".join(lines)
 
 
@@ -319,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure diffserve (batched and max-batch-1), a naive baseline server and the "
                     "offline ceiling on the same model and load; print a table, write JSON and a "
                     "plot.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default="tiny-sd",
+    parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="Embedded model name (tiny-sd, tiny-flux) or a pipeline directory "
                              "(e.g. one built by benchmarks/models.py).")
     parser.add_argument("--size", default=None, help='"WIDTHxHEIGHT" (default: the model\'s native).')
@@ -354,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--offline-repeats", type=int, default=5, help="Timed offline calls per B.")
     parser.add_argument("--offline-warmup", type=int, default=2, help="Untimed offline calls per B.")
     parser.add_argument("--skip-offline", action="store_true", help="Do not run the offline ceiling.")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="Repeat everything this many times (servers in rotated order) and "
+                             "report medians; ratios are taken within each round.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of prompts and images.")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="Longest wait for a server to become healthy, s.")
@@ -377,8 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
         raise SystemExit(f"compare.py: error: unknown systems {unknown}; choose from {SYSTEMS}")
-    if args.num_requests < 1 or args.max_batch_size < 1 or args.n < 1:
-        raise SystemExit("compare.py: error: --num-requests, --max-batch-size and --n must be >= 1")
+    if min(args.num_requests, args.max_batch_size, args.n, args.rounds) < 1:
+        raise SystemExit("compare.py: error: --num-requests, --max-batch-size, --n and --rounds "
+                         "must be >= 1")
     out_dir = Path(args.output_dir or HERE / "results" / time.strftime("compare-%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -391,22 +507,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare.py: note: {model!r} is not an embedded model or a directory; each "
               "system will try to load it as a hub id", file=sys.stderr)
     started = time.time()
-    offline = None if args.skip_offline else run_offline(args, model, out_dir)
-    runs = run_systems(systems, args, model, out_dir)
-    summary = summarize(args, runs, offline)
+    rounds = []
+    for index in range(args.rounds):
+        round_dir = out_dir if args.rounds == 1 else out_dir / f"round-{index + 1}"
+        shift = index % len(systems)
+        order = systems[shift:] + systems[:shift]
+        if args.rounds > 1:
+            print(f"=== round {index + 1}/{args.rounds}: "
+                  f"{'' if args.skip_offline else 'offline, then '}{', '.join(order)}", flush=True)
+        offline = None if args.skip_offline else run_offline(args, model, round_dir)
+        by_name = {r["system"]: r for r in run_systems(order, args, model, round_dir)}
+        runs = [by_name[name] for name in systems]
+        rounds.append({"offline": offline, "runs": runs,
+                       "summary": summarize(args, runs, offline)})
+    if args.rounds == 1:
+        runs, offline, summary = rounds[0]["runs"], rounds[0]["offline"], rounds[0]["summary"]
+    else:
+        runs, offline = merge_rounds(systems, rounds)
+        summary = combine_summaries(args, runs, offline, rounds)
     report = {
         "model": model, "machine": machine_description(),
         "torch_version": (offline or {}).get("torch_version"),
         "config": {k: v for k, v in vars(args).items()},
         "systems": systems, "started": started, "duration_s": time.time() - started,
         "offline": offline, "runs": runs, "summary": summary,
+        "rounds": rounds if args.rounds > 1 else None,
     }
     (out_dir / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
     table = format_tables(args, runs, offline, summary)
     (out_dir / "compare.txt").write_text(table + "\n")
     print()
     print(f"model {model}, size {args.size or 'native'}, steps {args.steps or 'model default'}, "
-          f"n={args.n}, {args.num_requests} requests per level, torch threads "
+          f"n={args.n}, {args.num_requests} requests per level, {args.rounds} round(s), torch threads "
           f"{args.torch_threads or 'default'}; {machine_description()['cpu']} x{os.cpu_count()}")
     print(table)
     if not args.no_plot:
@@ -417,9 +549,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results: {out_dir / 'compare.json'}")
     # Failed requests of the baseline are its own behaviour (see naive_server.py), shown in
     # the table; the exit status reports diffserve's and the tool's own failures.
-    failed = any(r.get("error") for r in runs) or any(
+    every_run = [r for rnd in rounds for r in rnd["runs"]]
+    failed = any(r.get("error") for r in every_run) or any(
         "error" in lv or (lv.get("failed") and r["system"] != "naive")
-        for r in runs for lv in r.get("levels", []))
+        for r in every_run for lv in r.get("levels", []))
     return 1 if failed else 0
 
 

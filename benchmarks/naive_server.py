@@ -43,6 +43,8 @@ from fastapi.exceptions import RequestValidationError  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 
+from diffserve.config import DEFAULT_MODEL  # noqa: E402
+
 
 class GenerationBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         description="BASELINE ONLY: a naive diffusers server (one pipeline call per request, run "
                     "in a thread pool, no batching), for comparison with diffserve.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default="tiny-sd",
+    parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="Embedded model name, pipeline directory or hub id.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)

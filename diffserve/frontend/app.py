@@ -30,7 +30,7 @@ from diffserve.errors import (
     unauthorized,
     unavailable,
 )
-from diffserve.frontend.encode import encode_image
+from diffserve.frontend.encode import encode_images
 from diffserve.frontend.engine_client import EngineClient
 from diffserve.frontend.schemas import ImageGenerationRequest, ModelCard, ModelList
 from diffserve.frontend.validation import to_engine_request
@@ -186,12 +186,8 @@ def create_app(config: ServerConfig, engine: EngineClient) -> FastAPI:
             if answer is None:
                 return Response(status_code=499)  # nobody is listening; the work was dropped
             done, frames = answer
-            loop = asyncio.get_running_loop()
-            encoded = await asyncio.gather(*(
-                loop.run_in_executor(encoder, encode_image, frame.buffer if hasattr(frame, "buffer")
-                                     else frame, done.width, done.height, body.output_format,
-                                     body.output_compression)
-                for frame in frames))
+            encoded = await encode_images(encoder, frames, done.width, done.height,
+                                          body.output_format, body.output_compression)
             outcome = "success"
             return OrjsonResponse({
                 "created": int(arrival),

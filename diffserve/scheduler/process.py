@@ -34,6 +34,19 @@ class SchedulerSpec:
     parent_pid: int
 
 
+def split_wait(wait_s: float | None) -> tuple[float, int | None]:
+    """(seconds to sleep now, poll timeout in ms) for a wait until the next deadline.
+
+    ZMQ polls in whole milliseconds. Rounding a batch's deadline up would add half a millisecond
+    on average to every delayed batch, so the poll wakes at or before it and the last fraction of
+    a millisecond is slept precisely (time.sleep has microsecond resolution)."""
+    if wait_s is None:
+        return 0.0, None
+    if wait_s >= 0.001:
+        return 0.0, int(wait_s * 1000)
+    return max(0.0, wait_s), 0
+
+
 def run_scheduler(spec: SchedulerSpec) -> None:
     processes.become("diffserve::scheduler", spec.parent_pid, spec.config.log_level)
     SchedulerProc(spec).run()
@@ -81,9 +94,7 @@ class SchedulerProc:
         sentinel = self.executor.sentinel
         poller.register(sentinel, zmq.POLLIN)
         while True:
-            wait = self.core.time_until_wakeup(time.monotonic())
-            timeout_ms = None if wait is None else max(0, int(wait * 1000 + 0.999))
-            events = dict(poller.poll(timeout_ms))
+            events = dict(poller.poll(self._poll_timeout_ms()))
             if self.from_executor in events:
                 if self._drain_executor() is False:
                     return
@@ -100,6 +111,12 @@ class SchedulerProc:
             self._dispatch()
             self.metrics.num_requests_waiting.set(self.core.num_waiting)
             self.metrics.num_requests_running.set(self.core.num_running)
+
+    def _poll_timeout_ms(self) -> int | None:
+        sleep_s, timeout_ms = split_wait(self.core.time_until_wakeup(time.monotonic()))
+        if sleep_s:
+            time.sleep(sleep_s)
+        return timeout_ms
 
     def _drain_frontend(self) -> bool:
         now = time.monotonic()

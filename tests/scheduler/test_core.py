@@ -170,3 +170,13 @@ def test_abort_of_every_member_marks_the_running_batch_unwanted():
     assert not c.abort_leaves_batch_unwanted("a")
     c.abort("b")
     assert c.abort_leaves_batch_unwanted("b")
+
+
+def test_poll_wait_never_overshoots_a_deadline():
+    from diffserve.scheduler.process import split_wait
+
+    assert split_wait(None) == (0.0, None)  # nothing to wait for: block until an event
+    assert split_wait(0.0) == (0.0, 0)
+    assert split_wait(0.0004) == (0.0004, 0)  # under 1 ms: slept precisely, then a poll
+    assert split_wait(0.0085) == (0.0, 8)  # whole ms by poll; the rest on the next turn
+    assert split_wait(2.5) == (0.0, 2500)
