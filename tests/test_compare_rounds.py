@@ -1,4 +1,5 @@
-"""compare.py --rounds: how several rounds become one table (pure functions, synthetic rounds)."""
+"""compare.py's report: how several rounds become one table, and the target verdicts (pure
+functions, synthetic rounds)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-compare = pytest.importorskip("compare")
+compare = pytest.importorskip("compare_report")
 
 
 def _level(c: int, ips: float, latencies: list[float], busy: float | None = None) -> dict:
@@ -70,3 +71,20 @@ def test_a_system_that_failed_every_round_is_reported_as_failed():
     rounds = [{"runs": [bad], "offline": None, "summary": {}} for _ in range(2)]
     runs, offline = compare.merge_rounds(["naive"], rounds)
     assert runs[0]["error"] == "no start" and offline is None
+
+
+def test_targets_are_judged_against_the_stated_bounds():
+    rounds = [_round(1.0), _round(2.0), _round(0.5)]
+    runs, offline = compare.merge_rounds(["diffserve-b1", "diffserve"], rounds)
+    summary = compare.combine_summaries(_args(), runs, offline, rounds)
+    verdicts = {name: (value, met) for name, value, _, met in compare.targets(summary, "cpu")}
+    assert verdicts["saturated / offline B=max"] == (pytest.approx(30 / 33), True)  # >= 0.85
+    assert verdicts["batching gain served"] == (pytest.approx(3.0), True)  # >= 0.9 x 3.0
+    assert verdicts["idle overhead, ms"] == (pytest.approx(12.0), False)  # > 5 ms
+    # A GPU is held to 0.95 of its ceiling.
+    on_gpu = {name: met for name, _, _, met in compare.targets(summary, "cuda:0")}
+    assert on_gpu["saturated / offline B=max"] is False
+    text = compare.format_tables(_args(), runs, offline, summary)
+    assert "idle overhead, ms" in text and "MISSED" in text
+    # Nothing measured: no verdict rather than a pass.
+    assert all(met is None for *_, met in compare.targets({}, None))
