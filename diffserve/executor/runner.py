@@ -43,6 +43,7 @@ class ModelRunner:
         diffusers_logging.set_verbosity_error()
         diffusers_logging.disable_progress_bar()
         transformers_logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()  # "Loading weights" bars at every start
         self._torch = torch
         if torch_threads:  # 0: torch's default (OMP_NUM_THREADS if set, else the cores)
             torch.set_num_threads(torch_threads)
