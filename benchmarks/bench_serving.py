@@ -328,6 +328,16 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         # Share of the run the executor spent in pipeline calls: what the server loses to its
         # own overhead, independent of how fast the model ran this time.
         server["executor_busy_fraction"] = server["batch_execution_total_s"] / duration
+    latency = _percentiles([o.latency_s for o in done])
+    if server and None not in (latency["mean"], server["mean_server_latency_s"],
+                               server["mean_queue_time_s"], server["mean_batch_execution_s"]):
+        # Where a request's time goes, on average: the client and HTTP (client latency over the
+        # frontend's), and the server's own work besides waiting and computing (frontend latency
+        # over queue time and batch execution: IPC, validation, image encoding).
+        server["mean_client_and_http_s"] = latency["mean"] - server["mean_server_latency_s"]
+        server["mean_server_overhead_s"] = (server["mean_server_latency_s"]
+                                            - server["mean_queue_time_s"]
+                                            - server["mean_batch_execution_s"])
     config = asdict(cfg)
     config["request_rate"] = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate
     return {
@@ -340,7 +350,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "images": images,
         "requests_per_s": len(done) / duration,
         "images_per_s": images / duration,
-        "latency_s": _percentiles([o.latency_s for o in done]),
+        "latency_s": latency,
         "latencies_s": [round(o.latency_s, 6) for o in done],
         "errors": errors,
         "server_metrics": server,
@@ -385,7 +395,13 @@ def format_report(result: dict) -> str:
                   f"{'Server: mean batch execution (ms):':<36}{_ms(sm['mean_batch_execution_s'])}",
                   f"{'Server: executor busy (% of run):':<36}"
                   + ("n/a" if sm.get("executor_busy_fraction") is None
-                     else f"{100 * sm['executor_busy_fraction']:.1f}")]
+                     else f"{100 * sm['executor_busy_fraction']:.1f}"),
+                  f"{'Server: mean request latency (ms):':<36}{_ms(sm['mean_server_latency_s'])}",
+                  f"{'  of it queue + execution (ms):':<36}"
+                  + ("n/a" if sm.get("mean_server_overhead_s") is None else
+                     _ms(sm["mean_queue_time_s"] + sm["mean_batch_execution_s"])),
+                  f"{'  of it IPC, encoding, rest (ms):':<36}{_ms(sm.get('mean_server_overhead_s'))}",
+                  f"{'Client and HTTP (ms):':<36}{_ms(sm.get('mean_client_and_http_s'))}"]
     else:
         lines += ["-" * 60, "Server metrics: not available (no diffserve /metrics)"]
     if result["errors"]:
