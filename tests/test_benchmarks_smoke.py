@@ -156,6 +156,10 @@ def test_bench_serving(env, tmp_path, diffserve_url):
     assert metrics is not None and 1 <= metrics["mean_batch_size"] <= 2
     assert metrics["images_generated"] == 4
     assert metrics["mean_queue_time_s"] is not None
+    # Where the time went: the frontend's latency exceeds queue + execution (validation, IPC,
+    # encoding), and the client's exceeds the frontend's (HTTP).
+    assert metrics["mean_server_overhead_s"] > 0 and metrics["mean_client_and_http_s"] > 0
+    assert "IPC, encoding, rest" in done.stdout
 
     # Poisson arrivals, random prompts, n=2: still every image back.
     done = run_tool("bench_serving.py", "--base-url", diffserve_url, "--num-prompts", "3",
