@@ -55,6 +55,10 @@ class _Metrics:
         self.request_latency_seconds = Histogram(
             "diffserve_request_latency_seconds", "Time from accepting a request to answering it.",
             buckets=_LATENCY_BUCKETS)
+        self.request_execution_seconds = Histogram(
+            "diffserve_request_execution_seconds", "Time of the pipeline calls that produced a "
+            "successful request's images (summed when its n images took several calls).",
+            buckets=_LATENCY_BUCKETS)
         self.batch_execution_seconds = Histogram(
             "diffserve_batch_execution_seconds", "Time of one batched pipeline call.",
             buckets=_LATENCY_BUCKETS)

@@ -27,6 +27,7 @@ class _Tracked:
     enqueued_at: float
     first_dispatch_at: float | None = None
     images: dict[int, Any] = field(default_factory=dict)  # index -> raw frame
+    execution_s: float = 0.0  # pipeline calls that produced its images, summed
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Finished:
     done: RequestDone | None = None
     frames: list[Any] = field(default_factory=list)
     failed: RequestFailed | None = None
+    execution_s: float | None = None  # with ``done``: time of the calls that made its images
 
     @property
     def request_id(self) -> str:
@@ -175,6 +177,9 @@ class SchedulerCore:
         finished: list[Finished] = []
         for request_id, message in result.errors.items():
             finished.extend(self._fail(request_id, 500, message))
+        for request_id in {m.request_id for m in result.images}:
+            if request_id in self.requests:
+                self.requests[request_id].execution_s += result.execution_time_s
         for meta, frame in zip(result.images, frames):
             tracked = self.requests.get(meta.request_id)
             if tracked is None:
@@ -186,7 +191,8 @@ class SchedulerCore:
                 finished.append(Finished(
                     done=RequestDone(r.request_id, result.width, result.height,
                                      [r.seed + i for i in range(r.n)]),
-                    frames=[tracked.images[i] for i in range(r.n)]))
+                    frames=[tracked.images[i] for i in range(r.n)],
+                    execution_s=tracked.execution_s))
         return finished
 
     def executor_lost(self, message: str) -> list[Finished]:

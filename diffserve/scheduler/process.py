@@ -205,6 +205,7 @@ class SchedulerProc:
             if f.done is not None:
                 self.to_frontend.send_multipart(encode(Kind.REQUEST_DONE, f.done, f.frames),
                                                 copy=False)
+                self.metrics.request_execution_seconds.observe(f.execution_s)
             else:
                 self.to_frontend.send_multipart(encode(Kind.REQUEST_FAILED, f.failed))
 

@@ -1,5 +1,7 @@
 """Request state in the scheduler, in place: no processes, no sockets."""
 
+import pytest
+
 from diffserve.protocol import BatchResult, ImageMeta
 from diffserve.scheduler.core import SchedulerCore
 from helpers import make_request
@@ -57,6 +59,7 @@ def test_a_split_request_is_answered_once_with_all_images_in_order():
     done = answers[0].done
     assert done.request_id == "big" and done.seeds == [100, 101, 102, 103, 104]
     assert answers[0].frames == [f"big:{i}:{100 + i}".encode() for i in range(5)]
+    assert answers[0].execution_s == pytest.approx(0.3)  # three calls of 0.1 s made its images
     assert not c.requests
 
 
@@ -180,3 +183,11 @@ def test_poll_wait_never_overshoots_a_deadline():
     assert split_wait(0.0004) == (0.0004, 0)  # under 1 ms: slept precisely, then a poll
     assert split_wait(0.0085) == (0.0, 8)  # whole ms by poll; the rest on the next turn
     assert split_wait(2.5) == (0.0, 2500)
+
+
+def test_each_request_of_a_shared_call_is_charged_the_whole_call():
+    c = core(max_size=4)
+    c.add(make_request(request_id="a"), 0.0)
+    c.add(make_request(request_id="b", n=2), 0.0)
+    answers = run(c, c.dispatch(1.0))
+    assert sorted((f.request_id, f.execution_s) for f in answers) == [("a", 0.1), ("b", 0.1)]
