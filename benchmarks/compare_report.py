@@ -81,6 +81,12 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
+# The server figures of a level that several rounds merge into their median.
+_SERVER_FIGURES = ("mean_batch_size", "mean_queue_time_s", "mean_batch_execution_s",
+                   "executor_busy_fraction", "mean_request_execution_s", "mean_server_overhead_s",
+                   "mean_client_and_http_s")
+
+
 def merge_rounds(systems: list[str], rounds: list[dict]) -> tuple[list[dict], dict | None]:
     """One record per system and one offline result from several rounds: medians of the
     throughputs and server figures, latency percentiles over every request of every round."""
@@ -106,9 +112,8 @@ def merge_rounds(systems: list[str], rounds: list[dict]) -> tuple[list[dict], di
                 "requests_per_s": _median([lv["requests_per_s"] for lv in ok]),
                 "latency_s": _percentiles(latencies), "latencies_s": latencies,
                 "failed": sum(lv["failed"] for lv in ok),
-                "server_metrics": {k: _median([sm.get(k) for sm in server]) for k in (
-                    "mean_batch_size", "mean_queue_time_s", "mean_batch_execution_s",
-                    "executor_busy_fraction")} if any(server) else None,
+                "server_metrics": {k: _median([sm.get(k) for sm in server])
+                                   for k in _SERVER_FIGURES} if any(server) else None,
             })
         runs.append(merged)
     offlines = [rnd["offline"] for rnd in rounds if rnd.get("offline")]
