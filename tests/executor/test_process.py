@@ -21,7 +21,7 @@ def _run(**env: str) -> str:
     done = subprocess.run([sys.executable, "-c", _PROBE], env={**clean, **env},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    return done.stdout.split("\n")[-2]
+    return done.stdout.splitlines()[-1]
 
 
 @pytest.mark.parametrize("env, expected", [
