@@ -41,6 +41,17 @@ class ServerConfig:
         8.0, "Longest a batch that is not full waits for more requests, counted from its oldest "
         "request's arrival. A full batch, or any batch once the executor frees up after the delay, "
         "goes at once.", ge=0, le=60_000)
+    batching_mode: str = option(
+        "auto", "How requests share the model. request: one batched pipeline call per batch, for "
+        "any diffusers text-to-image pipeline. step: requests join and leave a running batch "
+        "between denoising steps (SD 1.x/2.x, SDXL, SD3, Flux). auto: step where the pipeline's "
+        "family is supported, else request.", choices=("auto", "step", "request"))
+    data_parallel_size: int = option(
+        0, "Executor processes fed by the one queue, one per device. 0 = one per entry of "
+        "--devices, else 1.", ge=0, le=256)
+    devices: str = option(
+        "", "Comma-separated torch devices, one per executor (e.g. cuda:0,cuda:1). Unset: every "
+        "executor uses --device, where auto spreads executors over the visible GPUs.")
     max_queue_size: int = option(
         0, "Most requests waiting for a batch; more are refused at once with 429 and Retry-After. "
         "0 = unbounded.", ge=0, le=10_000_000)
@@ -61,12 +72,20 @@ class ServerConfig:
     max_image_pixels: int = option(2048 * 2048, "Largest width x height.", ge=64, le=1 << 28)
     max_prompt_chars: int = option(4000, "Longest prompt or negative prompt, in characters.",
                                    ge=1, le=1_000_000)
-    device: str = option("auto", "Torch device for the executor: auto (cuda when available), cpu, "
-                         "cuda, cuda:N.")
+    max_upload_bytes: int = option(16 << 20, "Largest /v1/images/edits body (the image, the mask "
+                                   "and the form fields together); larger ones get 413.",
+                                   ge=1024, le=1 << 31)
+    max_input_pixels: int = option(4096 * 4096, "Largest decoded input image or mask, width x "
+                                   "height; checked from the file's header before it is decoded.",
+                                   ge=64, le=1 << 30)
+    device: str = option("auto", "Torch device of every executor when --devices is unset: auto "
+                         "(executor i on GPU i modulo the visible GPUs, else cpu), cpu, cuda, "
+                         "cuda:N.")
     dtype: str = option("auto", "Weights dtype: auto (float16 on cuda, float32 on cpu), float32, "
                         "float16, bfloat16.", choices=("auto", "float32", "float16", "bfloat16"))
-    torch_threads: int = option(0, "Intra-op threads for torch in the executor; 0 = torch's default "
-                                "(OMP_NUM_THREADS if set, else the cores).",
+    torch_threads: int = option(0, "Intra-op threads for torch in each executor; 0 = torch's "
+                                "default (OMP_NUM_THREADS if set, else the cores), shared out "
+                                "between the executors when several run on the CPU.",
                                 ge=0, le=1024)
     startup_timeout_s: float = option(600.0, "Longest wait for the model to load before giving up.",
                                       ge=1, le=86_400)
@@ -84,6 +103,12 @@ class ServerConfig:
                 raise ConfigError(f"{flag}={value!r} is above the maximum {meta['le']}")
             if meta.get("choices") and value not in meta["choices"]:
                 raise ConfigError(f"{flag}={value!r} is not one of {', '.join(meta['choices'])}")
+        listed = self.device_list
+        if listed and self.data_parallel_size and len(listed) != self.data_parallel_size:
+            raise ConfigError(f"--devices={self.devices!r} names {len(listed)} devices but "
+                              f"--data-parallel-size={self.data_parallel_size}")
+        if any(not d for d in self.devices.split(",")) and self.devices:
+            raise ConfigError(f"--devices={self.devices!r} has an empty entry")
 
     def __repr__(self) -> str:  # keep the API key out of logs
         shown = dataclasses.replace(self, api_key="***") if self.api_key else self
@@ -93,6 +118,25 @@ class ServerConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def device_list(self) -> list[str]:
+        return [d.strip() for d in self.devices.split(",")] if self.devices else []
+
+    @property
+    def num_executors(self) -> int:
+        return self.data_parallel_size or len(self.device_list) or 1
+
+    def executor_devices(self) -> list[str]:
+        """One device per executor (``auto`` is resolved by each executor from its index)."""
+        return self.device_list or [self.device] * self.num_executors
+
+    def executor_threads(self, cpu_count: int) -> int:
+        """Intra-op threads per executor: the flag, else the cores shared out between executors
+        (0 keeps torch's own default when there is one executor)."""
+        if self.torch_threads or self.num_executors == 1:
+            return self.torch_threads
+        return max(1, cpu_count // self.num_executors)
 
     @property
     def dynamic_batch_delay_s(self) -> float:

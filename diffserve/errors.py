@@ -61,8 +61,8 @@ def unauthorized() -> APIError:
                     {"WWW-Authenticate": "Bearer"})
 
 
-def body_too_large(limit: int) -> APIError:
-    return APIError(f"The request body is larger than {limit} bytes (--max-body-bytes).", None,
+def body_too_large(limit: int, flag: str = "--max-body-bytes") -> APIError:
+    return APIError(f"The request body is larger than {limit} bytes ({flag}).", None,
                     "request_too_large", 413, "invalid_request_error")
 
 

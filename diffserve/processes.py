@@ -58,3 +58,16 @@ def stop(process: multiprocessing.process.BaseProcess, timeout: float = 5.0) -> 
     if process.is_alive():
         process.kill()
         process.join(timeout)
+
+
+def stop_resource_tracker() -> None:
+    """Stop multiprocessing's resource tracker and wait for it. The spawn method starts it on
+    first use and it would otherwise outlive the server by a moment, as a stray process. Call
+    once every child has exited (they hold it open too)."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker  # the module's one instance
+    try:
+        tracker._stop()  # closes its pipe and waits for it to exit
+    except (OSError, ChildProcessError):
+        pass

@@ -1,13 +1,14 @@
 """Every message that crosses a process boundary, in one place.
 
-Wire format: a ZMQ multipart message. Frame 0 is one kind byte followed by an orjson header
-(a dataclass below); any further frames are raw image buffers (uint8, height x width x 3), so
-pixel data is never pickled or copied into JSON.
+Wire format: a ZMQ multipart message. Frame 0 is one kind byte followed by a msgpack header (a
+dataclass below); any further frames are raw pixel buffers (uint8), so pixels are never copied
+into a header. Headers are decoded with validation against their dataclass: a malformed message
+fails loudly at the boundary (:class:`ProtocolError`), never deep inside the scheduler.
 
-:class:`GenerationRequest` declares, per field, how the field takes part in batching: ``shared``
-fields must be equal for two requests to share a pipeline call, ``per_sample`` fields may differ
-inside one call, ``routing`` fields are bookkeeping. The batch signature is derived from that
-metadata alone.
+:class:`ImageRequest` declares, per field, how the field takes part in batching (see
+:data:`ROLES`). Each batching mode says which roles it can vary per sample
+(:data:`VARIES_PER_SAMPLE`); the batch signature is every other field. So the signature follows
+the engine, and no list of field names exists anywhere.
 """
 
 from __future__ import annotations
@@ -18,27 +19,48 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Sequence
 
-import orjson
+import msgspec
 
-SHARED = "shared"
-PER_SAMPLE = "per_sample"
-ROUTING = "routing"
-_ROLES = (SHARED, PER_SAMPLE, ROUTING)
+# How a request field takes part in batching:
+SHAPE = "shape"              # fixes tensor shapes: equal for every sample of a forward, in any mode
+CALL = "call"                # one value per pipeline call; the step engine varies it per sample
+SAMPLE = "sample"            # may differ between the samples of one forward, in any mode
+BOOKKEEPING = "bookkeeping"  # identifies or tracks the request; never affects what is computed
+ROLES = (SHAPE, CALL, SAMPLE, BOOKKEEPING)
+
+REQUEST_MODE = "request"
+STEP_MODE = "step"
+# Which roles each batching mode can vary inside one batch (request mode) or one running set
+# (step mode). The step engine runs every sample on its own noise schedule, so CALL fields
+# (steps, guidance, strength, task) may differ there.
+VARIES_PER_SAMPLE: dict[str, frozenset[str]] = {
+    REQUEST_MODE: frozenset({SAMPLE}),
+    STEP_MODE: frozenset({SAMPLE, CALL}),
+}
+
+# What a request asks for. Edits carry input pixels as raw frames after the header.
+GENERATE, EDIT, INPAINT = "generate", "edit", "inpaint"
+INPUT_FRAMES = {GENERATE: 0, EDIT: 1, INPAINT: 2}  # the image (H, W, 3), then the mask (H, W)
 
 
-def shared(default: Any = dataclasses.MISSING) -> Any:
-    """Field that must be equal for requests to share one pipeline call."""
-    return field(default=default, metadata={"batch": SHARED})
+def _role(role: str, default: Any) -> Any:
+    return field(default=default, metadata={"batch": role})
 
 
-def per_sample(default: Any = dataclasses.MISSING) -> Any:
-    """Field that may differ between the samples of one pipeline call."""
-    return field(default=default, metadata={"batch": PER_SAMPLE})
+def shape(default: Any = dataclasses.MISSING) -> Any:
+    return _role(SHAPE, default)
 
 
-def routing(default: Any = dataclasses.MISSING) -> Any:
-    """Bookkeeping field that never affects what is computed."""
-    return field(default=default, metadata={"batch": ROUTING})
+def call(default: Any = dataclasses.MISSING) -> Any:
+    return _role(CALL, default)
+
+
+def sample(default: Any = dataclasses.MISSING) -> Any:
+    return _role(SAMPLE, default)
+
+
+def bookkeeping(default: Any = dataclasses.MISSING) -> Any:
+    return _role(BOOKKEEPING, default)
 
 
 @cache
@@ -46,84 +68,112 @@ def fields_with_role(cls: type, role: str) -> tuple[str, ...]:
     names = []
     for f in dataclasses.fields(cls):
         declared = f.metadata.get("batch")
-        if declared not in _ROLES:
+        if declared not in ROLES:
             raise TypeError(f"{cls.__name__}.{f.name} does not declare its batching role")
         if declared == role:
             names.append(f.name)
     return tuple(names)
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A validated text-to-image request as the engine sees it."""
-
-    request_id: str = routing()
-    model: str = shared()
-    width: int = shared()
-    height: int = shared()
-    num_inference_steps: int = shared()
-    guidance_scale: float = shared()
-    prompt: str = per_sample()
-    negative_prompt: str = per_sample("")
-    seed: int = per_sample(0)
-    n: int = per_sample(1)
-    # Seconds since the epoch when the frontend accepted it; used for end-to-end latency only.
-    arrival_time: float = routing(0.0)
-
-    def batch_signature(self) -> tuple:
-        return tuple(getattr(self, name) for name in fields_with_role(type(self), SHARED))
-
-    def shared_params(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in fields_with_role(type(self), SHARED)}
+@cache
+def signature_fields(cls: type, mode: str) -> tuple[str, ...]:
+    """The fields two requests must agree on to share a forward in ``mode``."""
+    varies = VARIES_PER_SAMPLE[mode] | {BOOKKEEPING}
+    return tuple(name for role in ROLES if role not in varies
+                 for name in fields_with_role(cls, role))
 
 
 @dataclass(frozen=True)
-class Sample:
-    """One image to generate inside a batch: image ``index`` of request ``request_id``."""
+class ImageRequest:
+    """A validated request (generation or edit) as the engine sees it."""
+
+    request_id: str = bookkeeping()
+    model: str = shape()
+    width: int = shape()
+    height: int = shape()
+    task: str = call(GENERATE)
+    num_inference_steps: int = call(20)
+    guidance_scale: float = call(5.0)
+    strength: float = call(1.0)  # edits: how far from the input image (1.0: ignore it)
+    prompt: str = sample("")
+    negative_prompt: str = sample("")
+    seed: int = sample(0)
+    n: int = sample(1)
+    partial_images: int = sample(0)  # streamed previews per image (0-3)
+
+    def signature(self, mode: str) -> tuple:
+        return tuple(getattr(self, name) for name in signature_fields(type(self), mode))
+
+    @property
+    def input_frames(self) -> int:
+        return INPUT_FRAMES[self.task]
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """Images ``start``..``stop-1`` of one request, handed to an executor. Its input frames (if
+    the request is an edit) follow the header, item after item."""
+
+    request: ImageRequest
+    start: int
+    stop: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request.request_id, self.start)
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Work:
+    """Scheduler to executor. Request mode: one pipeline call over every item. Step mode: items
+    that join the running set at the next step boundary."""
+
+    work_id: int
+    items: list[WorkItem]
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """One finished item. On success its ``stop - start`` images follow as frames."""
 
     request_id: str
-    index: int
-    prompt: str
-    negative_prompt: str
-    seed: int
+    start: int
+    stop: int
+    execution_s: float  # pipeline time this item took part in (request mode: the whole call)
+    error: str | None = None
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
-class Batch:
-    """One pipeline call: the shared parameters and the samples."""
+class ItemsDone:
+    """Executor to scheduler: items that finished (request mode: a whole call; step mode: the
+    requests retired at one step). Frames: the images of the successful items, in order."""
 
-    batch_id: int
-    params: dict[str, Any]
-    samples: list[Sample]
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Batch":
-        return cls(d["batch_id"], d["params"], [Sample(**s) for s in d["samples"]])
-
-
-@dataclass(frozen=True)
-class ImageMeta:
-    request_id: str
-    index: int
-    seed: int
-
-
-@dataclass(frozen=True)
-class BatchResult:
-    """Outcome of one batch. ``images`` is aligned with the raw frames that follow the header;
-    ``errors`` maps a request id to the message of the error that request alone caused."""
-
-    batch_id: int
     width: int
     height: int
-    execution_time_s: float
-    images: list[ImageMeta]
-    errors: dict[str, str]
+    items: list[ItemResult]
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "BatchResult":
-        return cls(d["batch_id"], d["width"], d["height"], d["execution_time_s"],
-                   [ImageMeta(**m) for m in d["images"]], d["errors"])
+
+@dataclass(frozen=True)
+class Partial:
+    """A streamed preview: image ``index`` of a request after some of its steps. One frame."""
+
+    request_id: str
+    index: int
+    partial_index: int
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Scheduler to executor: these requests' callers have gone; drop their work."""
+
+    request_ids: list[str]
 
 
 @dataclass(frozen=True)
@@ -141,6 +191,30 @@ class ModelInfo:
     supports_negative_prompt: bool
     device: str
     dtype: str
+    batching_mode: str
+    tasks: list[str]  # of GENERATE, EDIT, INPAINT
+    partial_images: bool  # whether streamed previews are real intermediate decodes
+    family: str | None = None  # the step engine's family, where it knows the pipeline
+
+
+@dataclass(frozen=True)
+class ExecutorState:
+    index: int
+    state: str  # starting | ready | restarting | failed
+    device: str
+    pid: int | None = None
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """Scheduler to frontend: the executors' states (ready while at least one is)."""
+
+    executors: list[ExecutorState]
+
+    @property
+    def ready(self) -> bool:
+        return any(e.state == "ready" for e in self.executors)
 
 
 @dataclass(frozen=True)
@@ -151,6 +225,7 @@ class RequestDone:
     width: int
     height: int
     seeds: list[int]
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,66 +243,72 @@ class Abort:
 
 
 @dataclass(frozen=True)
-class CancelBatch:
-    """Scheduler to executor: every caller of this batch has gone; stop it early."""
-
-    batch_id: int
-
-
-@dataclass(frozen=True)
-class EngineStatus:
-    """Scheduler to frontend: whether an executor with a loaded model is serving."""
-
-    executor_ready: bool
-
-
-@dataclass(frozen=True)
 class Fatal:
     """A process could not start (e.g. the model failed to load); the server cannot serve."""
 
     message: str
 
 
+@dataclass(frozen=True)
+class Empty:
+    """Messages that carry nothing but their kind."""
+
+
 class Kind(enum.IntEnum):
     """The one-byte message kind, and what each kind carries."""
 
-    GENERATE = 1        # frontend -> scheduler: GenerationRequest
+    GENERATE = 1        # frontend -> scheduler: ImageRequest + input frames
     ABORT = 2           # frontend -> scheduler: Abort
     READY = 3           # executor -> scheduler -> frontend: ModelInfo
     REQUEST_DONE = 4    # scheduler -> frontend: RequestDone + image frames
     REQUEST_FAILED = 5  # scheduler -> frontend: RequestFailed
     ENGINE_STATUS = 6   # scheduler -> frontend: EngineStatus
-    BATCH = 7           # scheduler -> executor: Batch
-    BATCH_RESULT = 8    # executor -> scheduler: BatchResult + image frames
-    SHUTDOWN = 9        # parent -> child: no payload
+    WORK = 7            # scheduler -> executor: Work + input frames
+    ITEMS_DONE = 8      # executor -> scheduler: ItemsDone + image frames
+    SHUTDOWN = 9        # parent -> child: Empty
     FATAL = 10          # child -> parent: Fatal
-    CANCEL_BATCH = 11   # scheduler -> executor: CancelBatch
+    CANCEL = 11         # scheduler -> executor: Cancel
+    PARTIAL = 12        # executor -> scheduler -> frontend: Partial + one frame
+    DRAIN = 13          # frontend -> scheduler: Empty; stop waiting for company, the server stops
 
 
-_PAYLOADS: dict[Kind, type | None] = {
-    Kind.GENERATE: GenerationRequest, Kind.ABORT: Abort, Kind.READY: ModelInfo,
+PAYLOADS: dict[Kind, type] = {
+    Kind.GENERATE: ImageRequest, Kind.ABORT: Abort, Kind.READY: ModelInfo,
     Kind.REQUEST_DONE: RequestDone, Kind.REQUEST_FAILED: RequestFailed,
-    Kind.ENGINE_STATUS: EngineStatus, Kind.BATCH: Batch, Kind.BATCH_RESULT: BatchResult,
-    Kind.SHUTDOWN: None, Kind.FATAL: Fatal, Kind.CANCEL_BATCH: CancelBatch,
+    Kind.ENGINE_STATUS: EngineStatus, Kind.WORK: Work, Kind.ITEMS_DONE: ItemsDone,
+    Kind.SHUTDOWN: Empty, Kind.FATAL: Fatal, Kind.CANCEL: Cancel, Kind.PARTIAL: Partial,
+    Kind.DRAIN: Empty,
 }
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in PAYLOADS.items()}
+
+
+class ProtocolError(ValueError):
+    """A message that is not what its kind says it is."""
 
 
 def encode(kind: Kind, message: Any = None, buffers: Sequence[Any] = ()) -> list[Any]:
     """Frames for ``socket.send_multipart``; ``buffers`` go as-is (bytes, memoryview, zmq.Frame)."""
-    header = bytes((kind,)) + orjson.dumps(message, option=orjson.OPT_SERIALIZE_NUMPY)
-    return [header, *buffers]
+    payload = Empty() if message is None else message
+    if type(payload) is not PAYLOADS[kind]:
+        raise ProtocolError(f"a {kind.name} message carries {PAYLOADS[kind].__name__}, "
+                            f"not {type(payload).__name__}")
+    return [bytes((kind,)) + _ENCODER.encode(payload), *buffers]
 
 
 def decode(frames: Sequence[Any]) -> tuple[Kind, Any, list[Any]]:
     """Inverse of :func:`encode`: (kind, message, raw buffer frames)."""
+    if not frames:
+        raise ProtocolError("empty message")
     head = frames[0]
     head = head.bytes if hasattr(head, "bytes") else bytes(head)
-    kind = Kind(head[0])
-    payload, cls = orjson.loads(head[1:]), _PAYLOADS[kind]
-    if cls is None:
-        message = None
-    elif hasattr(cls, "from_dict"):
-        message = cls.from_dict(payload)
-    else:
-        message = cls(**payload)
+    try:
+        kind = Kind(head[0])
+    except (IndexError, ValueError):
+        raise ProtocolError(f"unknown message kind {head[:1]!r}") from None
+    try:
+        message = _DECODERS[kind].decode(head[1:])
+    except (msgspec.ValidationError, msgspec.DecodeError) as error:
+        raise ProtocolError(f"malformed {kind.name} message: {error}") from None
     return kind, message, list(frames[1:])

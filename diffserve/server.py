@@ -36,6 +36,7 @@ def serve(config: ServerConfig) -> int:
     finally:
         shutil.rmtree(ipc_dir, ignore_errors=True)
         metrics.remove_directory(metrics_dir)
+        processes.stop_resource_tracker()
 
 
 def _serve(config: ServerConfig, ipc_dir: str) -> int:
@@ -61,8 +62,9 @@ def _serve(config: ServerConfig, ipc_dir: str) -> int:
         except StartupError as error:
             log.error("cannot start: %s", error)
             return 1
-        log.info("model %r ready (%s, %dx%d, %s/%s)", info.name, info.pipeline_class, info.width,
-                 info.height, info.device, info.dtype)
+        log.info("model %r ready (%s, %dx%d, %s/%s, %s batching, %d executor(s))", info.name,
+                 info.pipeline_class, info.width, info.height, info.device, info.dtype,
+                 info.batching_mode, config.num_executors)
         server: uvicorn.Server | None = None
 
         def scheduler_died() -> None:
@@ -93,7 +95,8 @@ def _serve(config: ServerConfig, ipc_dir: str) -> int:
         server.engine, server.drain_s = engine, config.shutdown_timeout_s
         server.ready_message = (
             f"diffserve ready: serving {info.name!r} on http://{config.host}:{config.port} "
-            f"(max batch {config.dynamic_batch_max_size}, delay {config.dynamic_batch_delay_ms:g} ms)")
+            f"({info.batching_mode} batching, max batch {config.dynamic_batch_max_size}, delay "
+            f"{config.dynamic_batch_delay_ms:g} ms)")
         server.run()
         if not server.started:
             exit_code = exit_code or 1
@@ -139,7 +142,8 @@ def _uvicorn_server_class():
                 return
             log.info("received %s: finishing accepted requests (up to %g s), refusing new ones",
                      signal.Signals(sig).name, self.drain_s)
-            self.engine.draining = True
+            self.engine.draining = True  # refuse new work from now on
+            asyncio.ensure_future(self.engine.drain())
             self.should_exit = True
             asyncio.get_running_loop().call_later(self.drain_s, self.engine.fail_all, unavailable(
                 "The server is shutting down and could not finish this request in time "

@@ -4,29 +4,16 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import queue
-import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
-READY_LINE = "diffserve ready: serving"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from diffserve.launcher import ServerProcess, diffserve_command, free_port
 
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (from /proc)."""
@@ -48,6 +35,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def session_members(sid: int) -> list[int]:
+    """Every live (not zombie) process of session ``sid``: what a server left behind."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[4]) == sid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
 def process_title(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
@@ -55,92 +56,57 @@ def process_title(pid: int) -> str:
         return ""
 
 
-class Server:
-    """``model``: the fast random-weight fixture by default; None serves the product's default
-    model, exactly as a user who passes no --model."""
+class Server(ServerProcess):
+    """``diffserve serve`` exactly as a user starts it. ``model``: the fast random-weight fixture
+    by default; None serves the product's default model, as a user who passes no --model."""
 
     def __init__(self, *args: str, model: str | None = "tiny-sd",
                  env: dict[str, str] | None = None, timeout_s: float = 120):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         if model is not None and "--model" not in args:
             args = ("--model", model, *args)
-        self.args = ["--port", str(self.port), *args]
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.timeout_s = timeout_s
-        self.lines: list[str] = []
-        self._lines: queue.Queue[str | None] = queue.Queue()
+        port = free_port()
+        log = Path(tempfile.mkdtemp(prefix="diffserve-test-")) / "server.log"
+        super().__init__(diffserve_command("--port", str(port), *args), port, log, env=env,
+                         startup_timeout_s=timeout_s)
 
-    def start(self) -> "Server":
-        self.proc = subprocess.Popen([sys.executable, "-m", "diffserve", "serve", *self.args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=self.env)
-        threading.Thread(target=self._pump, daemon=True).start()
-        return self
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def wait_for_line(self, text: str, timeout_s: float | None = None) -> bool:
-        """Block until the server prints ``text`` (True) or exits (False)."""
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+    def wait_for_line(self, text: str, timeout_s: float = 60) -> bool:
+        """Wait until the server logs ``text`` (True) or exits without it (False). The log is a
+        file: it is read again every 20 ms, the server having no other way to say it."""
+        deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"server did not print {text!r}:\n{self.log}") from None
-            if line is None:
-                return False
-            if text in line:
+            if text in self.log:
                 return True
-
-    def wait_ready(self) -> "Server":
-        if not self.wait_for_line(READY_LINE):
-            raise RuntimeError(f"server exited with {self.proc.wait()}:\n{self.log}")
-        return self
-
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
+            if self.proc.poll() is not None:
+                return text in self.log
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not log {text!r}:\n{self.log}")
+            time.sleep(0.02)
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 120), **kwargs)
-
-    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-
-    def __enter__(self) -> "Server":
-        return self.start().wait_ready()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def decode(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
-def metric(text: str, name: str) -> float:
-    """A sample's value from Prometheus text (0 if absent); ``name`` may include labels."""
-    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` whose labels include ``labels`` (0 if none)."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                total += sample.value
+    return total
 
 
-def wait_for_metric(server: "Server", name: str, predicate, timeout_s: float = 60) -> float:
+def wait_for_metric(server: "Server", name: str, predicate, timeout_s: float = 60,
+                    **labels: str) -> float:
     """Poll /metrics until ``predicate(value)``: the server exposes no push event for this."""
     deadline = time.monotonic() + timeout_s
     with server.client() as c:
         while True:
-            value = metric(c.get("/metrics").text, name)
+            value = metric(c.get("/metrics").text, name, **labels)
             if predicate(value):
                 return value
             if time.monotonic() > deadline:

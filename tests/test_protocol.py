@@ -1,38 +1,53 @@
 import dataclasses
 
+import msgspec
 import numpy as np
 import pytest
 
 from diffserve.protocol import (
-    PER_SAMPLE,
-    SHARED,
-    Batch,
-    BatchResult,
-    GenerationRequest,
-    ImageMeta,
+    CALL,
+    PAYLOADS,
+    REQUEST_MODE,
+    SAMPLE,
+    SHAPE,
+    STEP_MODE,
+    ImageRequest,
+    ItemResult,
+    ItemsDone,
     Kind,
-    Sample,
+    ProtocolError,
+    Work,
+    WorkItem,
     decode,
     encode,
     fields_with_role,
+    signature_fields,
 )
 from helpers import make_request
 
 
 def test_every_request_field_declares_its_batching_role():
-    roles = {f.name: f.metadata.get("batch") for f in dataclasses.fields(GenerationRequest)}
+    roles = {f.name: f.metadata.get("batch") for f in dataclasses.fields(ImageRequest)}
     assert all(role is not None for role in roles.values()), roles
 
 
-def test_signature_comes_from_shared_fields_only():
-    shared = fields_with_role(GenerationRequest, SHARED)
-    assert {"width", "height", "num_inference_steps", "guidance_scale", "model"} <= set(shared)
-    assert {"prompt", "negative_prompt", "seed", "n"} <= set(fields_with_role(GenerationRequest, PER_SAMPLE))
+def test_the_signature_follows_the_mode():
+    assert {"model", "width", "height"} == set(fields_with_role(ImageRequest, SHAPE))
+    assert {"num_inference_steps", "guidance_scale", "strength", "task"} == set(
+        fields_with_role(ImageRequest, CALL))
+    assert {"prompt", "negative_prompt", "seed", "n"} <= set(fields_with_role(ImageRequest, SAMPLE))
+    assert set(signature_fields(ImageRequest, STEP_MODE)) == {"model", "width", "height"}
+    assert set(signature_fields(ImageRequest, REQUEST_MODE)) == {
+        "model", "width", "height", "num_inference_steps", "guidance_scale", "strength", "task"}
     a = make_request(prompt="x", seed=1, n=1)
-    b = make_request(prompt="y", seed=2, n=4, negative_prompt="z")
-    assert a.batch_signature() == b.batch_signature()
-    for change in ({"width": 128}, {"num_inference_steps": 9}, {"guidance_scale": 1.0}, {"model": "m"}):
-        assert dataclasses.replace(a, **change).batch_signature() != a.batch_signature()
+    b = make_request(prompt="y", seed=2, n=4, negative_prompt="z", partial_images=2)
+    assert a.signature(REQUEST_MODE) == b.signature(REQUEST_MODE)
+    for change in ({"num_inference_steps": 9}, {"guidance_scale": 1.0}, {"task": "edit"}):
+        changed = dataclasses.replace(a, **change)
+        assert changed.signature(REQUEST_MODE) != a.signature(REQUEST_MODE)
+        assert changed.signature(STEP_MODE) == a.signature(STEP_MODE)
+    for change in ({"width": 128}, {"model": "m"}):
+        assert dataclasses.replace(a, **change).signature(STEP_MODE) != a.signature(STEP_MODE)
 
 
 def test_undeclared_field_is_rejected():
@@ -41,26 +56,45 @@ def test_undeclared_field_is_rejected():
         x: int = 0
 
     with pytest.raises(TypeError, match="batching role"):
-        fields_with_role(Bad, SHARED)
+        fields_with_role(Bad, SHAPE)
 
 
 def test_messages_round_trip_with_raw_buffers():
-    request = make_request(n=2, seed=7)
-    kind, decoded, buffers = decode(encode(Kind.GENERATE, request))
-    assert kind is Kind.GENERATE and decoded == request and buffers == []
+    request = make_request(n=2, seed=7, task="edit", strength=0.5)
+    image = np.zeros((64, 64, 3), np.uint8)
+    kind, decoded, buffers = decode(encode(Kind.GENERATE, request, [image.tobytes()]))
+    assert kind is Kind.GENERATE and decoded == request and buffers == [image.tobytes()]
+    assert decoded.input_frames == 1
 
-    batch = Batch(3, request.shared_params(), [Sample(request.request_id, 0, "p", "", 7)])
-    assert decode(encode(Kind.BATCH, batch))[1] == batch
+    work = Work(3, [WorkItem(request, 0, 2)])
+    assert decode(encode(Kind.WORK, work))[1] == work
 
     pixels = np.arange(2 * 4 * 3, dtype=np.uint8).reshape(2, 4, 3)
-    result = BatchResult(3, 4, 2, 0.5, [ImageMeta(request.request_id, 0, 7)], {})
-    frames = encode(Kind.BATCH_RESULT, result, [pixels])
+    done = ItemsDone(4, 2, [ItemResult(request.request_id, 0, 1, 0.5)])
+    frames = encode(Kind.ITEMS_DONE, done, [pixels])
     assert frames[1] is pixels  # the pixel buffer is sent as it is, not serialised
     kind, decoded, buffers = decode([frames[0], pixels.tobytes()])
-    assert decoded == result and buffers == [pixels.tobytes()]
+    assert decoded == done and buffers == [pixels.tobytes()]
 
 
 def test_every_kind_has_a_payload_type():
-    from diffserve.protocol import _PAYLOADS
+    assert set(PAYLOADS) == set(Kind)
 
-    assert set(_PAYLOADS) == set(Kind)
+
+@pytest.mark.parametrize("frames", [
+    [],
+    [b""],
+    [bytes([99]) + msgspec.msgpack.encode({})],
+    [bytes([Kind.GENERATE]) + b"\xc1garbage"],
+    [bytes([Kind.GENERATE]) + msgspec.msgpack.encode({"request_id": "x"})],  # fields missing
+    [bytes([Kind.WORK]) + msgspec.msgpack.encode({"work_id": "one", "items": []})],  # wrong type
+    [bytes([Kind.ABORT]) + msgspec.msgpack.encode({"request_id": 5})],
+])
+def test_a_malformed_message_fails_loudly_at_the_boundary(frames):
+    with pytest.raises(ProtocolError):
+        decode(frames)
+
+
+def test_encode_refuses_a_payload_of_the_wrong_type():
+    with pytest.raises(ProtocolError):
+        encode(Kind.WORK, make_request())

@@ -17,6 +17,7 @@ from server import (
     descendants,
     metric,
     pids_titled,
+    session_members,
     wait_for_metric,
 )
 
@@ -35,11 +36,16 @@ def wait_running(server: Server, count: int = 1) -> None:
     wait_for_metric(server, "diffserve_num_requests_running", lambda v: v >= count)
 
 
-@pytest.fixture(scope="module")
-def serial_server():
-    """Batches of one, so a slow request holds the executor while others queue."""
+MODES = ["step", "request"]
+
+
+@pytest.fixture(scope="module", params=MODES)
+def serial_server(request):
+    """Batches of one image, so a slow request holds the executor while others queue."""
     srv = Server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
-                 "--max-queue-size", "2", "--request-timeout-s", "300").start().wait_ready()
+                 "--max-queue-size", "2", "--request-timeout-s", "300",
+                 "--batching-mode", request.param).start()
+    srv.mode = request.param
     yield srv
     assert srv.stop() == 0, srv.log
 
@@ -58,7 +64,7 @@ def test_overload_gets_429_with_retry_after_and_accepted_requests_complete(seria
             assert r.headers["retry-after"] == "1"
             assert_openai_error(r, 429, code="overloaded")
     text = httpx.get(serial_server.url + "/metrics").text
-    assert metric(text, 'diffserve_requests_total{status="rejected"}') >= 4
+    assert metric(text, "diffserve_requests_total", status="rejected") >= 4
 
 
 def test_queued_request_of_a_departed_client_never_runs(serial_server):
@@ -75,17 +81,20 @@ def test_queued_request_of_a_departed_client_never_runs(serial_server):
     with serial_server.client() as c:
         after = c.get("/metrics").text
     assert metric(after, "diffserve_batch_size_count") - metric(before, "diffserve_batch_size_count") == 1
-    assert metric(after, 'diffserve_requests_total{status="cancelled"}') > metric(
-        before, 'diffserve_requests_total{status="cancelled"}')
+    assert metric(after, "diffserve_requests_total", status="cancelled") > metric(
+        before, "diffserve_requests_total", status="cancelled")
 
 
-def test_running_batch_stops_early_when_its_only_client_leaves(serial_server):
+def test_running_work_stops_early_when_its_only_client_leaves(serial_server):
+    # Request mode stops the pipeline call; step mode drops the request from the running set.
+    name, labels = (("diffserve_batches_interrupted_total", {}) if serial_server.mode == "request"
+                    else ("diffserve_step_retirements_total", {"outcome": "cancelled"}))
     with pytest.raises(httpx.ReadTimeout):
         with serial_server.client(timeout=httpx.Timeout(120, read=1.0)) as c:
             r = c.post(GENERATE, json={**SLOW, "num_inference_steps": 900})
             pytest.fail(f"answered before the client left: {r.status_code} {r.text}")
     started = time.monotonic()
-    wait_for_metric(serial_server, "diffserve_batches_interrupted_total", lambda v: v >= 1)
+    wait_for_metric(serial_server, name, lambda v: v >= 1, **labels)
     # 900 steps take far longer than this; the interrupt lands at the next step.
     assert time.monotonic() - started < 10
     assert post(serial_server, FAST).status_code == 200
@@ -105,8 +114,10 @@ def test_request_waiting_past_the_timeout_gets_503_and_never_runs():
         assert metric(text, "diffserve_images_generated_total") == 1
 
 
-def test_executor_crash_fails_its_requests_fast_restarts_and_runs_the_queue():
-    with Server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000") as srv:
+@pytest.mark.parametrize("mode", MODES)
+def test_executor_crash_fails_its_requests_fast_restarts_and_runs_the_queue(mode):
+    with Server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
+                "--batching-mode", mode) as srv:
         (executor,) = pids_titled(srv.proc.pid, "diffserve::executor")
         with ThreadPoolExecutor(2) as pool:
             slow = pool.submit(post, srv, SLOW)
@@ -122,16 +133,18 @@ def test_executor_crash_fails_its_requests_fast_restarts_and_runs_the_queue():
         assert_openai_error(failed, 500)
         assert "executor" in failed.json()["error"]["message"]
         assert answered_in < 2.0, f"answered {answered_in:.2f} s after the executor died"
-        assert_openai_error(health, 503)
+        assert health.status_code == 503
+        assert health.json()["executors"][0]["state"] in ("restarting", "starting")
         assert done.status_code == 200, done.text  # the queued one ran on the new executor
         assert httpx.get(srv.url + "/health").status_code == 200
         assert pids_titled(srv.proc.pid, "diffserve::executor") != [executor]
+        assert httpx.get(srv.url + "/health").json()["executors"][0]["restarts"] == 1
         text = httpx.get(srv.url + "/metrics").text
-        assert metric(text, "diffserve_executor_restarts_total") == 1
+        assert metric(text, "diffserve_executor_restarts_total", executor="0") == 1
 
 
 def test_scheduler_crash_answers_503_and_the_server_exits_nonzero():
-    srv = Server("--max-inference-steps", "1000").start().wait_ready()
+    srv = Server("--max-inference-steps", "1000").start()
     root = srv.proc.pid
     try:
         (scheduler,) = pids_titled(root, "diffserve::scheduler")
@@ -145,14 +158,14 @@ def test_scheduler_crash_answers_503_and_the_server_exits_nonzero():
         assert_openai_error(response, 503)
         assert answered_in < 2.0
         assert srv.proc.wait(30) == 1
-        assert descendants(root) == []  # the executor died with its parent
+        assert session_members(root) == [], "processes left behind"  # the executor died with its parent
     finally:
         srv.stop()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig):
-    srv = Server("--dynamic-batch-max-size", "1", "--shutdown-timeout-s", "600").start().wait_ready()
+    srv = Server("--dynamic-batch-max-size", "1", "--shutdown-timeout-s", "600").start()
     root = srv.proc.pid
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(post, srv, {**SLOW, "num_inference_steps": 60})]
@@ -168,12 +181,12 @@ def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig):
             pass  # the listener is closed already: refused, which is also "not accepted"
         assert [f.result().status_code for f in futures] == [200, 200, 200]
     assert srv.proc.wait(60) == 0, srv.log
-    assert descendants(root) == []
+    assert session_members(root) == [], "processes left behind"
 
 
 def test_shutdown_timeout_answers_what_is_left_with_503():
     srv = Server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
-                 "--shutdown-timeout-s", "0.5").start().wait_ready()
+                 "--shutdown-timeout-s", "0.5").start()
     root = srv.proc.pid
     with ThreadPoolExecutor(2) as pool:
         slow = pool.submit(post, srv, {**SLOW, "num_inference_steps": 900})
@@ -184,7 +197,7 @@ def test_shutdown_timeout_answers_what_is_left_with_503():
         assert_openai_error(slow.result(), 503)
         assert_openai_error(queued.result(), 503)
     assert srv.proc.wait(60) == 0, srv.log
-    assert descendants(root) == []
+    assert session_members(root) == [], "processes left behind"
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
@@ -210,7 +223,7 @@ def test_oversized_body_gets_413():
 
 
 def test_children_die_with_a_killed_frontend():
-    srv = Server().start().wait_ready()
+    srv = Server().start()
     children = descendants(srv.proc.pid)
     assert len(children) >= 2
     srv.proc.kill()

@@ -10,9 +10,18 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffserve.executor.runner import ModelRunner
-from diffserve.protocol import Sample
-from server import Server, assert_openai_error, decode, descendants, metric, process_title
+from diffserve.executor.loading import load_model
+from helpers import make_request
+from reference import solo
+from server import (
+    Server,
+    assert_openai_error,
+    decode,
+    descendants,
+    metric,
+    process_title,
+    session_members,
+)
 
 METRIC_NAMES = [
     "diffserve_requests_total", "diffserve_num_requests_waiting", "diffserve_num_requests_running",
@@ -23,25 +32,23 @@ METRIC_NAMES = [
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--dynamic-batch-max-size", "8", "--dynamic-batch-delay-ms", "50").start().wait_ready()
+    srv = Server("--dynamic-batch-max-size", "8", "--dynamic-batch-delay-ms", "50").start()
     pid = srv.proc.pid
     yield srv
     assert srv.stop() == 0, srv.log
-    assert descendants(pid) == [], "processes left behind after shutdown"
+    assert session_members(pid) == [], "processes left behind after shutdown"
 
 
 @pytest.fixture(scope="module")
 def reference():
-    """The same embedded model in this process, to compute each request's solo image."""
-    runner = ModelRunner("tiny-sd", "tiny-sd", torch_threads=1)
+    """The same model, as the plain diffusers pipeline in this process: each request's solo image."""
+    loaded = load_model("tiny-sd", torch_threads=1)
 
-    def solo(prompt: str, seed: int, negative_prompt: str = "") -> np.ndarray:
-        info = runner.info
-        params = {"width": info.width, "height": info.height, "guidance_scale": info.default_guidance_scale,
-                  "num_inference_steps": info.default_steps}
-        return runner.generate(params, [Sample("solo", 0, prompt, negative_prompt, seed)])[0]
+    def alone(prompt: str, seed: int, negative_prompt: str = "") -> np.ndarray:
+        request = make_request(prompt=prompt, seed=seed, negative_prompt=negative_prompt)
+        return solo(loaded, {}, request)[0]
 
-    return solo
+    return alone
 
 
 def test_processes_are_named(server):
@@ -214,7 +221,6 @@ def test_flux_family_serves_end_to_end():
     ("tests", "could not load model"),
 ])
 def test_a_model_that_cannot_load_stops_the_server_with_a_clear_message(model, message):
-    srv = Server("--model", model).start()
+    srv = Server("--model", model).launch()
     assert srv.proc.wait(120) == 1
-    srv.wait_for_line("\0", timeout_s=30)  # drain the output to its end
     assert message in srv.log, srv.log

@@ -1,4 +1,5 @@
-"""The HTTP API: OpenAI-style images endpoints, models, health and metrics.
+"""The HTTP API: OpenAI-style images endpoints (generations and edits, plain or streamed), models,
+health, metrics and the playground page.
 
 Every error leaves through :func:`error_response`, the one place where errors become HTTP.
 """
@@ -10,12 +11,14 @@ import hmac
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from importlib import resources
 
 import orjson
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ValidationError
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffserve import metrics as metrics_module
@@ -30,10 +33,20 @@ from diffserve.errors import (
     unauthorized,
     unavailable,
 )
+from diffserve.frontend import streaming
 from diffserve.frontend.encode import encode_images
-from diffserve.frontend.engine_client import EngineClient
-from diffserve.frontend.schemas import ImageGenerationRequest, ModelCard, ModelList
+from diffserve.frontend.engine_client import Done, EngineClient
+from diffserve.frontend.schemas import (
+    ImageEditForm,
+    ImageGenerationRequest,
+    ImageOptions,
+    ImagesResponse,
+    ModelCard,
+    ModelList,
+)
+from diffserve.frontend.uploads import decode_inputs, parse_form, read_limited
 from diffserve.frontend.validation import to_engine_request
+from diffserve.protocol import EDIT, GENERATE, INPAINT, ImageRequest
 
 
 class OrjsonResponse(JSONResponse):
@@ -72,30 +85,33 @@ def _json_body(model: type[BaseModel]) -> dict:
         "application/json": {"schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
 
-async def parse_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
-    """Parse the body as JSON whatever its content type (``curl -d`` sends form encoding)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise body_too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise validation_error([{"type": "json_invalid"}]) from None
+def _form_body(model: type[BaseModel]) -> dict:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema["properties"] = {"image": {"type": "string", "format": "binary"},
+                            "mask": {"type": "string", "format": "binary"}, **schema["properties"]}
+    schema["required"] = ["image", *schema.get("required", [])]
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
+
+
+def _validate(model: type[BaseModel], data) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as error:
         raise validation_error(error.errors()) from None
 
 
+async def parse_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    """Parse the body as JSON whatever its content type (``curl -d`` sends form encoding)."""
+    raw = await read_limited(request.stream(), limit, request.headers.get("content-length"))
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise validation_error([{"type": "json_invalid"}]) from None
+    return _validate(model, data)
+
+
 class BearerAuth:
-    """``Authorization: Bearer <key>`` on /v1/*; /health and /metrics stay open for probes.
+    """``Authorization: Bearer <key>`` on /v1/*; /health, /metrics and the page stay open.
     A plain ASGI middleware, so it does not get between a handler and disconnect events."""
 
     def __init__(self, app, key: str) -> None:
@@ -139,11 +155,16 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+def _outcome(error: APIError) -> str:
+    return "rejected" if error.status == 429 else "invalid" if error.status < 500 else "failed"
+
+
 def create_app(config: ServerConfig, engine: EngineClient) -> FastAPI:
     m = metrics_module.metrics()
-    encoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode")
-    app = FastAPI(title="diffserve", version="0.1.0",
-                  description="OpenAI-style image generation with dynamic batching.")
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode")
+    playground = resources.files("diffserve.frontend").joinpath("static/index.html").read_text()
+    app = FastAPI(title="diffserve", version="0.2.0",
+                  description="OpenAI-style image generation and editing with dynamic batching.")
 
     if config.api_key:
         app.add_middleware(BearerAuth, key=config.api_key)
@@ -168,58 +189,161 @@ def create_app(config: ServerConfig, engine: EngineClient) -> FastAPI:
     async def _unexpected(request: Request, exc: Exception):
         return error_response(internal_error())
 
-    @app.post("/v1/images/generations", openapi_extra=_json_body(ImageGenerationRequest))
-    async def generate_images(http_request: Request):
-        arrival = time.time()
-        start = time.perf_counter()
-        outcome = "cancelled"
-        try:
-            body = await parse_body(http_request, ImageGenerationRequest, config.max_body_bytes)
-            info = engine.model_info
-            request = to_engine_request(body, f"img-{uuid.uuid4().hex}", arrival, info, config)
-            if engine.draining:
-                raise unavailable("The server is shutting down.", "shutting_down")
-            if not engine.engine_ready:
-                raise unavailable("The model is not ready (the executor is starting or "
-                                  "restarting); retry shortly.", "engine_not_ready")
-            answer = await until_disconnected(http_request, engine.generate(request))
-            if answer is None:
-                return Response(status_code=499)  # nobody is listening; the work was dropped
-            done, frames = answer
-            encoded = await encode_images(encoder, frames, done.width, done.height,
-                                          body.output_format, body.output_compression)
-            outcome = "success"
+    def check_serving() -> None:
+        if engine.draining:
+            raise unavailable("The server is shutting down.", "shutting_down")
+        if not engine.ready:
+            raise unavailable("The model is not ready (no executor is serving: starting or "
+                              "restarting); retry shortly.", "engine_not_ready")
+
+    async def answer(http_request: Request, request: ImageRequest, frames: list, body: ImageOptions,
+                     prefix: str, arrival: float, start: float):
+        """Run an accepted request and answer it, as one JSON body or as a stream."""
+        info = engine.model_info
+        cells = (request.width // info.spatial_stride) * (request.height // info.spatial_stride)
+        image_tokens = cells if frames else 0
+        common = {"created_at": int(arrival), "size": f"{request.width}x{request.height}",
+                  "quality": body.quality, "background": "opaque",
+                  "output_format": body.output_format}
+
+        def usage(text_tokens: int, images: int) -> dict:
+            inputs = text_tokens + image_tokens
+            return {"input_tokens": inputs, "output_tokens": images * cells,
+                    "total_tokens": inputs + images * cells,
+                    "input_tokens_details": {"image_tokens": image_tokens, "text_tokens": text_tokens}}
+
+        def encode(frames_: list):
+            return encode_images(pool, frames_, request.width, request.height, body.output_format,
+                                 body.output_compression)
+
+        if not body.stream:
+            done = await until_disconnected(http_request, engine.generate(request, frames))
+            if done is None:
+                return None  # nobody is listening; the work was dropped
+            encoded = await encode(done.frames)
             return OrjsonResponse({
                 "created": int(arrival),
-                "data": [{"b64_json": b64, "seed": seed} for b64, seed in zip(encoded, done.seeds)],
-                "output_format": body.output_format,
-                "size": f"{done.width}x{done.height}",
+                "data": [{"b64_json": b64, "seed": seed} for b64, seed in zip(encoded, done.done.seeds)],
+                "output_format": body.output_format, "size": common["size"],
+                "quality": body.quality, "background": "opaque",
+                "usage": usage(done.done.prompt_tokens, request.n),
             })
+
+        events = engine.submit(request, frames)
+        # The first event decides the status: a request that fails before anything was
+        # streamed gets an ordinary error response.
+        first = await until_disconnected(http_request, anext(events))
+        if first is None:
+            return None
+
+        async def stream():
+            outcome = "cancelled"
+            try:
+                async with aclosing(events):
+                    event = first
+                    while True:
+                        if isinstance(event, Done):
+                            encoded = await encode(event.frames)
+                            for i, (b64, seed) in enumerate(zip(encoded, event.done.seeds)):
+                                yield streaming.completed(prefix, common, b64,
+                                                          usage(event.done.prompt_tokens, 1), i,
+                                                          request.n, seed)
+                            outcome = "success"
+                            return
+                        (b64,) = await encode([event.frame])
+                        yield streaming.partial_image(prefix, common, b64,
+                                                      event.partial.partial_index,
+                                                      event.partial.index, request.n)
+                        event = await anext(events)
+            except APIError as error:
+                outcome = _outcome(error)
+                yield streaming.error(error.body())
+            finally:
+                m.requests_total.labels(status=outcome).inc()
+                m.request_latency_seconds.observe(time.perf_counter() - start)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=None)
+
+    async def serve_images(http_request: Request, prepare, prefix: str):
+        """Validate, run and answer; count the outcome once (streams count their own)."""
+        arrival, start = time.time(), time.perf_counter()
+        outcome, streamed = "cancelled", False
+        try:
+            request, frames, body = await prepare()
+            check_serving()
+            response = await answer(http_request, request, frames, body, prefix, arrival, start)
+            if response is None:
+                return Response(status_code=499)  # the client left; its work was dropped
+            streamed = isinstance(response, StreamingResponse)
+            outcome = "success"
+            return response
         except APIError as error:
-            outcome = ("rejected" if error.status == 429 else
-                       "invalid" if error.status < 500 else "failed")
+            outcome = _outcome(error)
             raise
         except Exception:
             outcome = "failed"
             raise
         finally:
-            m.requests_total.labels(status=outcome).inc()
-            m.request_latency_seconds.observe(time.perf_counter() - start)
+            if not streamed:
+                m.requests_total.labels(status=outcome).inc()
+                m.request_latency_seconds.observe(time.perf_counter() - start)
+
+    @app.post("/v1/images/generations", openapi_extra=_json_body(ImageGenerationRequest),
+              responses={200: {"model": ImagesResponse}})
+    async def generate_images(http_request: Request):
+        async def prepare():
+            body = await parse_body(http_request, ImageGenerationRequest, config.max_body_bytes)
+            request = to_engine_request(body, f"img-{uuid.uuid4().hex}", engine.model_info, config)
+            return request, [], body
+
+        return await serve_images(http_request, prepare, streaming.GENERATION)
+
+    @app.post("/v1/images/edits", openapi_extra=_form_body(ImageEditForm),
+              responses={200: {"model": ImagesResponse}})
+    async def edit_images(http_request: Request):
+        async def prepare():
+            raw = await read_limited(http_request.stream(), config.max_upload_bytes,
+                                     http_request.headers.get("content-length"))
+            form = await parse_form(http_request.headers, raw, config.max_upload_bytes)
+            body = _validate(ImageEditForm, form.fields)
+            task = INPAINT if form.mask is not None else EDIT
+            request = to_engine_request(body, f"edit-{uuid.uuid4().hex}", engine.model_info,
+                                        config, task)
+            frames = await asyncio.get_running_loop().run_in_executor(
+                pool, decode_inputs, form, request.width, request.height, config.max_input_pixels)
+            return request, frames, body
+
+        return await serve_images(http_request, prepare, streaming.EDIT)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models():
-        return ModelList(data=[ModelCard(id=engine.model_info.name, created=int(app_started))])
+        info = engine.model_info
+        return ModelList(data=[ModelCard(
+            id=info.name, created=int(app_started), pipeline=info.pipeline_class,
+            batching_mode=info.batching_mode, tasks=info.tasks,
+            partial_images=info.partial_images)])
 
     @app.get("/health")
     async def health():
-        if engine.engine_ready and not engine.stopped_reason:
-            return {"status": "ok", "model": engine.model_info.name}
-        raise unavailable(engine.stopped_reason or "The model is not ready.", "not_ready")
+        info = engine.model_info
+        body = {"status": "ok" if engine.ready else "unavailable", "model": info.name,
+                "batching_mode": info.batching_mode,
+                "executors": [{"index": e.index, "state": e.state, "device": e.device,
+                               "pid": e.pid, "restarts": e.restarts}
+                              for e in engine.status.executors]}
+        if engine.stopped_reason:
+            body["reason"] = engine.stopped_reason
+        return JSONResponse(body, status_code=200 if engine.ready else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics():
         body, content_type = metrics_module.render()
         return Response(body, media_type=content_type)
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return HTMLResponse(playground)
 
     app_started = time.time()
     return app

@@ -1,31 +1,57 @@
-"""The frontend's end of the ZMQ link to the scheduler.
+"""The frontend's end of the ZMQ link to the engine (the scheduler and its executors).
 
-One long-lived socket per direction (the frontend binds both), one future per request, and a
-single reader task that routes every answer to its future.
+One long-lived socket per direction (the frontend binds both), one queue per request, and a
+single reader task that routes every message to its request: previews as they come, then one
+final answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
 
 from diffserve.errors import APIError, engine_error, unavailable
-from diffserve.protocol import Abort, GenerationRequest, Kind, ModelInfo, RequestDone, decode, encode
+from diffserve.protocol import (
+    Abort,
+    EngineStatus,
+    ImageRequest,
+    Kind,
+    ModelInfo,
+    Partial,
+    RequestDone,
+    decode,
+    encode,
+)
 
 
 class StartupError(RuntimeError):
     pass
 
 
+@dataclass
+class Preview:
+    """A partial image of one of the request's images."""
+
+    partial: Partial
+    frame: Any
+
+
+@dataclass
+class Done:
+    done: RequestDone
+    frames: list[Any]
+
+
 class EngineClient:
     def __init__(self, ctx: zmq.Context, ipc_dir: str) -> None:
         self.request_addr = f"ipc://{ipc_dir}/requests"
         self.result_addr = f"ipc://{ipc_dir}/results"
-        self._ctx = ctx
         self._out = ctx.socket(zmq.PUSH)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(self.request_addr)
@@ -34,11 +60,16 @@ class EngineClient:
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.bind(self.result_addr)
         self.model_info: ModelInfo | None = None
-        self.engine_ready = False
+        self.status = EngineStatus([])
         self.draining = False  # stopping: refuse new work, finish what was accepted
         self.stopped_reason: str | None = None
-        self._pending: dict[str, asyncio.Future] = {}
+        self._pending: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+
+    @property
+    def ready(self) -> bool:
+        """At least one executor serves, and the engine has not stopped."""
+        return self.status.ready and not self.stopped_reason
 
     def wait_ready(self, scheduler_sentinel: int, timeout_s: float) -> ModelInfo:
         """Block until the scheduler reports a loaded model (before the event loop starts)."""
@@ -55,10 +86,13 @@ class EngineClient:
             if self._in in events:
                 kind, msg, _ = decode(self._in.recv_multipart())
                 if kind is Kind.READY:
-                    self.model_info, self.engine_ready = msg, True
-                    return msg
-                if kind is Kind.FATAL:
+                    self.model_info = msg
+                elif kind is Kind.ENGINE_STATUS:
+                    self.status = msg
+                elif kind is Kind.FATAL:
                     raise StartupError(msg.message)
+                if self.model_info is not None and self.status.ready:
+                    return self.model_info
             elif scheduler_sentinel in events:
                 raise StartupError("the scheduler process exited during start-up")
 
@@ -67,54 +101,69 @@ class EngineClient:
         self._in = zmq.asyncio.Socket.from_socket(self._in)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
-
-    async def generate(self, request: GenerationRequest) -> tuple[RequestDone, list[Any]]:
-        """Send a request and wait for its one final answer."""
+    async def submit(self, request: ImageRequest, frames: list[Any] = ()) -> AsyncIterator[Preview | Done]:
+        """Send a request; yields its previews, then its answer. Raises the engine's error for
+        it. Leaving early (the caller went away) tells the engine to drop the work."""
         if self.stopped_reason:
             raise unavailable(self.stopped_reason)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[request.request_id] = future
+        queue: asyncio.Queue = asyncio.Queue()
+        self._pending[request.request_id] = queue
+        answered = False
         try:
-            await self._out.send_multipart(encode(Kind.GENERATE, request))
-            return await future
+            await self._out.send_multipart(encode(Kind.GENERATE, request, frames), copy=False)
+            while True:
+                event = await queue.get()
+                if isinstance(event, Exception):
+                    answered = True
+                    raise event
+                if isinstance(event, Done):
+                    answered = True
+                yield event
+                if answered:
+                    return
         finally:
-            if self._pending.pop(request.request_id, None) is not None:
-                # No answer came (our caller went away, so awaiting it was cancelled): the
-                # scheduler can drop the work.
+            self._pending.pop(request.request_id, None)
+            if not answered:
                 await self._out.send_multipart(encode(Kind.ABORT, Abort(request.request_id)))
+
+    async def generate(self, request: ImageRequest, frames: list[Any] = ()) -> Done:
+        """Send a request and wait for its one final answer (previews are not asked for)."""
+        async with aclosing(self.submit(request, frames)) as events:
+            async for event in events:
+                if isinstance(event, Done):
+                    return event
+        raise RuntimeError("the engine ended a request without an answer")
 
     def fail_all(self, error: APIError) -> None:
         self.stopped_reason = error.message
-        self.engine_ready = False
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(error)
+        for queue in self._pending.values():
+            queue.put_nowait(error)
         self._pending.clear()
+
+    async def drain(self) -> None:
+        """Stopping: what waits is sent to the executors without waiting for company."""
+        self.draining = True
+        await self._out.send_multipart(encode(Kind.DRAIN))
 
     async def _read(self) -> None:
         while True:
             frames = await self._in.recv_multipart(copy=False)
             kind, msg, buffers = decode(frames)
             if kind is Kind.REQUEST_DONE:
-                self._resolve(msg.request_id, (msg, buffers))
+                self._route(msg.request_id, Done(msg, buffers))
+            elif kind is Kind.PARTIAL:
+                self._route(msg.request_id, Preview(msg, buffers[0]))
             elif kind is Kind.REQUEST_FAILED:
-                self._resolve(msg.request_id, engine_error(msg.status, msg.message, msg.type, msg.code))
+                self._route(msg.request_id, engine_error(msg.status, msg.message, msg.type, msg.code))
             elif kind is Kind.ENGINE_STATUS:
-                self.engine_ready = msg.executor_ready
+                self.status = msg
             elif kind is Kind.FATAL:
                 self.fail_all(unavailable(f"the engine stopped: {msg.message}"))
 
-    def _resolve(self, request_id: str, outcome: Any) -> None:
-        future = self._pending.pop(request_id, None)
-        if future is None or future.done():
-            return
-        if isinstance(outcome, Exception):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
+    def _route(self, request_id: str, event: Any) -> None:
+        queue = self._pending.get(request_id)
+        if queue is not None:
+            queue.put_nowait(event)
 
     def send_shutdown(self) -> None:
         try:

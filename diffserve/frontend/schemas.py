@@ -7,13 +7,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 SEED_MAX = 2**32 - 1
+MAX_PARTIAL_IMAGES = 3
+
+Quality = Literal["auto", "low", "medium", "high", "standard", "hd"]
 
 
-class ImageGenerationRequest(BaseModel):
-    """``POST /v1/images/generations``. Field bounds that depend on the server's configuration
-    or on the loaded model are checked in :mod:`diffserve.frontend.validation`."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ImageOptions(BaseModel):
+    """Fields both endpoints take. Bounds that depend on the server's configuration or on the
+    loaded model are checked in :mod:`diffserve.frontend.validation`."""
 
     prompt: str = Field(min_length=1, description="What to draw.")
     model: str | None = Field(None, description="Must be the served model's name if given.")
@@ -22,14 +23,44 @@ class ImageGenerationRequest(BaseModel):
     response_format: Literal["b64_json", "url"] = "b64_json"
     output_format: Literal["png", "jpeg", "webp"] = "png"
     output_compression: int | None = Field(None, ge=0, le=100,
-                                           description="JPEG/WebP quality, 0-100.")
+                                           description="JPEG/WebP quality, PNG effort, 0-100.")
     user: str | None = Field(None, max_length=256)
+    quality: Quality = Field("auto", description="Accepted for compatibility; reported back.")
+    background: Literal["auto", "opaque"] = Field(
+        "auto", description="Accepted for compatibility; images are always opaque.")
+    stream: bool = Field(False, description="Answer with Server-Sent Events.")
+    partial_images: int = Field(0, ge=0, le=MAX_PARTIAL_IMAGES,
+                                description="Streamed previews per image (stream only).")
     # Extensions (the openai client sends them through extra_body).
     seed: int | None = Field(None, ge=0, le=SEED_MAX,
                              description="Seed of image 0; image i uses seed+i.")
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0, le=100)
+
+
+class ImageGenerationRequest(ImageOptions):
+    """``POST /v1/images/generations`` (a JSON body)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ImageEditForm(ImageOptions):
+    """``POST /v1/images/edits``: the multipart form's text fields (values arrive as strings).
+    The files (``image`` or ``image[]``, and ``mask``) are read in
+    :mod:`diffserve.frontend.uploads`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    strength: float = Field(0.8, gt=0, le=1, description="How much of the input image is "
+                            "redrawn: small values stay close to it, 1 starts from pure noise.")
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    total_tokens: int
 
 
 class ImageData(BaseModel):
@@ -39,10 +70,15 @@ class ImageData(BaseModel):
 
 
 class ImagesResponse(BaseModel):
+    """The answer of both endpoints when not streamed."""
+
     created: int
     data: list[ImageData]
     output_format: str
     size: str
+    quality: str
+    background: str
+    usage: Usage
 
 
 class ModelCard(BaseModel):
@@ -50,6 +86,11 @@ class ModelCard(BaseModel):
     object: str = "model"
     created: int
     owned_by: str = "diffserve"
+    # Extensions: what the served pipeline is and does.
+    pipeline: str
+    batching_mode: str
+    tasks: list[str]
+    partial_images: bool
 
 
 class ModelList(BaseModel):

@@ -1,5 +1,5 @@
 """Checks that need the server's configuration or the loaded model, and the step from an HTTP
-body to the engine's :class:`~diffserve.protocol.GenerationRequest`. Pure functions."""
+body to the engine's :class:`~diffserve.protocol.ImageRequest`. Pure functions."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import secrets
 
 from diffserve.config import ServerConfig
 from diffserve.errors import APIError, invalid_request, model_not_found
-from diffserve.frontend.schemas import SEED_MAX, ImageGenerationRequest
-from diffserve.protocol import GenerationRequest, ModelInfo
+from diffserve.frontend.schemas import SEED_MAX, ImageOptions
+from diffserve.protocol import GENERATE, INPAINT, ImageRequest, ModelInfo
 
 _SIZE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
 
@@ -36,10 +36,15 @@ def parse_size(size: str | None, info: ModelInfo, config: ServerConfig) -> tuple
     return width, height
 
 
-def to_engine_request(body: ImageGenerationRequest, request_id: str, arrival_time: float,
-                      info: ModelInfo, config: ServerConfig) -> GenerationRequest:
+def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
+                      config: ServerConfig, task: str = GENERATE) -> ImageRequest:
     if body.model is not None and body.model != info.name:
         raise model_not_found(body.model, info.name)
+    if task not in info.tasks:
+        raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) cannot edit images: "
+                              f"it has no {'inpainting' if task == INPAINT else 'image-to-image'} "
+                              f"pipeline in diffusers (it supports: {', '.join(info.tasks)})",
+                              "mask" if task == INPAINT else "image", "unsupported_task")
     if body.response_format == "url":
         raise invalid_request("response_format 'url' is not supported by this server; use "
                               "'b64_json'", "response_format", "unsupported_value")
@@ -63,13 +68,16 @@ def to_engine_request(body: ImageGenerationRequest, request_id: str, arrival_tim
         raise invalid_request(f"num_inference_steps={steps} is above the limit of {limit} "
                               f"(--max-inference-steps, and the model's noise schedule)",
                               "num_inference_steps", "invalid_value")
+    strength = getattr(body, "strength", 1.0)
+    if task != GENERATE and int(steps * strength) < 1:
+        raise invalid_request(f"strength={strength:g} with num_inference_steps={steps} leaves no "
+                              "denoising step; raise either", "strength", "invalid_value")
     width, height = parse_size(body.size, info, config)
     guidance = info.default_guidance_scale if body.guidance_scale is None else body.guidance_scale
     seed = body.seed if body.seed is not None else secrets.randbelow(SEED_MAX - 1024)
-    return GenerationRequest(
-        request_id=request_id, model=info.name, width=width, height=height,
-        num_inference_steps=steps, guidance_scale=float(guidance), prompt=body.prompt,
-        negative_prompt=body.negative_prompt or "", seed=seed, n=body.n,
-        arrival_time=arrival_time)
-
-
+    return ImageRequest(
+        request_id=request_id, model=info.name, width=width, height=height, task=task,
+        num_inference_steps=steps, guidance_scale=float(guidance), strength=float(strength),
+        prompt=body.prompt, negative_prompt=body.negative_prompt or "", seed=seed, n=body.n,
+        # Previews exist only in a stream; without one they would be decoded for nothing.
+        partial_images=body.partial_images if body.stream else 0)

@@ -12,11 +12,14 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 from diffserve.models.shapes import WEIGHTS_DIR as SHAPES_WEIGHTS
-from diffserve.models.tokenizers import character_t5_tokenizer, write_byte_clip_tokenizer
+from diffserve.models.tokenizers import (character_t5_tokenizer, write_byte_clip_tokenizer,
+                                         write_character_bert_tokenizer)
 
 SERVING_DEFAULTS_FILE = "diffserve.json"
 # Bump when a builder changes so that stale caches are rebuilt rather than reused.
@@ -28,47 +31,202 @@ def cache_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "diffserve"
 
 
-def _clip_text_encoder(torch, hidden: int = 32):
-    from transformers import CLIPTextConfig, CLIPTextModel
+def _clip_text_encoder(torch, hidden: int = 32, *, layers: int = 2, intermediate: int | None = None,
+                       with_projection: bool = False, seed: int = 0):
+    """A CLIP text encoder over the byte tokenizer's 514 ids. ``with_projection`` gives the
+    variant with a pooled projection head (SDXL's second encoder, both of SD3's CLIPs)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    model = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    torch.manual_seed(seed)
+    return model(CLIPTextConfig(
+        vocab_size=514, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=77,
+        bos_token_id=512, eos_token_id=513, pad_token_id=513, projection_dim=hidden))
+
+
+def _t5_encoder(torch, vocab_size: int, d_model: int = 32):
+    """A two-layer T5 encoder (four heads, relative positions) for the character T5 tokenizer."""
+    from transformers import T5Config, T5EncoderModel
 
     torch.manual_seed(0)
-    return CLIPTextModel(CLIPTextConfig(
-        vocab_size=514, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=77, bos_token_id=512, eos_token_id=513,
-        pad_token_id=513, projection_dim=hidden))
+    return T5EncoderModel(T5Config(
+        vocab_size=vocab_size, d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model, num_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, decoder_start_token_id=0))
 
 
-def _vae(torch, **extra):
+def _vae(torch, channels: tuple[int, ...] = (16, 16, 32, 32), norm_groups: int = 8,
+         sample_size: int = 64, latent_channels: int = 4, seed: int = 0, **extra):
     from diffusers import AutoencoderKL
 
-    torch.manual_seed(0)
-    # Four levels: 8x spatial downsampling (64x64 pixels -> 8x8 latents), 4 latent channels.
+    torch.manual_seed(seed)
+    # Four levels by default: 8x spatial downsampling (64x64 pixels -> 8x8 latents).
     return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 16, 32, 32),
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1, norm_num_groups=8, sample_size=64, **extra)
+        in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=channels,
+        down_block_types=("DownEncoderBlock2D",) * len(channels),
+        up_block_types=("UpDecoderBlock2D",) * len(channels), layers_per_block=1,
+        norm_num_groups=norm_groups, sample_size=sample_size, **extra)
 
 
-def build_tiny_sd(directory: Path) -> None:
-    """StableDiffusionPipeline: a two-level UNet with cross-attention, 64x64 native."""
+@dataclass(frozen=True)
+class SDSize:
+    """The knobs that set a Stable Diffusion build's size, and so its cost per step."""
+
+    image_size: int                  # native width and height in pixels (latents are 1/8 of it)
+    unet_channels: tuple[int, ...]   # one UNet level each; all but the deepest have cross-attention
+    unet_norm_groups: int
+    text_hidden: int                 # CLIP width, which is also the UNet's cross-attention width
+    text_layers: int
+    text_intermediate: int
+    vae_channels: tuple[int, ...]
+    vae_norm_groups: int
+    seeds: tuple[int, int, int] = (0, 0, 0)  # weight seeds of the UNet, VAE and text encoder
+
+
+# tiny-sd: about 1.1M parameters in all, so cheap that per-request overheads dominate.
+SD_TINY = SDSize(image_size=64, unet_channels=(32, 64), unet_norm_groups=8, text_hidden=32,
+                 text_layers=2, text_intermediate=64, vae_channels=(16, 16, 32, 32), vae_norm_groups=8)
+# sd-mid: about 36M parameters (UNet about 29M) at 128x128, costly enough per step for batching
+# to matter the way it does with real models. Its seeds make it byte-identical to the model
+# benchmarks/models.py builds by default, which the published benchmark figures were taken on.
+SD_MID = SDSize(image_size=128, unet_channels=(96, 192, 384), unet_norm_groups=32, text_hidden=256,
+                text_layers=4, text_intermediate=1024, vae_channels=(32, 64, 128, 128),
+                vae_norm_groups=32, seeds=(0, 1, 2))
+
+
+def build_tiny_sd(directory: Path, size: SDSize = SD_TINY) -> None:
+    """StableDiffusionPipeline: a UNet with cross-attention, its size from ``size``."""
     import torch
     from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
-    torch.manual_seed(0)
+    levels = len(size.unet_channels)
+    unet_seed, vae_seed, text_seed = size.seeds
+    torch.manual_seed(unet_seed)
     unet = UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-        attention_head_dim=8, norm_num_groups=8)
+        sample_size=size.image_size // 8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=size.unet_channels,
+        down_block_types=("CrossAttnDownBlock2D",) * (levels - 1) + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (levels - 1),
+        cross_attention_dim=size.text_hidden, attention_head_dim=8,
+        norm_num_groups=size.unet_norm_groups)
     pipe = StableDiffusionPipeline(
-        vae=_vae(torch), text_encoder=_clip_text_encoder(torch),
+        vae=_vae(torch, channels=size.vae_channels, norm_groups=size.vae_norm_groups,
+                 sample_size=size.image_size, seed=vae_seed),
+        text_encoder=_clip_text_encoder(torch, size.text_hidden, layers=size.text_layers,
+                                        intermediate=size.text_intermediate, seed=text_seed),
         tokenizer=write_byte_clip_tokenizer(directory / "_tok"), unet=unet,
         scheduler=DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                 clip_sample=False, set_alpha_to_one=False, steps_offset=1),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     shutil.rmtree(directory / "_tok")
     pipe.save_pretrained(directory)
+    _write_defaults(directory, width=size.image_size, height=size.image_size, spatial_stride=8,
+                    num_inference_steps=4, guidance_scale=5.0)
+
+
+def build_tiny_sdxl(directory: Path) -> None:
+    """StableDiffusionXLPipeline: a two-level UNet conditioned on two CLIP encoders (their
+    penultimate hidden states side by side, and the second one's pooled projection together
+    with the size and crop ids), 64x64 native."""
+    import torch
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+
+    # Two encoder widths that differ, as in SDXL (768 and 1280), so a mix-up cannot pass unseen.
+    hidden, hidden_2, time_dim = 32, 64, 8
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(32, 64), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), transformer_layers_per_block=(1, 2),
+        cross_attention_dim=hidden + hidden_2, attention_head_dim=8, use_linear_projection=True,
+        addition_embed_type="text_time", addition_time_embed_dim=time_dim,
+        # Six micro-conditioning ids (original size, crop corner, target size), each embedded in
+        # time_dim channels, next to the second encoder's pooled projection.
+        projection_class_embeddings_input_dim=6 * time_dim + hidden_2, norm_num_groups=8)
+    pipe = StableDiffusionXLPipeline(
+        vae=_vae(torch, scaling_factor=0.13025, force_upcast=False),
+        text_encoder=_clip_text_encoder(torch, hidden),
+        text_encoder_2=_clip_text_encoder(torch, hidden_2, with_projection=True),
+        tokenizer=write_byte_clip_tokenizer(directory / "_tok"),
+        tokenizer_2=write_byte_clip_tokenizer(directory / "_tok"), unet=unet,
+        # SDXL's own scheduler and its settings.
+        scheduler=EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012,
+                                         beta_schedule="scaled_linear", steps_offset=1,
+                                         timestep_spacing="leading"),
+        add_watermarker=False)
+    shutil.rmtree(directory / "_tok")
+    pipe.save_pretrained(directory)
     _write_defaults(directory, width=64, height=64, spatial_stride=8, num_inference_steps=4,
+                    guidance_scale=5.0)
+
+
+def build_tiny_sd3(directory: Path) -> None:
+    """StableDiffusion3Pipeline: a two-block MM-DiT with flow matching, two CLIP encoders and a
+    T5 encoder, 16-channel latents, 64x64 native."""
+    import torch
+    from diffusers import (FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
+
+    # SD3 joins the two CLIPs' hidden states channel-wise (32 + 64 here), pads them to the T5
+    # width and puts the T5 tokens after them: the transformer's text input is T5-wide. Its
+    # pooled input is both CLIPs' projections side by side.
+    clip_l, clip_g, t5_dim = 32, 64, 128
+    t5_tokenizer = character_t5_tokenizer()
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2,
+        attention_head_dim=16, num_attention_heads=2, caption_projection_dim=32,
+        joint_attention_dim=t5_dim, pooled_projection_dim=clip_l + clip_g)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(torch, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False,
+                 shift_factor=0.0609, scaling_factor=1.5305),
+        text_encoder=_clip_text_encoder(torch, clip_l, with_projection=True),
+        tokenizer=write_byte_clip_tokenizer(directory / "_tok"),
+        text_encoder_2=_clip_text_encoder(torch, clip_g, with_projection=True),
+        tokenizer_2=write_byte_clip_tokenizer(directory / "_tok"),
+        text_encoder_3=_t5_encoder(torch, len(t5_tokenizer), t5_dim), tokenizer_3=t5_tokenizer)
+    shutil.rmtree(directory / "_tok")
+    pipe.save_pretrained(directory)
+    # SD3 pads T5 prompts to 256 tokens by default, far more text than image tokens here.
+    _write_defaults(directory, width=64, height=64, spatial_stride=16, num_inference_steps=4,
+                    guidance_scale=5.0, pipeline_kwargs={"max_sequence_length": 32})
+
+
+def build_tiny_hunyuandit(directory: Path) -> None:
+    """HunyuanDiTPipeline: a four-block DiT (one long skip) with BERT and T5 text encoders.
+
+    A regression fixture as much as a model: HunyuanDiTPipeline's ``use_resolution_binning``
+    (on by default) replaces any size outside its ten standard ones by the nearest of them, so a
+    64x64 request comes back 1024x1024 unless the call passes ``use_resolution_binning=False``."""
+    import torch
+    from diffusers import DDPMScheduler, HunyuanDiT2DModel, HunyuanDiTPipeline
+    from transformers import BertConfig, BertModel
+
+    bert_tokenizer = write_character_bert_tokenizer(directory / "_tok")
+    t5_tokenizer = character_t5_tokenizer()
+    torch.manual_seed(0)
+    # The pipeline always sends 77 BERT tokens and 256 T5 tokens (text_len, text_len_t5), and
+    # pools the T5 tokens with 8 heads, so the T5 width must be a multiple of 8. The block count
+    # must be even: the first half feeds long skips into the second (block 0 into block 3 here).
+    transformer = HunyuanDiT2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=4, attention_head_dim=16,
+        num_attention_heads=2, hidden_size=32, cross_attention_dim=32, cross_attention_dim_t5=32,
+        pooled_projection_dim=16, text_len=77, text_len_t5=256)
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(
+        vocab_size=len(bert_tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=77))
+    pipe = HunyuanDiTPipeline(
+        vae=_vae(torch, scaling_factor=0.13025, force_upcast=False), text_encoder=bert,
+        tokenizer=bert_tokenizer, transformer=transformer,
+        scheduler=DDPMScheduler(beta_start=0.00085, beta_end=0.03, beta_schedule="scaled_linear",
+                                prediction_type="v_prediction", clip_sample=False, steps_offset=1),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        text_encoder_2=_t5_encoder(torch, len(t5_tokenizer)), tokenizer_2=t5_tokenizer)
+    shutil.rmtree(directory / "_tok")
+    pipe.save_pretrained(directory)
+    _write_defaults(directory, width=64, height=64, spatial_stride=16, num_inference_steps=4,
                     guidance_scale=5.0)
 
 
@@ -76,7 +234,6 @@ def build_tiny_flux(directory: Path) -> None:
     """FluxPipeline: a one-block MM-DiT with flow matching, CLIP + T5 text encoders, 64x64 native."""
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import T5Config, T5EncoderModel
 
     t5_tokenizer = character_t5_tokenizer()
     torch.manual_seed(0)
@@ -84,10 +241,7 @@ def build_tiny_flux(directory: Path) -> None:
         patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
         axes_dims_rope=(4, 6, 6))
-    torch.manual_seed(0)
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=len(t5_tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, decoder_start_token_id=0))
+    t5 = _t5_encoder(torch, len(t5_tokenizer))
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), transformer=transformer,
         vae=_vae(torch, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
@@ -109,7 +263,17 @@ PACKAGED: dict[str, tuple[str, Path]] = {
 
 EMBEDDED: dict[str, tuple[str, Callable[[Path], None]]] = {
     "tiny-sd": ("Stable Diffusion (UNet) with random weights, 64x64, 4 steps", build_tiny_sd),
+    "sd-mid": ("Stable Diffusion (UNet) with random weights, about 36M parameters, 128x128, 4 steps: "
+               "costly enough per step for batching to matter, for benchmarks",
+               partial(build_tiny_sd, size=SD_MID)),
+    "tiny-sdxl": ("Stable Diffusion XL (UNet, two CLIP encoders) with random weights, 64x64, 4 steps",
+                  build_tiny_sdxl),
+    "tiny-sd3": ("Stable Diffusion 3 (MM-DiT, flow matching, two CLIPs + T5) with random weights, "
+                 "64x64, 4 steps", build_tiny_sd3),
     "tiny-flux": ("Flux (MM-DiT, flow matching) with random weights, 64x64, 4 steps", build_tiny_flux),
+    "tiny-hunyuandit": ("HunyuanDiT (DiT, BERT + T5) with random weights, 64x64, 4 steps; a regression "
+                        "fixture: its pipeline turns a 64x64 request into 1024x1024 unless called "
+                        "with use_resolution_binning=False", build_tiny_hunyuandit),
 }
 
 

@@ -50,3 +50,21 @@ def character_t5_tokenizer():
     pieces += [(c, -3.0) for c in string.printable if not c.isspace()]
     pieces += [(word_start + c, -2.5) for c in string.ascii_letters + string.digits]
     return T5Tokenizer(vocab=pieces, extra_ids=0)
+
+
+def write_character_bert_tokenizer(directory: Path):
+    """A lower-casing WordPiece (BERT) tokenizer over single characters: the five special tokens,
+    lowercase letters, digits and punctuation, then the letters and digits again as word
+    continuations (``##a``) so that a word spells out instead of collapsing to [UNK]. Writes its
+    vocab.txt in ``directory`` and returns the loaded tokenizer."""
+    from transformers import BertTokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    alphanumerics = string.ascii_lowercase + string.digits
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tokens += list(alphanumerics) + list(string.punctuation) + ["##" + c for c in alphanumerics]
+    vocab = directory / "vocab.txt"
+    vocab.write_text("\n".join(tokens) + "\n")
+    tokenizer = BertTokenizer(vocab=str(vocab), do_lower_case=True)
+    vocab.unlink()
+    return tokenizer

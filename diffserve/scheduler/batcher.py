@@ -1,4 +1,4 @@
-"""The dynamic batcher: which waiting images go into the next pipeline call.
+"""The waiting queue and its grouping rules: which waiting images go to an executor next.
 
 A pure object: no sockets, no torch and no clock of its own (every method that needs the time
 takes ``now``), so tests drive it with a fake clock.
@@ -6,26 +6,29 @@ takes ``now``), so tests drive it with a fake clock.
 Rules
 - Size counts images: a request with ``n`` images is ``n`` samples. A request larger than the
   room left is split; its remaining images stay at its place in the queue.
-- The oldest waiting request (the head) is always in the next batch; the batch is filled with
-  later requests of the same signature in arrival order, skipping incompatible ones.
-- A full batch is ready at once. One that is not full is ready once its oldest request has waited
-  ``max_delay_s``, or when the caller forces it out (e.g. draining at shutdown).
+- Requests are grouped by their signature in the engine's batching mode (the fields that mode
+  cannot vary per sample; see :mod:`diffserve.protocol`).
+- The oldest waiting request (the head) is always in the next group taken; the group is filled
+  with later requests of the same signature in arrival order, skipping incompatible ones.
+- A group that fills the room is ready at once. One that does not is ready once its oldest
+  request has waited ``max_delay_s``, or when the caller forces it out (draining at shutdown).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Iterator
 
-from diffserve.protocol import GenerationRequest
+from diffserve.protocol import REQUEST_MODE, ImageRequest
 
 
 @dataclass
 class _Entry:
-    request: GenerationRequest
+    request: ImageRequest
     enqueued_at: float
     signature: tuple
-    next_index: int = 0  # first image of the request not yet handed to a batch
+    next_index: int = 0  # first image of the request not yet handed out
 
     @property
     def remaining(self) -> int:
@@ -34,9 +37,9 @@ class _Entry:
 
 @dataclass(frozen=True)
 class Slice:
-    """Images ``start``..``stop-1`` of ``request``, taken into one batch."""
+    """Images ``start``..``stop-1`` of ``request``, taken together."""
 
-    request: GenerationRequest
+    request: ImageRequest
     start: int
     stop: int
     enqueued_at: float
@@ -47,15 +50,16 @@ class Slice:
 
 
 class Batcher:
-    def __init__(self, max_batch_size: int, max_delay_s: float) -> None:
+    def __init__(self, max_batch_size: int, max_delay_s: float, mode: str = REQUEST_MODE) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_delay_s < 0:
             raise ValueError(f"max_delay_s must be >= 0, got {max_delay_s}")
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_s
-        # Arrival order over all requests, and per signature (same order), so that building a
-        # batch costs O(batch size) however long and mixed the queue is.
+        self.mode = mode
+        # Arrival order over all requests, and per signature (same order), so that taking a
+        # group costs O(group size) however long and mixed the queue is.
         self._queue: OrderedDict[str, _Entry] = OrderedDict()
         self._groups: dict[tuple, OrderedDict[str, _Entry]] = {}
         self._group_images: dict[tuple, int] = {}
@@ -70,60 +74,80 @@ class Batcher:
     def waiting_images(self) -> int:
         return sum(self._group_images.values())
 
-    def add(self, request: GenerationRequest, now: float) -> None:
+    def add(self, request: ImageRequest, now: float) -> None:
         if request.request_id in self._queue:
             raise ValueError(f"request {request.request_id!r} is already waiting")
         if request.n < 1:
             raise ValueError(f"request {request.request_id!r} asks for n={request.n} images")
-        sig = request.batch_signature()
+        sig = request.signature(self.mode)
         entry = _Entry(request, now, sig)
         self._queue[request.request_id] = entry
         self._groups.setdefault(sig, OrderedDict())[request.request_id] = entry
         self._group_images[sig] = self._group_images.get(sig, 0) + request.n
 
     def abort(self, request_id: str) -> bool:
-        """Drop the request's images that have not been batched yet. True if it was waiting."""
+        """Drop the request's images that have not been taken yet. True if it was waiting."""
         entry = self._queue.pop(request_id, None)
         if entry is None:
             return False
         self._unlink(entry)
         return True
 
-    def waiting_ids(self):
+    def waiting_ids(self) -> Iterator[str]:
         """Ids of waiting requests, oldest first."""
         return iter(self._queue)
 
-    def time_until_ready(self, now: float) -> float | None:
-        """Seconds until :meth:`next_batch` returns a batch; None when nothing waits."""
-        head = self._head()
-        if head is None:
-            return None
-        if self._group_images[head.signature] >= self.max_batch_size:
-            return 0.0
-        return max(0.0, head.enqueued_at + self.max_delay_s - now)
+    def head(self) -> tuple[tuple, float] | None:
+        """(signature, enqueued_at) of the oldest waiting request; None when nothing waits."""
+        entry = self._head()
+        return None if entry is None else (entry.signature, entry.enqueued_at)
 
-    def next_batch(self, now: float, force: bool = False) -> list[Slice] | None:
-        """Take the next batch if it is ready (or ``force``); None otherwise."""
-        head = self._head()
-        if head is None:
+    def is_full(self, room: int | None = None) -> bool:
+        """Whether the head's group has enough images to fill ``room`` (default: a whole batch)."""
+        entry = self._head()
+        return entry is not None and self._group_images[entry.signature] >= (room or self.max_batch_size)
+
+    def time_until_ready(self, now: float, room: int | None = None) -> float | None:
+        """Seconds until :meth:`next_batch` returns a group; None when nothing waits."""
+        entry = self._head()
+        if entry is None:
             return None
-        if not force and self.time_until_ready(now) > 0:
+        if self.is_full(room):
+            return 0.0
+        return max(0.0, entry.enqueued_at + self.max_delay_s - now)
+
+    def next_batch(self, now: float, force: bool = False, room: int | None = None) -> list[Slice] | None:
+        """Take the head's group, up to ``room`` images, if it is ready (or ``force``)."""
+        entry = self._head()
+        if entry is None:
             return None
-        sig = head.signature
-        room = self.max_batch_size
+        if not force and self.time_until_ready(now, room) > 0:
+            return None
+        return self._take(entry.signature, room or self.max_batch_size)
+
+    def take(self, signature: tuple, room: int) -> list[Slice] | None:
+        """Take up to ``room`` images of the head's group at once, but only if the head has
+        ``signature``: a running set may take company, never pass over the head."""
+        entry = self._head()
+        if entry is None or entry.signature != signature or room < 1:
+            return None
+        return self._take(signature, room)
+
+    def _take(self, sig: tuple, room: int) -> list[Slice]:
+        left = room
         taken: list[Slice] = []
         finished: list[_Entry] = []
-        for entry in self._groups[sig].values():  # arrival order; stops once the batch is full
-            count = min(room, entry.remaining)
+        for entry in self._groups[sig].values():  # arrival order; stops once the room is used
+            count = min(left, entry.remaining)
             taken.append(Slice(entry.request, entry.next_index, entry.next_index + count,
                                entry.enqueued_at))
             entry.next_index += count
-            room -= count
+            left -= count
             if entry.remaining == 0:
                 finished.append(entry)
-            if room == 0:
+            if left == 0:
                 break
-        self._group_images[sig] -= self.max_batch_size - room
+        self._group_images[sig] -= room - left
         for entry in finished:
             del self._queue[entry.request.request_id]
             self._unlink(entry, images_left=0)

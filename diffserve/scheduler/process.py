@@ -1,7 +1,9 @@
 """Scheduler process: IO around :class:`~diffserve.scheduler.core.SchedulerCore`.
 
-Owns the executor process too: it starts it, watches it (its exit is an event in the same
-poll as the sockets), answers the requests it held when it dies, and starts a new one.
+Sockets: PULL from the frontend, PUSH to it, and one ROUTER to every executor. Each executor
+connects a DEALER whose identity names its slot and its start (``index:generation``), so every
+message to or from an executor is addressed: work, cancels and results always concern a named
+executor, and a message from a process that has since been replaced is recognised and dropped.
 """
 
 from __future__ import annotations
@@ -16,13 +18,11 @@ import zmq
 from diffserve import processes
 from diffserve.config import ServerConfig
 from diffserve.executor.process import ExecutorSpec, run_executor
-from diffserve.protocol import CancelBatch, EngineStatus, Fatal, Kind, decode, encode
+from diffserve.protocol import EngineStatus, Fatal, Kind, ProtocolError, decode, encode
 from diffserve.scheduler.core import Finished, SchedulerCore
+from diffserve.scheduler.supervisor import FAILED, ExecutorSupervisor
 
 log = logging.getLogger(__name__)
-
-# An executor that dies this many times in a row before loading its model will not get better.
-MAX_FAILED_STARTS = 3
 
 
 @dataclass(frozen=True)
@@ -57,21 +57,23 @@ class SchedulerProc:
         from diffserve.metrics import metrics
 
         self.spec = spec
-        self.config = spec.config
-        c = self.config
+        c = self.config = spec.config
         self.core = SchedulerCore(c.dynamic_batch_max_size, c.dynamic_batch_delay_s,
-                                  c.max_queue_size, c.request_timeout_s)
+                                  c.num_executors, c.max_queue_size, c.request_timeout_s)
         self.metrics = metrics()
+        self.metrics.max_queue_size.set(c.max_queue_size)
+        for index in range(c.num_executors):
+            self.metrics.declare_executor(index)
         self.ctx = zmq.Context()
         self.from_frontend = self._socket(zmq.PULL, spec.request_addr, bind=False)
         self.to_frontend = self._socket(zmq.PUSH, spec.result_addr, bind=False)
-        self.batch_addr = f"ipc://{spec.ipc_dir}/batches"
-        self.to_executor = self._socket(zmq.PUSH, self.batch_addr, bind=True)
-        self.executor_result_addr = f"ipc://{spec.ipc_dir}/batch-results"
-        self.from_executor = self._socket(zmq.PULL, self.executor_result_addr, bind=True)
-        self.executor = None
+        self.executor_addr = f"ipc://{spec.ipc_dir}/executors"
+        self.executors = self._socket(zmq.ROUTER, self.executor_addr, bind=True)
+        # A send to an executor that is gone raises instead of vanishing silently.
+        self.executors.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.supervisor = ExecutorSupervisor(c.executor_devices(), self._start_executor)
         self.announced = False  # the frontend has the model info
-        self.failed_starts = 0
+        self.stopping = False
 
     def _socket(self, kind: int, addr: str, bind: bool) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -79,36 +81,40 @@ class SchedulerProc:
         sock.bind(addr) if bind else sock.connect(addr)
         return sock
 
-    def _start_executor(self) -> None:
+    def _start_executor(self, index: int, device: str, identity: bytes):
         c = self.config
-        spec = ExecutorSpec(c.model, c.model_name, c.device, c.dtype, c.torch_threads,
-                            self.batch_addr, self.executor_result_addr, os.getpid(), c.log_level)
-        self.executor = processes.start(run_executor, spec, "diffserve::executor")
-        log.info("started executor pid %d", self.executor.pid)
+        spec = ExecutorSpec(
+            model=c.model, served_name=c.model_name, index=index, device=device, dtype=c.dtype,
+            torch_threads=c.executor_threads(os.cpu_count() or 1), batching_mode=c.batching_mode,
+            address=self.executor_addr, identity=identity, parent_pid=os.getpid(),
+            log_level=c.log_level)
+        return processes.start(run_executor, spec, f"diffserve::executor-{index}")
+
+    # -- the loop --------------------------------------------------------------------------
 
     def run(self) -> None:
-        self._start_executor()
-        poller = zmq.Poller()
-        poller.register(self.from_frontend, zmq.POLLIN)
-        poller.register(self.from_executor, zmq.POLLIN)
-        sentinel = self.executor.sentinel
-        poller.register(sentinel, zmq.POLLIN)
-        while True:
-            events = dict(poller.poll(self._poll_timeout_ms()))
-            if self.from_executor in events:
-                if self._drain_executor() is False:
-                    return
-            if self.from_frontend in events:
-                if self._drain_frontend() is False:
-                    return
-            if sentinel in events:
-                poller.unregister(sentinel)
-                if not self._executor_died():
-                    return
-                sentinel = self.executor.sentinel
+        self.supervisor.start_all()
+        self._publish_status()
+        while not self.stopping:
+            poller = zmq.Poller()
+            poller.register(self.from_frontend, zmq.POLLIN)
+            poller.register(self.executors, zmq.POLLIN)
+            sentinels = self.supervisor.sentinels()
+            for sentinel in sentinels:
                 poller.register(sentinel, zmq.POLLIN)
-            self._answer(self.core.expire(time.monotonic()))
-            self._dispatch()
+            events = dict(poller.poll(self._poll_timeout_ms()))
+            if self.executors in events:
+                self._drain_executors()
+            if self.from_frontend in events and not self.stopping:
+                self._drain_frontend()
+            for sentinel, index in sentinels.items():
+                if sentinel in events and not self.stopping:
+                    self._executor_died(index)
+            if self.stopping:
+                break
+            now = time.monotonic()
+            self._answer(self.core.expire(now))
+            self._dispatch(now)
             self.metrics.num_requests_waiting.set(self.core.num_waiting)
             self.metrics.num_requests_running.set(self.core.num_running)
 
@@ -118,87 +124,119 @@ class SchedulerProc:
             time.sleep(sleep_s)
         return timeout_ms
 
-    def _drain_frontend(self) -> bool:
+    def _drain_frontend(self) -> None:
         now = time.monotonic()
-        while True:
+        while not self.stopping:
             try:
-                frames = self.from_frontend.recv_multipart(zmq.NOBLOCK)
+                frames = self.from_frontend.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return True
-            kind, msg, _ = decode(frames)
+                return
+            try:
+                kind, msg, buffers = decode(frames)
+            except ProtocolError as error:
+                log.error("dropped a malformed message from the frontend: %s", error)
+                continue
             if kind is Kind.GENERATE:
-                rejected = self.core.add(msg, now)
+                rejected = self.core.add(msg, buffers, now)
                 if rejected:
                     self._answer([rejected])
             elif kind is Kind.ABORT:
-                if self.core.abort(msg.request_id):
+                known, cancels = self.core.abort(msg.request_id)
+                if known:
                     self.metrics.requests_cancelled_total.inc()
-                if self.core.abort_leaves_batch_unwanted(msg.request_id):
-                    self.to_executor.send_multipart(encode(
-                        Kind.CANCEL_BATCH, CancelBatch(self.core.running.batch_id)))
+                for index, cancel in cancels:
+                    self._send_executor(index, encode(Kind.CANCEL, cancel))
+            elif kind is Kind.DRAIN:
+                self.core.start_drain()
             elif kind is Kind.SHUTDOWN:
                 self._shutdown()
-                return False
 
-    def _drain_executor(self) -> bool:
+    def _drain_executors(self) -> None:
+        now = time.monotonic()
         while True:
             try:
-                frames = self.from_executor.recv_multipart(zmq.NOBLOCK, copy=False)
+                identity, *frames = self.executors.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return True
-            kind, msg, buffers = decode(frames)
-            if kind is Kind.BATCH_RESULT:
-                self._answer(self.core.complete(msg, buffers))
+                return
+            index = self.supervisor.index_of(identity.bytes)
+            if index is None:
+                continue  # a replaced process's last words
+            try:
+                kind, msg, buffers = decode(frames)
+            except ProtocolError as error:
+                log.error("executor %d sent a malformed message: %s", index, error)
+                continue
+            if kind is Kind.ITEMS_DONE:
+                self._answer(self.core.complete(index, msg, buffers, now))
+            elif kind is Kind.PARTIAL:
+                if self.core.is_live(msg.request_id):
+                    self.to_frontend.send_multipart(encode(Kind.PARTIAL, msg, buffers), copy=False)
             elif kind is Kind.READY:
-                self.core.executor_ready = True
-                self.failed_starts = 0
-                if not self.announced:
-                    self.to_frontend.send_multipart(encode(Kind.READY, msg))
-                    self.announced = True
-                else:
-                    self.to_frontend.send_multipart(encode(Kind.ENGINE_STATUS, EngineStatus(True)))
-                log.info("executor pid %d is ready", self.executor.pid)
-            elif kind is Kind.FATAL and not self.announced:
-                self.to_frontend.send_multipart(encode(Kind.FATAL, msg))
-                self._stop_executor()
-                return False
+                self._executor_loaded(index, msg, now)
             elif kind is Kind.FATAL:
-                log.error("executor could not restart: %s", msg.message)
+                self._executor_cannot_load(index, msg)
 
-    def _executor_died(self) -> bool:
-        """Answer what the dead executor held and start another. False if hopeless."""
-        if not self._drain_executor():  # its last words (a result, or why it could not load)
-            return False
-        self.executor.join()
-        code = self.executor.exitcode
+    def _executor_loaded(self, index: int, info, now: float) -> None:
+        self.supervisor.loaded(index, info.device)
+        if not self.announced:
+            self.core.set_mode(info.batching_mode)
+            self.metrics.batching_mode.labels(mode=info.batching_mode).set(1)
+            self.to_frontend.send_multipart(encode(Kind.READY, info))
+            self.announced = True
+        self.core.executor_ready(index, now)
+        self.metrics.executor_ready.labels(executor=str(index)).set(1)
+        self._publish_status()
+        log.info("executor %d is ready (%s, %s mode)", index, info.device, info.batching_mode)
+
+    def _executor_cannot_load(self, index: int, fatal: Fatal) -> None:
+        if not self.announced:  # the model itself cannot load: the server cannot start
+            self._stop(fatal)
+            return
+        log.error("executor %d could not load the model: %s", index, fatal.message)
+        self.supervisor.fail(index)
+        self._publish_status()
+        if self.supervisor.all_failed():
+            self._stop(Fatal(f"no executor could load the model: {fatal.message}"))
+
+    def _executor_died(self, index: int) -> None:
+        """Answer what the dead executor held; the supervisor starts another unless hopeless."""
+        self._drain_executors()  # its last words (a result, or why it could not load)
+        if self.stopping or self.supervisor.executors[index].state == FAILED:
+            return
         from diffserve.metrics import process_died
 
-        process_died(self.executor.pid)
-        was_ready = self.core.executor_ready
-        reason = (f"the executor process exited unexpectedly (exit code {code}) while running "
-                  "this request; it is being restarted")
-        log.error("executor pid %d died with exit code %s", self.executor.pid, code)
-        # Not-ready first, so that a client told of the failure finds /health already 503.
-        self.to_frontend.send_multipart(encode(Kind.ENGINE_STATUS, EngineStatus(False)))
-        self._answer(self.core.executor_lost(reason))
-        self.failed_starts = 0 if was_ready else self.failed_starts + 1
-        if not self.announced or self.failed_starts >= MAX_FAILED_STARTS:
-            message = f"the executor died before loading the model (exit code {code})"
-            self._answer(self.core.fail_all(503, message))
-            self.to_frontend.send_multipart(encode(Kind.FATAL, Fatal(message)))
-            return False
-        self.metrics.executor_restarts_total.inc()
-        self._start_executor()
-        return True
+        pid = self.supervisor.executors[index].process.pid
+        death = self.supervisor.died(index)
+        process_died(pid)
+        self.metrics.executor_ready.labels(executor=str(index)).set(0)
+        # Not-ready first, so that a client told of the failure already finds /health updated.
+        self._publish_status()
+        reason = (f"executor {index} exited unexpectedly (exit code {death.exit_code}) while "
+                  "running this request; it is being restarted")
+        self._answer(self.core.executor_lost(index, reason, time.monotonic()))
+        if not self.announced:
+            self._stop(Fatal(f"the executor died before loading the model (exit code "
+                             f"{death.exit_code})"))
+        elif death.restarted:
+            self.metrics.executor_restarts_total.labels(executor=str(index)).inc()
+        elif self.supervisor.all_failed():
+            self._stop(Fatal("every executor died repeatedly before loading the model"))
 
-    def _dispatch(self) -> None:
-        d = self.core.dispatch(time.monotonic())
-        if d is None:
-            return
-        self.to_executor.send_multipart(encode(Kind.BATCH, d.batch))
-        self.metrics.batch_size.observe(len(d.batch.samples))
-        for q in d.queue_times_s:
-            self.metrics.queue_time_seconds.observe(q)
+    def _dispatch(self, now: float) -> None:
+        for d in self.core.dispatch(now):
+            label = str(d.executor)
+            self._send_executor(d.executor, encode(Kind.WORK, d.work, d.frames))
+            self.metrics.batch_size.labels(executor=label).observe(
+                sum(item.size for item in d.work.items))
+            self.metrics.dispatches_total.labels(reason=d.reason, executor=label).inc()
+            for q in d.queue_times_s:
+                self.metrics.queue_time_seconds.observe(q)
+
+    def _send_executor(self, index: int, frames: list) -> None:
+        try:
+            self.executors.send_multipart([self.supervisor.identity(index), *frames], copy=False)
+        except zmq.ZMQError as error:  # gone: its sentinel fires next and its work is answered
+            log.warning("could not reach executor %d: %s", index, error)
 
     def _answer(self, finished: list[Finished]) -> None:
         for f in finished:
@@ -209,12 +247,21 @@ class SchedulerProc:
             else:
                 self.to_frontend.send_multipart(encode(Kind.REQUEST_FAILED, f.failed))
 
-    def _stop_executor(self) -> None:
-        if self.executor is not None and self.executor.is_alive():
-            self.to_executor.send_multipart(encode(Kind.SHUTDOWN))
-            self.executor.join(5)
-            processes.stop(self.executor)
+    def _publish_status(self) -> None:
+        self.to_frontend.send_multipart(encode(Kind.ENGINE_STATUS,
+                                               EngineStatus(self.supervisor.states())))
+
+    def _stop(self, fatal: Fatal) -> None:
+        """The engine cannot serve: answer everything, tell the frontend, stop the executors."""
+        self._answer(self.core.fail_all(503, fatal.message))
+        self.to_frontend.send_multipart(encode(Kind.FATAL, fatal))
+        self._stop_executors()
+        self.stopping = True
 
     def _shutdown(self) -> None:
         self._answer(self.core.fail_all(503, "the server is shutting down"))
-        self._stop_executor()
+        self._stop_executors()
+        self.stopping = True
+
+    def _stop_executors(self) -> None:
+        self.supervisor.stop_all(lambda i: self._send_executor(i, encode(Kind.SHUTDOWN)))

@@ -10,12 +10,13 @@ from diffserve.protocol import ModelInfo
 
 INFO = ModelInfo(name="tiny-sd", pipeline_class="StableDiffusionPipeline", width=64, height=64,
                  spatial_stride=8, default_steps=4, max_steps=999, default_guidance_scale=5.0,
-                 supports_negative_prompt=True, device="cpu", dtype="float32")
+                 supports_negative_prompt=True, device="cpu", dtype="float32",
+                 batching_mode="step", tasks=["generate", "edit"], partial_images=True)
 
 
 def convert(config=None, info=INFO, **fields):
     body = ImageGenerationRequest(**{"prompt": "a cat", **fields})
-    return to_engine_request(body, "rid", 0.0, info, config or ServerConfig())
+    return to_engine_request(body, "rid", info, config or ServerConfig())
 
 
 def test_defaults_come_from_the_model():
@@ -66,3 +67,35 @@ def test_negative_prompt_refused_when_the_pipeline_takes_none():
     with pytest.raises(APIError) as error:
         convert(info=info, negative_prompt="blurry")
     assert error.value.param == "negative_prompt"
+
+
+def edit(info=INFO, task="edit", **fields):
+    from diffserve.frontend.schemas import ImageEditForm
+
+    body = ImageEditForm.model_validate({"prompt": "make it blue", **fields})
+    return to_engine_request(body, "rid", info, ServerConfig(), task)
+
+
+def test_form_fields_arrive_as_strings_and_are_converted():
+    r = edit(n="2", strength="0.5", seed="9", num_inference_steps="10", stream="true",
+             partial_images="2", guidance_scale="3.5")
+    assert (r.task, r.n, r.strength, r.seed, r.num_inference_steps, r.partial_images) == (
+        "edit", 2, 0.5, 9, 10, 2)
+
+
+def test_an_edit_the_model_cannot_do_is_a_clear_400():
+    with pytest.raises(APIError) as error:
+        edit(task="inpaint")
+    assert error.value.status == 400 and error.value.code == "unsupported_task"
+    assert "inpainting" in error.value.message
+
+
+def test_strength_that_leaves_no_step_is_refused():
+    with pytest.raises(APIError) as error:
+        edit(strength="0.1", num_inference_steps="4")
+    assert error.value.param == "strength"
+
+
+def test_previews_are_only_made_for_a_stream():
+    assert convert(partial_images=3).partial_images == 0
+    assert convert(partial_images=3, stream=True).partial_images == 3

@@ -2,6 +2,7 @@
 
 import pytest
 
+from diffserve.protocol import REQUEST_MODE, STEP_MODE
 from diffserve.scheduler.batcher import Batcher
 from helpers import make_request
 
@@ -172,3 +173,40 @@ def test_duplicate_and_invalid_requests_are_refused():
         b.add(make_request(request_id="y", n=0), now=0.0)
     with pytest.raises(ValueError):
         Batcher(max_batch_size=0, max_delay_s=0.0)
+
+
+def test_step_mode_groups_requests_that_differ_in_steps_guidance_and_task():
+    b = Batcher(max_batch_size=8, max_delay_s=0.0, mode=STEP_MODE)
+    b.add(make_request(request_id="a", steps=4, guidance=5.0), now=0.0)
+    b.add(make_request(request_id="b", steps=30, guidance=1.0, negative_prompt="x"), now=0.0)
+    b.add(make_request(request_id="c", task="edit", strength=0.5), now=0.0)
+    b.add(make_request(request_id="d", width=128), now=0.0)  # another shape: never together
+    assert ids(b.next_batch(0.0)) == [("a", 0, 1), ("b", 0, 1), ("c", 0, 1)]
+    assert ids(b.next_batch(0.0)) == [("d", 0, 1)]
+
+
+def test_request_mode_keeps_calls_with_one_schedule():
+    b = Batcher(max_batch_size=8, max_delay_s=0.0, mode=REQUEST_MODE)
+    b.add(make_request(request_id="a", steps=4), now=0.0)
+    b.add(make_request(request_id="b", steps=30), now=0.0)
+    assert ids(b.next_batch(0.0)) == [("a", 0, 1)]
+
+
+def test_take_joins_the_head_group_only_and_never_passes_the_head():
+    b = Batcher(max_batch_size=8, max_delay_s=10.0, mode=STEP_MODE)
+    running = make_request(request_id="x").signature(STEP_MODE)
+    b.add(make_request(request_id="big", width=128), now=0.0)
+    b.add(make_request(request_id="fits", n=3), now=0.1)
+    assert b.take(running, room=4) is None  # the head has another shape: nothing joins
+    b.abort("big")
+    # No delay for company of a running set; room bounds it and splits a request.
+    assert ids(b.take(running, room=2)) == [("fits", 0, 2)]
+    assert ids(b.take(running, room=5)) == [("fits", 2, 3)]
+    assert b.take(running, room=5) is None
+
+
+def test_room_bounds_a_new_group_and_decides_fullness():
+    b = Batcher(max_batch_size=8, max_delay_s=10.0)
+    b.add(make_request(request_id="r", n=3), now=0.0)
+    assert b.is_full(room=3) and not b.is_full()
+    assert ids(b.next_batch(0.0, room=2)) == [("r", 0, 2)]

@@ -1,128 +1,148 @@
-"""Request state in the scheduler, in place: no processes, no sockets."""
+"""Request state in the scheduler, in place: no processes, no sockets, a fake clock."""
 
 import pytest
 
-from diffserve.protocol import BatchResult, ImageMeta
-from diffserve.scheduler.core import SchedulerCore
+from diffserve.protocol import REQUEST_MODE, STEP_MODE, ItemResult, ItemsDone
+from diffserve.scheduler.core import DELAY, DRAIN, EXECUTOR_FREE, FULL, JOIN, SchedulerCore
 from helpers import make_request
 
 
-def core(max_size=4, delay=0.0):
-    c = SchedulerCore(max_size, delay)
-    c.executor_ready = True
+def core(max_size=4, delay=0.0, executors=1, mode=REQUEST_MODE, **kw):
+    c = SchedulerCore(max_size, delay, executors, mode=mode, **kw)
+    for i in range(executors):
+        c.executor_ready(i, 0.0)
     return c
 
 
-def run(c, d, errors=None, drop=()):
-    """Answer dispatch ``d`` like an executor: one frame per sample, named after it."""
+def run(c, d, errors=None, drop=(), only=None, now=1.0, seconds=0.1):
+    """Answer dispatch ``d`` like an executor: one frame per image, named after it. ``only``:
+    answer just these request ids (a step engine retiring part of its set)."""
     errors = errors or {}
-    metas, frames = [], []
-    for s in d.batch.samples:
-        if s.request_id in errors or (s.request_id, s.index) in drop:
+    results, frames = [], []
+    for item in d.work.items:
+        rid = item.request.request_id
+        if only is not None and rid not in only:
             continue
-        metas.append(ImageMeta(s.request_id, s.index, s.seed))
-        frames.append(f"{s.request_id}:{s.index}:{s.seed}".encode())
-    result = BatchResult(d.batch.batch_id, 64, 64, 0.1, metas, errors)
-    return c.complete(result, frames)
+        if rid in errors:
+            results.append(ItemResult(rid, item.start, item.stop, seconds, errors[rid]))
+            continue
+        results.append(ItemResult(rid, item.start, item.stop, seconds, None, 7))
+        frames += [f"{rid}:{i}".encode() for i in range(item.start, item.stop)
+                   if (rid, i) not in drop]
+    return c.complete(d.executor, ItemsDone(64, 64, results), frames, now)
 
 
-def test_nothing_is_dispatched_until_the_executor_is_ready_and_idle():
+def taken(dispatches):
+    return [[(i.request.request_id, i.start, i.stop) for i in d.work.items] for d in dispatches]
+
+
+def test_nothing_is_dispatched_until_an_executor_is_ready_and_idle():
     c = SchedulerCore(4, 0.0)
-    c.add(make_request(request_id="a"), 0.0)
-    assert c.dispatch(0.0) is None and c.time_until_dispatch(0.0) is None
-    c.executor_ready = True
-    d = c.dispatch(0.0)
-    assert [s.request_id for s in d.batch.samples] == ["a"]
-    c.add(make_request(request_id="b"), 0.0)
-    assert c.dispatch(0.0) is None  # busy: one batch in flight
+    c.add(make_request(request_id="a"), [], 0.0)
+    assert c.dispatch(0.0) == [] and c.time_until_dispatch(0.0) is None
+    c.executor_ready(0, 0.0)
+    (d,) = c.dispatch(0.0)
+    assert taken([d]) == [[("a", 0, 1)]] and d.executor == 0
+    c.add(make_request(request_id="b"), [], 0.0)
+    assert c.dispatch(0.0) == []  # request mode: one call in flight per executor
     assert c.num_running == 1 and c.num_waiting == 1
     run(c, d)
-    assert c.dispatch(0.0) is not None
-
-
-def test_samples_carry_per_image_seeds_and_the_shared_params():
-    c = core()
-    c.add(make_request(request_id="a", n=3, seed=10, prompt="cat", width=128), 0.0)
-    d = c.dispatch(0.0)
-    assert [(s.index, s.seed, s.prompt) for s in d.batch.samples] == [(0, 10, "cat"), (1, 11, "cat"), (2, 12, "cat")]
-    assert d.batch.params["width"] == 128
-    assert d.queue_times_s == [0.0]
+    assert len(c.dispatch(1.0)) == 1
 
 
 def test_a_split_request_is_answered_once_with_all_images_in_order():
     c = core(max_size=2)
-    c.add(make_request(request_id="big", n=5, seed=100), 0.0)
+    c.add(make_request(request_id="big", n=5, seed=100), [], 0.0)
     answers = []
-    while (d := c.dispatch(1.0)) is not None:
-        answers += run(c, d)
+    while dispatched := c.dispatch(1.0):
+        answers += run(c, dispatched[0])
     assert len(answers) == 1
     done = answers[0].done
     assert done.request_id == "big" and done.seeds == [100, 101, 102, 103, 104]
-    assert answers[0].frames == [f"big:{i}:{100 + i}".encode() for i in range(5)]
+    assert answers[0].frames == [f"big:{i}".encode() for i in range(5)]
     assert answers[0].execution_s == pytest.approx(0.3)  # three calls of 0.1 s made its images
+    assert done.prompt_tokens == 7
     assert not c.requests
+
+
+def test_edit_input_frames_travel_with_every_item():
+    c = core(max_size=2)
+    image, mask = b"pixels", b"mask"
+    c.add(make_request(request_id="e", n=3, task="inpaint"), [image, mask], 0.0)
+    first, = c.dispatch(0.0)
+    run(c, first)
+    second, = c.dispatch(1.0)
+    assert first.frames == second.frames == [image, mask]
+
+
+def test_an_edit_without_its_frames_is_refused():
+    c = core()
+    refused = c.add(make_request(request_id="e", task="edit"), [], 0.0)
+    assert refused.failed.status == 400 and "e" not in c.requests
 
 
 def test_error_of_one_request_fails_only_that_request():
     c = core()
-    c.add(make_request(request_id="good"), 0.0)
-    c.add(make_request(request_id="bad", n=2), 0.0)
-    answers = run(c, c.dispatch(0.0), errors={"bad": "boom"})
+    c.add(make_request(request_id="good"), [], 0.0)
+    c.add(make_request(request_id="bad", n=2), [], 0.0)
+    answers = run(c, c.dispatch(0.0)[0], errors={"bad": "boom"})
     by_id = {a.request_id: a for a in answers}
     assert by_id["bad"].failed.status == 500 and "boom" in by_id["bad"].failed.message
     assert by_id["good"].done is not None
 
 
-def test_executor_loss_fails_the_running_requests_and_keeps_the_queue():
+def test_executor_loss_fails_what_it_held_and_keeps_the_queue():
     c = core(max_size=2)
-    c.add(make_request(request_id="split", n=3), 0.0)
-    c.add(make_request(request_id="queued", width=128), 0.0)
+    c.add(make_request(request_id="split", n=3), [], 0.0)
+    c.add(make_request(request_id="queued", width=128), [], 0.0)
     c.dispatch(0.0)  # split[0:2]
-    answers = c.executor_lost("executor died")
+    answers = c.executor_lost(0, "executor died", 0.5)
     assert [(a.request_id, a.failed.status) for a in answers] == [("split", 500)]
     assert "split" not in c.batcher  # its remaining image is not run
-    assert c.dispatch(0.0) is None  # executor not ready
-    c.executor_ready = True
-    d = c.dispatch(0.0)
-    assert [s.request_id for s in d.batch.samples] == ["queued"]
+    assert c.dispatch(0.5) == []  # no executor ready
+    c.executor_ready(0, 1.0)
+    assert taken(c.dispatch(1.0)) == [[("queued", 0, 1)]]
 
 
-def test_late_result_of_a_written_off_batch_is_ignored():
+def test_late_result_of_a_written_off_item_is_ignored():
     c = core()
-    c.add(make_request(request_id="a"), 0.0)
-    old = c.dispatch(0.0)
-    c.executor_lost("gone")
-    c.executor_ready = True
-    c.add(make_request(request_id="b"), 0.0)
-    new = c.dispatch(0.0)
+    c.add(make_request(request_id="a"), [], 0.0)
+    (old,) = c.dispatch(0.0)
+    c.executor_lost(0, "gone", 0.1)
+    c.executor_ready(0, 0.2)
+    c.add(make_request(request_id="b"), [], 0.2)
+    (new,) = c.dispatch(0.2)
     assert run(c, old) == []
-    assert c.running is new.batch  # still waiting for the new batch
+    assert c.num_running == 1  # still waiting for "b"
     assert [a.request_id for a in run(c, new)] == ["b"]
 
 
-def test_abort_while_running_discards_its_images():
-    c = core()
-    c.add(make_request(request_id="gone"), 0.0)
-    c.add(make_request(request_id="stays"), 0.0)
-    d = c.dispatch(0.0)
-    assert c.abort("gone") and not c.abort("gone")
-    assert [a.request_id for a in run(c, d)] == ["stays"]
+def test_abort_while_running_discards_its_images_and_cancels_at_its_executor():
+    c = core(executors=2, max_size=1)
+    c.add(make_request(request_id="gone"), [], 0.0)
+    c.add(make_request(request_id="stays"), [], 0.0)
+    first, second = c.dispatch(0.0)
+    known, cancels = c.abort(first.work.items[0].request.request_id)
+    assert known and [(i, cancel.request_ids) for i, cancel in cancels] == [(first.executor, ["gone"])]
+    assert c.abort("gone") == (False, [])
+    assert run(c, first) == []
+    assert [a.request_id for a in run(c, second)] == ["stays"]
 
 
 def test_malformed_result_fails_every_member():
     c = core()
-    c.add(make_request(request_id="a"), 0.0)
-    c.add(make_request(request_id="b"), 0.0)
-    d = c.dispatch(0.0)
-    answers = run(c, d, drop={("b", 0)})
+    c.add(make_request(request_id="a"), [], 0.0)
+    c.add(make_request(request_id="b"), [], 0.0)
+    answers = run(c, c.dispatch(0.0)[0], drop={("b", 0)})
     assert sorted(a.request_id for a in answers) == ["a", "b"]
     assert all(a.failed and a.failed.status == 500 for a in answers)
+    assert c.slots[0].images == 0  # the executor is free again
 
 
 def test_duplicate_request_id_is_refused_without_touching_the_first():
     c = core()
-    assert c.add(make_request(request_id="x"), 0.0) is None
-    refused = c.add(make_request(request_id="x"), 0.0)
+    assert c.add(make_request(request_id="x"), [], 0.0) is None
+    refused = c.add(make_request(request_id="x"), [], 0.0)
     assert refused.failed.status == 409
     assert c.num_waiting == 1
 
@@ -130,7 +150,7 @@ def test_duplicate_request_id_is_refused_without_touching_the_first():
 def test_fail_all_answers_every_known_request_once():
     c = core(max_size=1)
     for rid in "abc":
-        c.add(make_request(request_id=rid), 0.0)
+        c.add(make_request(request_id=rid), [], 0.0)
     c.dispatch(0.0)
     answers = c.fail_all(503, "stopping")
     assert sorted(a.request_id for a in answers) == ["a", "b", "c"]
@@ -138,24 +158,22 @@ def test_fail_all_answers_every_known_request_once():
 
 
 def test_queue_limit_refuses_with_429_and_counts_only_waiting_requests():
-    c = SchedulerCore(1, 0.0, max_queue_size=2)
-    c.executor_ready = True
-    assert c.add(make_request(request_id="a"), 0.0) is None
+    c = core(max_size=1, max_queue_size=2)
+    assert c.add(make_request(request_id="a"), [], 0.0) is None
     c.dispatch(0.0)  # a runs: not waiting any more
-    assert c.add(make_request(request_id="b"), 0.0) is None
-    assert c.add(make_request(request_id="c"), 0.0) is None
-    refused = c.add(make_request(request_id="d"), 0.0)
+    assert c.add(make_request(request_id="b"), [], 0.0) is None
+    assert c.add(make_request(request_id="c"), [], 0.0) is None
+    refused = c.add(make_request(request_id="d"), [], 0.0)
     assert refused.failed.status == 429 and refused.failed.code == "overloaded"
     assert "d" not in c.requests and c.num_waiting == 2
 
 
 def test_requests_that_wait_past_the_timeout_expire_unless_started():
-    c = SchedulerCore(2, 0.0, request_timeout_s=10.0)
-    c.executor_ready = True
-    c.add(make_request(request_id="split", n=3), 0.0)
+    c = core(max_size=2, request_timeout_s=10.0)
+    c.add(make_request(request_id="split", n=3), [], 0.0)
     c.dispatch(0.0)  # split has started; its last image still waits
-    c.add(make_request(request_id="old", width=128), 1.0)
-    c.add(make_request(request_id="young", width=128), 5.0)
+    c.add(make_request(request_id="old", width=128), [], 1.0)
+    c.add(make_request(request_id="young", width=128), [], 5.0)
     assert c.time_until_wakeup(2.0) == 9.0  # busy executor: only the expiry of "old" is due
     assert c.expire(10.5) == []
     expired = c.expire(11.0)
@@ -164,15 +182,12 @@ def test_requests_that_wait_past_the_timeout_expire_unless_started():
     assert [f.request_id for f in c.expire(15.0)] == ["young"]
 
 
-def test_abort_of_every_member_marks_the_running_batch_unwanted():
-    c = core()
-    c.add(make_request(request_id="a"), 0.0)
-    c.add(make_request(request_id="b"), 0.0)
-    c.dispatch(0.0)
-    c.abort("a")
-    assert not c.abort_leaves_batch_unwanted("a")
-    c.abort("b")
-    assert c.abort_leaves_batch_unwanted("b")
+def test_each_request_of_a_shared_call_is_charged_the_whole_call():
+    c = core(max_size=4)
+    c.add(make_request(request_id="a"), [], 0.0)
+    c.add(make_request(request_id="b", n=2), [], 0.0)
+    answers = run(c, c.dispatch(1.0)[0])
+    assert sorted((f.request_id, f.execution_s) for f in answers) == [("a", 0.1), ("b", 0.1)]
 
 
 def test_poll_wait_never_overshoots_a_deadline():
@@ -185,9 +200,114 @@ def test_poll_wait_never_overshoots_a_deadline():
     assert split_wait(2.5) == (0.0, 2500)
 
 
-def test_each_request_of_a_shared_call_is_charged_the_whole_call():
-    c = core(max_size=4)
-    c.add(make_request(request_id="a"), 0.0)
-    c.add(make_request(request_id="b", n=2), 0.0)
-    answers = run(c, c.dispatch(1.0))
-    assert sorted((f.request_id, f.execution_s) for f in answers) == [("a", 0.1), ("b", 0.1)]
+# -- why a dispatch left ---------------------------------------------------------------------
+
+
+def test_dispatch_reasons_full_delay_executor_free_and_drain():
+    c = core(max_size=2, delay=0.010)
+    c.add(make_request(request_id="a"), [], 0.0)
+    c.add(make_request(request_id="b"), [], 0.0)
+    (d,) = c.dispatch(0.0)
+    assert d.reason == FULL
+    c.add(make_request(request_id="c"), [], 0.001)
+    assert c.dispatch(0.005) == [] and c.time_until_dispatch(0.005) is None  # executor busy
+    run(c, d, now=0.050)  # frees up after c's delay ran out
+    (late,) = c.dispatch(0.050)
+    assert late.reason == EXECUTOR_FREE
+    run(c, late, now=0.060)
+    c.add(make_request(request_id="d"), [], 0.100)
+    assert c.time_until_dispatch(0.100) == pytest.approx(0.010)
+    (timed,) = c.dispatch(0.110)
+    assert timed.reason == DELAY
+    run(c, timed, now=0.120)
+    c.add(make_request(request_id="e"), [], 0.200)
+    c.start_drain()
+    (drained,) = c.dispatch(0.200)
+    assert drained.reason == DRAIN
+
+
+# -- step mode -------------------------------------------------------------------------------
+
+
+def test_step_mode_a_running_set_takes_compatible_company_at_once_up_to_its_room():
+    c = core(max_size=4, delay=10.0, mode=STEP_MODE)
+    c.add(make_request(request_id="a", n=4), [], 0.0)
+    (first,) = c.dispatch(0.0)
+    assert first.reason == FULL
+    c.add(make_request(request_id="long", steps=50, guidance=1.0), [], 0.1)
+    assert c.dispatch(0.1) == []  # no room
+    run(c, first, now=0.2)
+    assert c.dispatch(0.2) == []  # the set is empty again: a new one waits for company
+    (new,) = c.dispatch(10.1)
+    assert new.reason == DELAY and taken([new]) == [[("long", 0, 1)]]
+    c.add(make_request(request_id="short", steps=2, n=2), [], 10.2)
+    (company,) = c.dispatch(10.2)  # different steps and guidance share the set, no delay
+    assert company.reason == JOIN and taken([company]) == [[("short", 0, 2)]]
+    c.add(make_request(request_id="more", n=3), [], 10.3)
+    (part,) = c.dispatch(10.3)
+    assert taken([part]) == [[("more", 0, 1)]]  # room for one image; the rest waits
+
+
+def test_step_mode_head_of_another_shape_stops_admission_until_the_set_drains():
+    c = core(max_size=8, delay=0.0, mode=STEP_MODE)
+    c.add(make_request(request_id="running", n=2), [], 0.0)
+    (first,) = c.dispatch(0.0)
+    c.add(make_request(request_id="head", width=128), [], 0.1)
+    c.add(make_request(request_id="would-fit"), [], 0.2)
+    assert c.dispatch(0.3) == []  # the head cannot join; nothing may pass it
+    assert c.time_until_dispatch(0.3) is None
+    run(c, first, now=0.4)
+    (switched,) = c.dispatch(0.4)
+    assert taken([switched]) == [[("head", 0, 1)]]
+    assert c.dispatch(0.5) == []  # "would-fit" waits for the 128 set to drain in turn
+
+
+def test_step_mode_a_finished_part_frees_room_for_the_queue():
+    c = core(max_size=2, mode=STEP_MODE)
+    c.add(make_request(request_id="a"), [], 0.0)
+    c.add(make_request(request_id="b", steps=50), [], 0.0)
+    (d,) = c.dispatch(0.0)
+    c.add(make_request(request_id="c"), [], 0.1)
+    assert c.dispatch(0.1) == []
+    answers = run(c, d, only={"a"})  # "a" retires, "b" keeps running
+    assert [a.request_id for a in answers] == ["a"]
+    (join,) = c.dispatch(0.2)
+    assert join.reason == JOIN and taken([join]) == [[("c", 0, 1)]]
+
+
+# -- several executors -----------------------------------------------------------------------
+
+
+def test_one_queue_feeds_every_executor_and_the_least_loaded_gets_the_head():
+    c = core(max_size=2, executors=3)
+    for i in range(5):
+        c.add(make_request(request_id=f"r{i}"), [], 0.0)
+    dispatched = c.dispatch(0.0)
+    assert [d.executor for d in dispatched] == [0, 1, 2]
+    assert taken(dispatched) == [[("r0", 0, 1), ("r1", 0, 1)], [("r2", 0, 1), ("r3", 0, 1)],
+                                 [("r4", 0, 1)]]
+
+
+def test_step_mode_with_two_executors_a_new_shape_goes_to_the_idle_one():
+    c = core(max_size=4, executors=2, mode=STEP_MODE)
+    c.add(make_request(request_id="a"), [], 0.0)
+    (first,) = c.dispatch(0.0)
+    c.add(make_request(request_id="wide", width=128), [], 0.1)
+    (second,) = c.dispatch(0.1)
+    assert (first.executor, second.executor) == (0, 1)
+    c.add(make_request(request_id="again"), [], 0.2)
+    (join,) = c.dispatch(0.2)
+    assert join.executor == 0 and join.reason == JOIN
+
+
+def test_losing_one_executor_fails_only_its_requests():
+    c = core(max_size=1, executors=2)
+    c.add(make_request(request_id="on0"), [], 0.0)
+    c.add(make_request(request_id="on1"), [], 0.0)
+    d0, d1 = c.dispatch(0.0)
+    answers = c.executor_lost(0, "executor 0 died", 0.1)
+    assert [a.request_id for a in answers] == ["on0"]
+    assert [a.request_id for a in run(c, d1)] == ["on1"]
+    c.add(make_request(request_id="next"), [], 0.2)
+    (d,) = c.dispatch(0.2)
+    assert d.executor == 1  # executor 0 is not ready until it is back

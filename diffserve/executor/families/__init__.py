@@ -1,0 +1,22 @@
+"""The pipeline families the step engine knows, found by the loaded pipeline's class."""
+
+from __future__ import annotations
+
+from diffserve.executor.families.base import Family
+from diffserve.executor.families.flux import Flux
+from diffserve.executor.families.sd import StableDiffusion
+from diffserve.executor.families.sd3 import StableDiffusion3
+from diffserve.executor.families.sdxl import StableDiffusionXL
+
+FAMILIES: tuple[type[Family], ...] = (StableDiffusion, StableDiffusionXL, StableDiffusion3, Flux)
+
+
+def family_for(pipeline_class: str) -> type[Family] | None:
+    for family in FAMILIES:
+        if pipeline_class in family.pipelines:
+            return family
+    return None
+
+
+def supported_pipelines() -> list[str]:
+    return [name for family in FAMILIES for name in family.pipelines]

@@ -1,0 +1,161 @@
+"""Loading a pipeline once, and what both engines share about it: the device and dtype, the
+serving defaults, what the pipeline's ``__call__`` takes, the model info for the frontend, and
+the batching mode it will run in."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from diffserve.models.registry import resolve_model, serving_defaults
+from diffserve.protocol import EDIT, GENERATE, INPAINT, REQUEST_MODE, STEP_MODE, ModelInfo
+
+log = logging.getLogger(__name__)
+
+# Keyword arguments the server always sets, whatever the model directory's defaults say:
+# the server has validated the size, so a pipeline must not silently change it.
+FORCED_KWARGS = {"use_resolution_binning": False}
+
+
+class UnsupportedMode(ValueError):
+    """--batching-mode step on a pipeline whose family the step engine does not know."""
+
+
+def pick_device(requested: str, index: int = 0) -> str:
+    import torch
+
+    if requested == "auto":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return f"cuda:{index % count}" if count else "cpu"
+    return requested
+
+
+def quiet_libraries() -> None:
+    """Per-request warnings (prompt truncation) and progress bars would flood the server log."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.set_verbosity_error()
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()  # "Loading weights" bars at every start
+
+
+@dataclass
+class LoadedModel:
+    """A pipeline on its device, with what the engines need to know about it."""
+
+    pipe: Any
+    device: str
+    dtype: str
+    defaults: dict[str, Any]
+    accepts: frozenset[str]  # the parameters of the pipeline's __call__
+    call_kwargs: dict[str, Any]  # passed to every call: the model dir's, then the forced ones
+
+    @property
+    def pipeline_class(self) -> str:
+        return type(self.pipe).__name__
+
+
+def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_threads: int = 0,
+               index: int = 0) -> LoadedModel:
+    import torch
+    from diffusers import DiffusionPipeline
+
+    quiet_libraries()
+    if torch_threads:  # 0: torch's default (OMP_NUM_THREADS if set, else the cores)
+        torch.set_num_threads(torch_threads)
+    device = pick_device(device, index)
+    if dtype == "auto":
+        dtype = "float16" if device.startswith("cuda") else "float32"
+    path = resolve_model(model)
+    defaults = serving_defaults(path)
+    pipe = DiffusionPipeline.from_pretrained(path, dtype=getattr(torch, dtype))
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    accepts = frozenset(inspect.signature(pipe.__call__).parameters)
+    for required in ("prompt", "generator", "num_inference_steps", "height", "width"):
+        if required not in accepts:
+            raise ValueError(f"{type(pipe).__name__} is not a text-to-image pipeline this server "
+                             f"can drive: its __call__ takes no {required!r}")
+    kwargs = {k: v for k, v in defaults.get("pipeline_kwargs", {}).items() if k in accepts}
+    kwargs.update({k: v for k, v in FORCED_KWARGS.items() if k in accepts})
+    return LoadedModel(pipe, device, dtype, defaults, accepts, kwargs)
+
+
+def resolve_mode(requested: str, family: str | None, pipeline_class: str) -> str:
+    """The batching mode to run: ``auto`` takes the step engine where it knows the family."""
+    if requested == STEP_MODE and family is None:
+        from diffserve.executor.families import supported_pipelines
+
+        raise UnsupportedMode(
+            f"--batching-mode step does not support {pipeline_class}; it runs "
+            f"{', '.join(supported_pipelines())}. Use --batching-mode request (or auto) for this "
+            "model.")
+    if requested == REQUEST_MODE or family is None:
+        return REQUEST_MODE
+    return STEP_MODE
+
+
+def model_info(loaded: LoadedModel, served_name: str, mode: str, family: str | None,
+               tasks: list[str]) -> ModelInfo:
+    pipe, d = loaded.pipe, loaded.defaults
+    call_defaults = {k: p.default for k, p in inspect.signature(pipe.__call__).parameters.items()}
+    scale = int(getattr(pipe, "vae_scale_factor", 8) or 8)
+    denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+    sample = getattr(pipe, "default_sample_size", None) or getattr(
+        getattr(denoiser, "config", None), "sample_size", None) or 64
+    native = int(sample) * scale
+    # Transformer pipelines patchify latents 2x2, so their pixel sizes step by twice the VAE's.
+    stride = d.get("spatial_stride") or scale * (2 if getattr(pipe, "transformer", None) else 1)
+    guidance = d.get("guidance_scale", call_defaults.get("guidance_scale"))
+    steps = d.get("num_inference_steps", call_defaults.get("num_inference_steps"))
+    sched = getattr(getattr(pipe, "scheduler", None), "config", {})
+    max_steps = int(sched.get("num_train_timesteps", 1000)) - int(sched.get("steps_offset", 0) or 0)
+    return ModelInfo(
+        name=served_name, pipeline_class=type(pipe).__name__,
+        width=int(d.get("width", native)), height=int(d.get("height", native)),
+        spatial_stride=int(stride),
+        default_steps=int(steps if isinstance(steps, int) else 30), max_steps=max_steps,
+        default_guidance_scale=float(guidance if isinstance(guidance, (int, float)) else 5.0),
+        supports_negative_prompt="negative_prompt" in loaded.accepts,
+        device=loaded.device, dtype=loaded.dtype, batching_mode=mode, tasks=tasks,
+        partial_images=family is not None, family=family)
+
+
+def edit_pipelines(pipe) -> dict[str, Any]:
+    """The image-to-image and inpainting pipelines of the loaded one's family, built from its
+    own components (no second copy of the weights). A family without one simply lacks the task."""
+    from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
+
+    found: dict[str, Any] = {}
+    for task, auto in ((EDIT, AutoPipelineForImage2Image), (INPAINT, AutoPipelineForInpainting)):
+        try:
+            edit = auto.from_pipe(pipe)
+        except (ValueError, KeyError, TypeError) as error:
+            log.info("no %s pipeline for %s: %s", task, type(pipe).__name__, error)
+            continue
+        edit.set_progress_bar_config(disable=True)
+        found[task] = edit
+    return found
+
+
+def supported_tasks(edits: dict[str, Any]) -> list[str]:
+    return [GENERATE, *[t for t in (EDIT, INPAINT) if t in edits]]
+
+
+def token_counter(pipe):
+    """Counts a prompt's tokens with the pipeline's (first) tokenizer, as it will encode it:
+    the figure reported as usage. 0 where the pipeline has no tokenizer."""
+    tokenizer = getattr(pipe, "tokenizer", None)
+    if tokenizer is None:
+        return lambda prompt: 0
+    limit = getattr(tokenizer, "model_max_length", None)
+    limit = limit if isinstance(limit, int) and limit < 100_000 else None
+
+    def count(prompt: str) -> int:
+        return len(tokenizer(prompt, truncation=limit is not None, max_length=limit).input_ids)
+
+    return count

@@ -1,0 +1,164 @@
+"""``/v1/images/edits`` input: the multipart form, and the uploaded image and mask.
+
+Rules (documented in the README):
+- The body is at most ``--max-upload-bytes``; the form has one ``image`` (or one ``image[]``), at
+  most one ``mask``, and text fields that appear once.
+- Images must be PNG, JPEG or WebP. Their width x height is read from the file's header and
+  checked against ``--max-input-pixels`` before any pixel is decoded, so a small file that
+  expands to a huge image (a decompression bomb) is refused cheaply.
+- Fitting: the image is scaled, keeping its aspect ratio, to cover the output size, then
+  centre-cropped to it. Transparency is dropped (composited on black).
+- The mask must have the image's dimensions. With an alpha channel, transparent pixels are the
+  ones to edit (OpenAI's convention); without one, white pixels are (diffusers' convention).
+  It is fitted like the image.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from diffserve.errors import body_too_large, invalid_request
+
+FORMATS = {"PNG", "JPEG", "WEBP"}
+IMAGE_FIELDS = ("image", "image[]")
+FILE_FIELDS = (*IMAGE_FIELDS, "mask")
+
+
+@dataclass
+class EditForm:
+    fields: dict[str, str]
+    image: bytes
+    mask: bytes | None
+
+
+async def read_limited(stream, limit: int, declared: str | None) -> bytes:
+    """The whole body, refused with 413 as soon as it exceeds ``limit``."""
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit, "--max-upload-bytes")
+    chunks, size = [], 0
+    async for chunk in stream:
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit, "--max-upload-bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_form(headers, body: bytes, limit: int) -> EditForm:
+    """Split a multipart body into its text fields and its files."""
+    from starlette.formparsers import MultiPartParser
+
+    content_type = headers.get("content-type", "")
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise invalid_request("The body must be multipart/form-data (an image file and form "
+                              "fields), as the OpenAI SDK sends it.", None, "invalid_content_type")
+
+    async def one_chunk():
+        yield body
+
+    try:
+        form = await MultiPartParser(headers, one_chunk(), max_files=4, max_fields=64,
+                                     max_part_size=limit).parse()
+    except Exception as error:  # noqa: BLE001 - any parser complaint is the body's fault
+        raise invalid_request(f"The multipart body could not be parsed: {error}", None,
+                              "invalid_multipart") from None
+    try:
+        fields: dict[str, str] = {}
+        files: dict[str, list[bytes]] = {}
+        for name, value in form.multi_items():
+            if name in FILE_FIELDS:
+                data = await value.read() if hasattr(value, "read") else value.encode()
+                files.setdefault(name, []).append(data)
+            elif hasattr(value, "read"):
+                raise invalid_request(f"{name!r} must be a text field, not a file", name,
+                                      "invalid_value")
+            elif name in fields:
+                raise invalid_request(f"{name!r} is given more than once", name, "invalid_value")
+            else:
+                fields[name] = value
+    finally:
+        await form.close()
+    images = [data for name in IMAGE_FIELDS for data in files.get(name, [])]
+    if not images:
+        raise invalid_request("Missing required parameter: 'image' (a PNG, JPEG or WebP file).",
+                              "image", "missing_required_parameter")
+    if len(images) > 1:
+        raise invalid_request("This server edits one input image per request; send one 'image'.",
+                              "image", "invalid_value")
+    masks = files.get("mask", [])
+    if len(masks) > 1:
+        raise invalid_request("'mask' is given more than once", "mask", "invalid_value")
+    return EditForm(fields, images[0], masks[0] if masks else None)
+
+
+def open_image(data: bytes, param: str, max_pixels: int) -> Image.Image:
+    """A decoded upload, checked: a known format, a sane size, pixels that decode."""
+    if not data:
+        raise invalid_request(f"{param!r} is an empty file", param, "invalid_image")
+    try:
+        image = Image.open(io.BytesIO(data))  # reads the header only
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        raise invalid_request(f"{param!r} is not a PNG, JPEG or WebP image", param,
+                              "invalid_image_format") from None
+    if image.format not in FORMATS:
+        raise invalid_request(f"{param!r} is a {image.format} image; send PNG, JPEG or WebP",
+                              param, "invalid_image_format")
+    width, height = image.size
+    if width < 1 or height < 1 or width * height > max_pixels:
+        raise invalid_request(f"{param!r} is {width}x{height} pixels; this server decodes at most "
+                              f"{max_pixels} pixels (--max-input-pixels)", param,
+                              "image_too_large")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image.load()
+    except Exception:  # noqa: BLE001 - truncated or corrupt data, in whatever way
+        raise invalid_request(f"{param!r} could not be decoded (truncated or corrupt)", param,
+                              "invalid_image") from None
+    return image
+
+
+def fit(image: Image.Image, width: int, height: int, resample=Image.Resampling.LANCZOS) -> Image.Image:
+    """Scale to cover ``width`` x ``height`` (aspect kept), then centre-crop to it."""
+    return ImageOps.fit(image, (width, height), method=resample, centering=(0.5, 0.5))
+
+
+def image_pixels(image: Image.Image, width: int, height: int) -> np.ndarray:
+    """The input image as uint8 RGB (height, width, 3), fitted to the output size."""
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        flat = Image.new("RGB", rgba.size)
+        flat.paste(rgba, mask=rgba.getchannel("A"))
+        image = flat
+    return np.ascontiguousarray(np.asarray(fit(image.convert("RGB"), width, height), np.uint8))
+
+
+def mask_pixels(mask: Image.Image, image: Image.Image, width: int, height: int) -> np.ndarray:
+    """The mask as uint8 (height, width): 255 where the image is to be edited."""
+    if mask.size != image.size:
+        raise invalid_request(f"'mask' is {mask.size[0]}x{mask.size[1]} but 'image' is "
+                              f"{image.size[0]}x{image.size[1]}; they must be the same size",
+                              "mask", "invalid_mask")
+    if mask.mode in ("RGBA", "LA") or (mask.mode == "P" and "transparency" in mask.info):
+        edit = Image.eval(mask.convert("RGBA").getchannel("A"), lambda a: 255 - a)
+    else:
+        edit = mask.convert("L")
+    return np.ascontiguousarray(np.asarray(fit(edit, width, height, Image.Resampling.NEAREST),
+                                           np.uint8))
+
+
+def decode_inputs(form: EditForm, width: int, height: int,
+                  max_pixels: int) -> list[Any]:
+    """The raw frames an edit carries to the engine: the image, then the mask if any."""
+    image = open_image(form.image, "image", max_pixels)
+    frames = [image_pixels(image, width, height)]
+    if form.mask is not None:
+        frames.append(mask_pixels(open_image(form.mask, "mask", max_pixels), image, width, height))
+    return frames
+

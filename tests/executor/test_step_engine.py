@@ -1,0 +1,171 @@
+"""The step engine on every family it knows, in process: requests that join at different steps,
+with different steps, guidance scales, negative prompts and tasks, each equal to the plain
+diffusers pipeline called alone with the same inputs (DESIGN invariant 2)."""
+
+from __future__ import annotations
+
+import diffusers
+import pytest
+import torch
+
+from diffserve.executor.families import family_for
+from diffserve.executor.loading import edit_pipelines, load_model
+from diffserve.executor.results import partial_steps
+from diffserve.executor.step_engine import StepEngine
+from diffserve.protocol import WorkItem
+from helpers import make_request
+from reference import max_diff, sample_image, solo
+
+FAMILIES = ["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux"]
+
+
+def engine_for(model: str, scheduler: str | None = None, **config):
+    loaded = load_model(model, torch_threads=1)
+    if scheduler:
+        cls = getattr(diffusers, scheduler)
+        loaded.pipe.scheduler = cls.from_config(loaded.pipe.scheduler.config, **config)
+    edits = edit_pipelines(loaded.pipe)
+    family = family_for(loaded.pipeline_class)(loaded.pipe, edits, loaded.call_kwargs)
+    return loaded, edits, StepEngine(family)
+
+
+def run(engine: StepEngine, plan: dict[int, list[tuple]], limit: int = 200):
+    """Admit ``plan[step]`` (request, input frames) before that step; run until the set is empty.
+    Returns {request_id: images} and the order in which requests finished."""
+    images, order, step = {}, [], 0
+    while step == 0 or engine:
+        assert step < limit
+        if step in plan:
+            failed = engine.admit([WorkItem(r, 0, r.n) for r, _ in plan[step]],
+                                  [frames for _, frames in plan[step]])
+            assert not failed, [f.error for f in failed]
+        for outcome in engine.step().finished:
+            assert outcome.error is None, outcome.error
+            images[outcome.item.request.request_id] = outcome.images
+            order.append(outcome.item.request.request_id)
+        step += 1
+    return images, order
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    torch.manual_seed(0)
+    return request.param, *engine_for(request.param)
+
+
+def test_staggered_mixed_requests_equal_their_solo_pipeline_runs(family):
+    model, loaded, edits, engine = family
+    size = 64
+    image, mask = sample_image(size)
+    req = lambda rid, **kw: make_request(request_id=rid, model=model, width=size, height=size, **kw)
+    plan = {
+        0: [(req("a", prompt="a red circle", seed=1, steps=8, guidance=5.0), [])],
+        2: [(req("b", prompt="a blue square", seed=2, steps=5, guidance=3.0,
+                 negative_prompt="blurry", n=2), []),
+            (req("edit", task="edit", prompt="make it green", seed=3, steps=8, guidance=4.0,
+                 strength=0.6), [image])],
+        4: [(req("c", prompt="no guidance", seed=4, steps=3, guidance=1.0), []),
+            (req("inpaint", task="inpaint", prompt="fill", seed=5, steps=6, guidance=6.0,
+                 strength=1.0, negative_prompt="dark"), [image, mask])],
+    }
+    images, _ = run(engine, plan)
+    for group in plan.values():
+        for r, frames in group:
+            expected = solo(loaded, edits, r, *frames)
+            assert max_diff(images[r.request_id], expected) <= 2, (model, r.request_id)
+
+
+@pytest.mark.parametrize("scheduler, config", [
+    ("PNDMScheduler", {}),
+    ("EulerDiscreteScheduler", {}),
+    ("EulerAncestralDiscreteScheduler", {}),
+    ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++"}),
+    ("DDIMScheduler", {}),
+    ("UniPCMultistepScheduler", {}),
+])
+def test_every_scheduler_of_the_sd_family(scheduler, config):
+    loaded, edits, engine = engine_for("tiny-sd", scheduler, **config)
+    plan = {0: [(make_request(request_id="x", seed=7, steps=6, guidance=5.0), [])],
+            2: [(make_request(request_id="y", seed=8, steps=4, guidance=2.0,
+                              negative_prompt="ugly", n=2), [])]}
+    images, _ = run(engine, plan)
+    for group in plan.values():
+        for r, _ in group:
+            assert max_diff(images[r.request_id], solo(loaded, edits, r)) <= 2, r.request_id
+
+
+def test_a_short_request_that_joins_late_finishes_first(family):
+    model, loaded, edits, engine = family
+    plan = {0: [(make_request(request_id="long", model=model, steps=20), [])],
+            3: [(make_request(request_id="short", model=model, steps=2), [])]}
+    _, order = run(engine, plan)
+    assert order == ["short", "long"]
+
+
+def test_a_cancelled_request_leaves_at_the_next_step_and_the_rest_are_unchanged():
+    loaded, edits, engine = engine_for("tiny-sd")
+    stay = make_request(request_id="stay", seed=1, steps=6)
+    go = make_request(request_id="go", seed=2, steps=30, n=2)
+    engine.admit([WorkItem(stay, 0, 1), WorkItem(go, 0, 2)], [[], []])
+    engine.step()
+    engine.cancel(["go", "not-here"])
+    out = engine.step()
+    assert [(o.item.request.request_id, o.error) for o in out.finished] == [
+        ("go", "cancelled: the client went away")]
+    assert engine.images == 1 and out.images == 1  # that step's forward carried only "stay"
+    images, _ = run(engine, {})
+    assert max_diff(images["stay"], solo(loaded, edits, stay)) <= 2
+
+
+def test_previews_are_intermediate_decodes_at_evenly_spaced_steps():
+    assert partial_steps(3, 20) == {5: 0, 10: 1, 15: 2}
+    assert partial_steps(1, 4) == {2: 0}
+    assert partial_steps(3, 2) == {1: 0}  # too few steps for three distinct previews
+    assert partial_steps(0, 20) == {}
+    _, _, engine = engine_for("tiny-sd")
+    r = make_request(request_id="p", steps=8, partial_images=3, n=2)
+    engine.admit([WorkItem(r, 0, 2)], [[]])
+    previews, final = [], None
+    while engine:
+        out = engine.step()
+        previews += out.previews
+        final = out.finished or final
+    assert [(p.index, p.partial_index) for p in previews] == [
+        (0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    assert all(p.image.shape == (64, 64, 3) for p in previews)
+    assert max_diff(previews[-2].image, final[0].images[0]) > 0  # a preview, not the final image
+
+
+def test_a_request_that_cannot_be_admitted_fails_alone():
+    loaded, edits, engine = engine_for("tiny-sd")
+    good = make_request(request_id="good", seed=3)
+    broken = make_request(request_id="broken", task="edit", strength=0.5)
+    failed = engine.admit([WorkItem(good, 0, 1), WorkItem(broken, 0, 1)],
+                          [[], [b"not an image of 64x64 pixels"]])
+    assert [f.item.request.request_id for f in failed] == ["broken"]
+    images, _ = run(engine, {})
+    assert max_diff(images["good"], solo(loaded, edits, good)) <= 2
+
+
+def test_a_request_whose_forward_fails_is_isolated_and_the_others_go_on():
+    loaded, edits, engine = engine_for("tiny-sd")
+    good = make_request(request_id="good", seed=3, steps=3)
+    bad = make_request(request_id="bad", prompt="poison", steps=3)
+    engine.admit([WorkItem(good, 0, 1), WorkItem(bad, 0, 1)], [[], []])
+    (poisoned,) = [u for u in engine.units if u.item.request.request_id == "bad"]
+    marker = poisoned.cond.positive["encoder_hidden_states"][0]
+    forward = engine.family.forward
+
+    def failing_forward(latents, timesteps, cond, guidance, width, height):
+        # Any forward that carries the poisoned request's rows raises, as a kernel error would.
+        if any(torch.equal(row, marker) for row in cond["encoder_hidden_states"]):
+            raise RuntimeError("this request breaks the denoiser")
+        return forward(latents, timesteps, cond, guidance, width, height)
+
+    engine.family.forward = failing_forward
+    out = engine.step()
+    assert [(o.item.request.request_id, "breaks the denoiser" in o.error) for o in out.finished] == [
+        ("bad", True)]
+    engine.family.forward = forward
+    images, _ = run(engine, {})
+    assert max_diff(images["good"], solo(loaded, edits, good)) <= 2

@@ -1,0 +1,54 @@
+"""The plain diffusers pipelines, called alone: what every served image is compared with."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+from PIL import Image
+
+from diffserve.executor.families.base import to_uint8
+from diffserve.executor.loading import FORCED_KWARGS, LoadedModel
+from diffserve.protocol import EDIT, GENERATE, INPAINT, ImageRequest
+
+
+def solo(loaded: LoadedModel, edits: dict, request: ImageRequest, image=None, mask=None,
+         start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Images ``start``..``stop-1`` of ``request`` from one call of the plain pipeline for its task,
+    with the seeds the server uses (image i: seed + i) and nothing else shared."""
+    stop = request.n if stop is None else stop
+    pipe = loaded.pipe if request.task == GENERATE else edits[request.task]
+    accepts = set(inspect.signature(pipe.__call__).parameters)
+    count = stop - start
+    kwargs = {k: v for k, v in loaded.call_kwargs.items() if k in accepts and k not in FORCED_KWARGS}
+    kwargs.update(prompt=[request.prompt] * count, output_type="np",
+                  generator=[torch.Generator("cpu").manual_seed(request.seed + i)
+                             for i in range(start, stop)],
+                  num_inference_steps=request.num_inference_steps,
+                  guidance_scale=request.guidance_scale)
+    if "height" in accepts:
+        kwargs.update(height=request.height, width=request.width)
+    if request.negative_prompt:
+        kwargs["negative_prompt"] = [request.negative_prompt] * count
+    if request.task in (EDIT, INPAINT):
+        kwargs.update(image=[Image.fromarray(image)] * count, strength=request.strength)
+    if request.task == INPAINT:
+        kwargs["mask_image"] = [Image.fromarray(mask)] * count
+    with torch.inference_mode():
+        return to_uint8(pipe(**kwargs).images)
+
+
+def max_diff(a: np.ndarray, b: np.ndarray) -> int:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+def sample_image(size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """An input image with some structure, and a mask of its right half."""
+    rng = np.random.default_rng(seed)
+    image = (rng.random((size, size, 3)) * 255).astype(np.uint8)
+    image[size // 4:3 * size // 4, size // 4:3 * size // 4] = [200, 40, 30]
+    mask = np.zeros((size, size), np.uint8)
+    mask[:, size // 2:] = 255
+    return image, mask
