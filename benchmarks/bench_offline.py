@@ -1,13 +1,13 @@
-"""The ceiling: the model's own throughput with no server around it.
+"""The ceiling: the server's own engine in this process, with no server around it.
 
-Loads the same diffusers pipeline a server would (an embedded model name such as ``tiny-sd``,
-a local pipeline directory, or a hub id) in this process, with the serving defaults from the
-model's ``diffserve.json``, and times one pipeline call per batch size B on the thread that
-loaded it: warm-up calls first, then ``--repeats`` timed calls, and reports the median as
-images/s. A serving system cannot beat B = its largest batch; with batching disabled it
-cannot beat B = 1.
+Loads the model as an executor does (``load_model``, the same defaults and the same OpenMP
+setting) and, per batch size B, times B single-image requests through the engine of
+``--batching-mode``: request mode, one ``RequestRunner.execute`` of a Work of B items (one
+pipeline call); step mode, a ``StepEngine`` with the B requests admitted at once and stepped to
+the end. ``--warmup`` untimed runs, then ``--repeats`` timed ones; the median is reported as
+images/s. A server cannot beat B = its largest batch; without batching it cannot beat B = 1.
 
-    python benchmarks/bench_offline.py --model tiny-sd --batch-sizes 1,2,4,8
+    python benchmarks/bench_offline.py --model tiny-sd --batching-mode step --batch-sizes 1,2,4,8
 """
 
 from __future__ import annotations
@@ -21,137 +21,93 @@ import sys
 import time
 from pathlib import Path
 
-from diffserve.config import DEFAULT_MODEL  # noqa: E402
+from diffserve.config import DEFAULT_MODEL
+from diffserve.executor.process import bound_openmp_spin
 
-HERE = Path(__file__).resolve().parent
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-
-
-def _prompts(count: int) -> list[str]:
-    lines = [line.strip() for line in (HERE / "prompts.txt").read_text(encoding="utf-8").splitlines()]
-    pool = [line for line in lines if line and not line.startswith("#")] or ["a photo of a cat"]
-    return [pool[i % len(pool)] for i in range(count)]
-
-
-def parse_batch_sizes(text: str) -> list[int]:
-    sizes = sorted({int(part) for part in text.split(",") if part.strip()})
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"--batch-sizes {text!r}: expected positive integers, e.g. 1,2,4,8")
-    return sizes
-
-
-def load_pipeline(model: str, device: str, dtype: str, torch_threads: int):
-    """(pipeline, serving defaults, device, dtype name), loaded on this thread."""
-    import diffusers
-    import torch
-    import transformers
-    from diffusers import DiffusionPipeline
-
-    from diffserve.models.registry import resolve_model, serving_defaults
-
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-
-    torch.set_num_threads(torch_threads or os.cpu_count() or 1)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "float16" if device.startswith("cuda") else "float32"
-    path = resolve_model(model)
-    pipe = DiffusionPipeline.from_pretrained(path, dtype=getattr(torch, dtype))
-    pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe, serving_defaults(path), device, dtype
+PROMPTS = Path(__file__).resolve().parent / "prompts.txt"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description="Offline ceiling: images/s of one in-process pipeline call per batch size.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="Embedded model name, pipeline directory or hub id.")
-    parser.add_argument("--batch-sizes", default="1,2,4,8", help="Comma-separated batch sizes.")
-    parser.add_argument("--size", default=None,
-                        help='"WIDTHxHEIGHT" (default: from diffserve.json, else 512x512).')
-    parser.add_argument("--steps", type=int, default=None,
-                        help="num_inference_steps (default: from diffserve.json, else 30).")
-    parser.add_argument("--guidance-scale", type=float, default=None,
-                        help="guidance_scale (default: from diffserve.json, else the pipeline's).")
-    parser.add_argument("--warmup", type=int, default=2, help="Untimed calls per batch size.")
-    parser.add_argument("--repeats", type=int, default=5, help="Timed calls per batch size.")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N.")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
-    parser.add_argument("--torch-threads", type=int, default=0,
-                        help="torch intra-op threads; 0 = all cores (as diffserve does).")
-    parser.add_argument("--output-file", default=None, help="Write the results as JSON here.")
-    args = parser.parse_args(argv)
-    try:
-        batch_sizes = parse_batch_sizes(args.batch_sizes)
-    except ValueError as error:
-        parser.error(str(error))
-    if args.repeats < 1 or args.warmup < 0:
-        parser.error("--repeats must be >= 1 and --warmup >= 0")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="Embedded model, pipeline directory or hub id.")
+    p.add_argument("--batching-mode", choices=("step", "request"), default="step")
+    p.add_argument("--batch-sizes", default="1,2,4,8", help="Comma-separated B values.")
+    p.add_argument("--size", default=None, help='"WIDTHxHEIGHT" (default: the model\'s).')
+    p.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the model's).")
+    p.add_argument("--warmup", type=int, default=2, help="Untimed runs per B.")
+    p.add_argument("--repeats", type=int, default=5, help="Timed runs per B.")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N.")
+    p.add_argument("--torch-threads", type=int, default=0, help="0: torch's default, as the server.")
+    p.add_argument("--output-file", default=None, help="Write the results as JSON here.")
+    args = p.parse_args(argv)
+    sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
+    if not sizes or sizes[0] < 1 or args.repeats < 1 or args.warmup < 0:
+        p.error("--batch-sizes needs positive integers, --repeats >= 1, --warmup >= 0")
 
+    bound_openmp_spin()  # as the executor does, before torch loads
     import torch
 
-    pipe, defaults, device, dtype = load_pipeline(args.model, args.device, args.dtype,
-                                                  args.torch_threads)
-    if args.size:
-        width, height = (int(v) for v in args.size.lower().split("x"))
-    else:
-        width, height = int(defaults.get("width", 512)), int(defaults.get("height", 512))
-    steps = args.steps or int(defaults.get("num_inference_steps", 30))
-    guidance = args.guidance_scale if args.guidance_scale is not None else defaults.get("guidance_scale")
-    extra = dict(defaults.get("pipeline_kwargs", {}))
-    if guidance is not None:
-        extra["guidance_scale"] = float(guidance)
+    from diffserve.executor.families import family_for
+    from diffserve.executor.loading import edit_pipelines, load_model, model_info, supported_tasks
+    from diffserve.executor.request_runner import RequestRunner
+    from diffserve.executor.step_engine import StepEngine
+    from diffserve.protocol import ImageRequest, Work, WorkItem
 
-    def call(batch: int, seed: int) -> None:
-        generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(batch)]
-        # Under inference_mode, as the server's runner makes the call: both time the same thing.
-        with torch.inference_mode():
-            pipe(prompt=_prompts(batch), generator=generators, num_inference_steps=steps,
-                 height=height, width=width, output_type="np", **extra)
-        if device.startswith("cuda"):
+    loaded = load_model(args.model, args.device, torch_threads=args.torch_threads)
+    edits = edit_pipelines(loaded.pipe)
+    fam_cls = family_for(loaded.pipeline_class)
+    family = fam_cls(loaded.pipe, edits, loaded.call_kwargs) if fam_cls else None
+    if args.batching_mode == "step" and family is None:
+        p.error(f"step mode does not support {loaded.pipeline_class}; use --batching-mode request")
+    info = model_info(loaded, args.model, args.batching_mode, fam_cls and fam_cls.name,
+                      supported_tasks(edits))
+    width, height = (int(v) for v in args.size.lower().split("x")) if args.size else (info.width, info.height)
+    steps = args.steps or info.default_steps
+    prompts = [ln.strip() for ln in PROMPTS.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    runner = RequestRunner(loaded, edits, family)
+
+    def run(batch: int, seed: int) -> None:
+        items = [WorkItem(ImageRequest(f"r{seed}-{i}", args.model, width, height,
+                                       num_inference_steps=steps, guidance_scale=info.default_guidance_scale,
+                                       prompt=prompts[i % len(prompts)], seed=seed + i), 0, 1)
+                 for i in range(batch)]
+        if args.batching_mode == "request":
+            outcomes = runner.execute(Work(seed, items), [[] for _ in items])
+        else:
+            engine = StepEngine(family)
+            outcomes = engine.admit(items, [[] for _ in items])
+            while engine:
+                outcomes += engine.step().finished
+        if loaded.device.startswith("cuda"):
             torch.cuda.synchronize()
+        failed = [o.error for o in outcomes if o.error]
+        if failed or len(outcomes) != batch:
+            raise RuntimeError(f"B={batch}: {len(failed)} failed ({failed[:1]}), {len(outcomes)} outcomes")
 
-    print(f"model {args.model} ({type(pipe).__name__}) on {device}/{dtype}, {width}x{height}, "
-          f"{steps} steps, guidance {guidance}, torch threads {torch.get_num_threads()}")
+    print(f"{args.model} ({loaded.pipeline_class}) on {loaded.device}/{loaded.dtype}, {width}x{height}, "
+          f"{steps} steps, guidance {info.default_guidance_scale}, {args.batching_mode} mode, "
+          f"torch threads {torch.get_num_threads()}")
     results = []
-    for batch in batch_sizes:
+    for batch in sizes:
         for i in range(args.warmup):
-            call(batch, 1000 * i)
+            run(batch, 1000 * i)
         times = []
         for i in range(args.repeats):
             start = time.perf_counter()
-            call(batch, 1000 * i)
+            run(batch, 1000 * i)
             times.append(time.perf_counter() - start)
         median = statistics.median(times)
-        results.append({"batch_size": batch, "median_s": median, "min_s": min(times),
-                        "images_per_s": batch / median, "ms_per_image": 1000 * median / batch,
-                        "times_s": times})
-        print(f"  B={batch:<4d} {batch / median:8.2f} img/s   median {1000 * median:8.1f} ms/call "
-              f"({1000 * median / batch:.1f} ms/image, min {1000 * min(times):.1f} ms)", flush=True)
-
-    base = results[0]["images_per_s"]
-    print(f"{'B':>6} {'img/s':>9} {'vs B=' + str(results[0]['batch_size']):>9}")
-    for r in results:
-        print(f"{r['batch_size']:>6} {r['images_per_s']:>9.2f} {r['images_per_s'] / base:>8.2f}x")
-    report = {
-        "model": args.model, "pipeline_class": type(pipe).__name__, "device": device,
-        "dtype": dtype, "width": width, "height": height, "num_inference_steps": steps,
-        "guidance_scale": guidance, "warmup": args.warmup, "repeats": args.repeats,
-        "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine(),
-                    "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None},
-        "results": results,
-    }
+        results.append({"batch_size": batch, "median_s": median, "images_per_s": batch / median, "times_s": times})
+        print(f"  B={batch:<4d} {batch / median:8.2f} img/s {batch / median / results[0]['images_per_s']:6.2f}x "
+              f"B={sizes[0]}  median {1000 * median:.1f} ms (min {1000 * min(times):.1f})", flush=True)
     if args.output_file:
-        out = Path(args.output_file)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        report = {"model": args.model, "pipeline_class": loaded.pipeline_class, "batching_mode": args.batching_mode,
+                  "device": loaded.device, "dtype": loaded.dtype, "width": width, "height": height,
+                  "num_inference_steps": steps, "guidance_scale": info.default_guidance_scale,
+                  "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
+                  "cpu_count": os.cpu_count(), "platform": platform.platform(), "results": results}
+        Path(args.output_file).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

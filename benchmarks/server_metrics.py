@@ -1,111 +1,98 @@
-"""diffserve's Prometheus figures for the load generator: just enough parsing of the exposition
-text to take the change between two snapshots, and what that change says about a run (batch
-sizes, queue time, executor busy share, where a request's time went)."""
+"""diffserve's /metrics for the load generator: snapshots parsed with prometheus_client, summed
+over one or more servers, and what the change between two snapshots says about a run."""
 
 from __future__ import annotations
 
 import asyncio
-import re
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (name, sorted labels) -> value
 
 
-def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if not match:
-            continue
-        name, _, labels, value = match.groups()
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        key = tuple(sorted(_LABEL.findall(labels or "")))
-        samples[(name, key)] = number
+def parse(text: str, into: Samples | None = None) -> Samples:
+    """Every sample of the exposition ``text``, added to ``into`` (a sum over servers)."""
+    samples = {} if into is None else into
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            samples[key] = samples.get(key, 0.0) + s.value
     return samples
 
 
-def _total(samples: dict, name: str, **match: str) -> float | None:
+def total(samples: Samples, name: str, **match: str) -> float | None:
     """Sum of the samples of ``name`` whose labels include ``match``; None if there are none."""
     values = [v for (n, labels), v in samples.items()
               if n == name and all((k, val) in labels for k, val in match.items())]
     return sum(values) if values else None
 
 
-async def fetch_metrics(client: aiohttp.ClientSession, base_url: str) -> dict | None:
-    """The server's diffserve metrics, or None if it has no /metrics or not ours."""
-    try:
-        async with client.get(base_url.rstrip("/") + "/metrics",
-                              timeout=aiohttp.ClientTimeout(total=10)) as response:
-            text = await response.text()
-            status = response.status
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+async def fetch(client: aiohttp.ClientSession, base_urls: list[str]) -> Samples | None:
+    """diffserve's metrics summed over ``base_urls`` (each counted once); None if any of them
+    has no diffserve /metrics."""
+    async def one(url: str) -> str | None:
+        try:
+            async with client.get(url.rstrip("/") + "/metrics",
+                                  timeout=aiohttp.ClientTimeout(total=10)) as response:
+                text = await response.text()
+                return text if response.status == 200 and "diffserve_batch_size" in text else None
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+
+    texts = await asyncio.gather(*(one(url) for url in dict.fromkeys(base_urls)))
+    if any(text is None for text in texts):
         return None
-    if status != 200 or "diffserve_batch_size" not in text:
-        return None
-    return parse_prometheus(text)
+    samples: Samples = {}
+    for text in texts:
+        parse(text, samples)
+    return samples
 
 
-def metrics_delta(before: dict | None, after: dict | None, duration_s: float,
-                  client_mean_latency_s: float | None = None) -> dict | None:
-    """What the server did between two /metrics snapshots ``duration_s`` apart, and where a
-    request's time went given the client's mean latency."""
+def delta(before: Samples | None, after: Samples | None, duration_s: float,
+          client_mean_latency_s: float | None = None) -> dict | None:
+    """What the servers did between two snapshots ``duration_s`` apart, and where a request's
+    time went given the client's mean latency."""
     if before is None or after is None:
         return None
 
-    def delta(name: str, **match: str) -> float | None:
-        a, b = _total(after, name, **match), _total(before, name, **match)
-        if a is None:
-            return None
-        return a - (b or 0.0)
+    def change(name: str, **match: str) -> float | None:
+        a = total(after, name, **match)
+        return None if a is None else a - (total(before, name, **match) or 0.0)
 
     def mean(name: str) -> float | None:
-        total, count = delta(name + "_sum"), delta(name + "_count")
-        return total / count if total is not None and count else None
+        s, count = change(name + "_sum"), change(name + "_count")
+        return s / count if s is not None and count else None
 
-    batches = delta("diffserve_batch_size_count")
-    buckets: dict[str, float] = {}
-    previous = 0.0
-    for (name, labels), value in sorted(
-            ((k, v) for k, v in after.items() if k[0] == "diffserve_batch_size_bucket"),
-            key=lambda kv: float(dict(kv[0][1]).get("le", "inf").replace("+Inf", "inf"))):
-        le = dict(labels).get("le", "+Inf")
-        cumulative = value - before.get((name, labels), 0.0)
-        if cumulative - previous > 0:
-            buckets[le] = cumulative - previous  # batches with size in (previous le, le]
-        previous = cumulative
-    statuses = sorted({dict(labels).get("status") for (name, labels) in after
-                       if name == "diffserve_requests_total"} - {None})
+    def by_label(name: str, label: str) -> dict[str, float]:
+        values = sorted({dict(labels)[label] for n, labels in after if n == name and label in dict(labels)})
+        return {v: change(name, **{label: v}) for v in values}
+
+    executors = total(after, "diffserve_executor_ready") or 1.0
+    busy = change("diffserve_executor_busy_seconds_total")
     server = {
-        "batches": batches,
+        "batching_mode": ",".join(m for m, v in by_label("diffserve_batching_mode", "mode").items()
+                                  if total(after, "diffserve_batching_mode", mode=m)),
+        "executors": executors,
+        "dispatches": change("diffserve_batch_size_count"),
+        "dispatches_by_reason": {k: v for k, v in by_label("diffserve_dispatches_total", "reason").items() if v},
         "mean_batch_size": mean("diffserve_batch_size"),
-        "batch_size_histogram": buckets,
+        "mean_step_running_images": mean("diffserve_step_running_images"),
         "mean_queue_time_s": mean("diffserve_queue_time_seconds"),
         "mean_batch_execution_s": mean("diffserve_batch_execution_seconds"),
         "mean_request_execution_s": mean("diffserve_request_execution_seconds"),
-        "batch_execution_total_s": delta("diffserve_batch_execution_seconds_sum"),
         "mean_server_latency_s": mean("diffserve_request_latency_seconds"),
-        "images_generated": delta("diffserve_images_generated_total"),
-        "requests_by_status": {s: delta("diffserve_requests_total", status=s) for s in statuses},
+        "images_generated": change("diffserve_images_generated_total"),
+        "requests_by_status": {k: v for k, v in by_label("diffserve_requests_total", "status").items() if v},
+        # Share of the run the executors spent computing: what the server loses to its own gaps.
+        "executor_busy_fraction": busy / (duration_s * executors) if busy is not None and duration_s > 0 else None,
+        "mean_server_overhead_s": None, "mean_client_and_http_s": None,
     }
-    if server["batch_execution_total_s"] is not None and duration_s > 0:
-        # Share of the run the executor spent in pipeline calls: what the server loses to its
-        # own overhead, independent of how fast the model ran this time.
-        server["executor_busy_fraction"] = server["batch_execution_total_s"] / duration_s
     if None not in (client_mean_latency_s, server["mean_server_latency_s"],
                     server["mean_queue_time_s"], server["mean_request_execution_s"]):
-        # Where a request's time goes, on average, all per request: the client and HTTP (client
-        # latency over the frontend's), and the server's own work besides waiting and computing
-        # (frontend latency over queue time and the pipeline calls that made its images: IPC,
-        # validation, image encoding, and waits between the calls of a split request).
+        # Per request: the client and HTTP (client latency over the frontend's), and the server's
+        # own work besides waiting and computing (validation, IPC, image encoding).
         server["mean_client_and_http_s"] = client_mean_latency_s - server["mean_server_latency_s"]
-        server["mean_server_overhead_s"] = (server["mean_server_latency_s"]
-                                            - server["mean_queue_time_s"]
+        server["mean_server_overhead_s"] = (server["mean_server_latency_s"] - server["mean_queue_time_s"]
                                             - server["mean_request_execution_s"])
     return server

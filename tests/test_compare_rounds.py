@@ -1,90 +1,106 @@
-"""compare.py's report: how several rounds become one table, and the target verdicts (pure
-functions, synthetic rounds)."""
+"""benchmarks/compare.py's arithmetic: medians over rounds, ratios, target verdicts and the table
+(pure functions on synthetic rounds, no server)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-compare = pytest.importorskip("compare_report")
+compare = pytest.importorskip("compare")
+
+TARGETS = compare.TARGETS["modes"]
+SATURATED = "saturated img/s, step/request"
+P99_50 = "p99 ms @50%, step/request"
+IDLE_STEP = "idle overhead ms, step"
 
 
-def _level(c: int, ips: float, latencies: list[float], busy: float | None = None) -> dict:
-    lat = sorted(latencies)
-    return {"concurrency": c, "images_per_s": ips, "requests_per_s": ips, "failed": 0,
-            "latencies_s": latencies,
-            "latency_s": {"mean": sum(lat) / len(lat), "p50": lat[len(lat) // 2], "p99": lat[-1]},
-            "server_metrics": None if busy is None else {
-                "mean_batch_size": 8.0, "mean_queue_time_s": 0.01,
-                "mean_batch_execution_s": 0.1, "executor_busy_fraction": busy}}
+def test_median_ratio_and_judge():
+    assert compare.median([3.0, None, 1.0, 2.0]) == 2.0
+    assert compare.median([None]) is None
+    assert compare.ratio(3.0, 4.0) == 0.75
+    assert compare.ratio(None, 4.0) is None and compare.ratio(3.0, 0.0) is None
+    assert compare.judge(0.95, ">=", 0.95) is True and compare.judge(0.94, ">=", 0.95) is False
+    assert compare.judge(0.7, "<=", 0.7) is True and compare.judge(0.71, "<=", 0.7) is False
+    assert compare.judge(None, "<=", 0.7) is None
 
 
-def _round(scale: float) -> dict:
-    """One round where everything, the offline ceiling included, ran ``scale`` times as fast."""
-    args = _args()
-    runs = [
-        {"system": "diffserve-b1", "label": "b1", "command": [], "levels": [
-            _level(1, 10 * scale, [0.10, 0.11, 0.12], 0.9), _level(16, 10 * scale, [1.6] * 3, 1.0)]},
-        {"system": "diffserve", "label": "batched", "command": [], "levels": [
-            _level(1, 9 * scale, [0.11, 0.12, 0.13], 0.8), _level(16, 30 * scale, [0.5] * 3, 0.99)]},
-    ]
-    offline = {"results": [{"batch_size": 1, "images_per_s": 11 * scale, "median_s": 0.1 / scale},
-                           {"batch_size": 8, "images_per_s": 33 * scale, "median_s": 0.24 / scale}]}
-    return {"runs": runs, "offline": offline, "summary": compare.summarize(args, runs, offline)}
+def test_rounds_become_medians_and_targets_are_judged_on_them():
+    # The machine's speed drifted between rounds; the ratios, taken within each round, did not much.
+    rounds = [{"saturated img/s, step": 10.0, "saturated img/s, request": 10.0, SATURATED: 1.0,
+               P99_50: 0.6, IDLE_STEP: 4.0},
+              {"saturated img/s, step": 20.0, "saturated img/s, request": 21.0, SATURATED: 20 / 21,
+               P99_50: 0.9, IDLE_STEP: 6.0},
+              {"saturated img/s, step": 5.0, "saturated img/s, request": 5.5, SATURATED: 5 / 5.5,
+               P99_50: 0.65, IDLE_STEP: None}]
+    summary = compare.summarize(rounds, TARGETS)
+    assert summary["medians"]["saturated img/s, step"] == 10.0
+    assert summary["medians"][SATURATED] == pytest.approx(20 / 21)
+    assert summary["by_round"][P99_50] == [0.6, 0.9, 0.65]
+    assert summary["medians"][IDLE_STEP] == 5.0  # the round that measured nothing is left out
+    verdicts = summary["verdicts"]
+    assert verdicts[SATURATED] is True  # 0.952 >= 0.95
+    assert verdicts[P99_50] is True  # 0.65 <= 0.7
+    assert verdicts[IDLE_STEP] is True  # 5 ms <= 5 ms
+    assert verdicts["short mean ms (mixed), step/request"] is None  # never measured
+
+    table = compare.format_table(summary, TARGETS)
+    lines = table.splitlines()
+    assert lines[0] == "| figure | median | by round | target | verdict |"
+    assert f"| {SATURATED} | 0.952 | 1, 0.952, 0.909 | >= 0.95 | met |" in lines
+    assert "| short mean ms (mixed), step/request | n/a | | <= 0.5 | not measured |" in lines
+    assert "| saturated img/s, request | 10 | 10, 21, 5.5 |  |  |" in lines
 
 
-def _args() -> argparse.Namespace:
-    return argparse.Namespace(concurrency=[1, 16], batch_delay_ms=8.0)
+def test_a_missed_target_says_so():
+    summary = compare.summarize([{P99_50: 0.8}, {P99_50: 0.9}], TARGETS)
+    assert summary["verdicts"][P99_50] is False
+    assert f"| {P99_50} | 0.85 | 0.8, 0.9 | <= 0.7 | **MISSED** |" in compare.format_table(summary, TARGETS)
 
 
-def test_rounds_merge_to_medians_and_ratios_are_taken_within_rounds():
-    # The machine's speed drifted 2x between rounds, the server's share of it did not.
-    rounds = [_round(1.0), _round(2.0), _round(0.5)]
-    runs, offline = compare.merge_rounds(["diffserve-b1", "diffserve"], rounds)
-    batched = {lv["concurrency"]: lv for lv in runs[1]["levels"]}
-    assert batched[16]["images_per_s"] == 30  # median of 30, 60, 15
-    assert batched[16]["images_per_s_by_round"] == [30, 60, 15]
-    assert len(batched[1]["latencies_s"]) == 9  # percentiles over every request of every round
-    assert batched[16]["server_metrics"]["executor_busy_fraction"] == 0.99
-    assert [r["images_per_s"] for r in offline["results"]] == [11, 33]
+class FakeBench:
+    """Stands in for compare.Bench: no servers; each load answers synthetic figures and is logged."""
 
-    summary = compare.combine_summaries(_args(), runs, offline, rounds)
-    # 30/33 in every round, whatever the drift.
-    assert summary["saturated_diffserve_vs_offline_max"] == pytest.approx(30 / 33)
-    assert summary["saturated_diffserve_vs_offline_max_by_round"] == [pytest.approx(30 / 33)] * 3
-    assert summary["batching_gain_served"] == pytest.approx(3.0)
-    # Idle: p50 0.12 s - 0.1 s offline B=1 - 8 ms = 12 ms in the round at scale 1.
-    assert summary["idle_p50_over_offline_b1_and_delay_ms_by_round"][0] == pytest.approx(12.0)
-    # Mean 0.12 s - executor 0.1 s - 8 ms = 12 ms, from the server's own figures.
-    assert summary["idle_mean_over_executor_and_delay_ms"] == pytest.approx(12.0)
-    text = compare.format_tables(_args(), runs, offline, summary)
-    assert "by round: 0.91, 0.91, 0.91" in text
-    assert "idle mean (batched, c=1)" in text
+    def __init__(self) -> None:
+        self.args = argparse.Namespace(concurrency=32, loads=[50, 80], mixed_steps=[8, 32], steps=None,
+                                       default_steps=20, idle_requests=8, batch_delay_ms=8.0)
+        self.calls: list[tuple[str, dict]] = []
 
+    @contextlib.contextmanager
+    def servers(self, name, *configs):
+        yield ["http://fake"], True
 
-def test_a_system_that_failed_every_round_is_reported_as_failed():
-    bad = {"system": "naive", "label": "naive", "command": [], "levels": [], "error": "no start"}
-    rounds = [{"runs": [bad], "offline": None, "summary": {}} for _ in range(2)]
-    runs, offline = compare.merge_rounds(["naive"], rounds)
-    assert runs[0]["error"] == "no start" and offline is None
+    def load(self, served, label: str, **overrides) -> dict:
+        self.calls.append((label, overrides))
+        step = label.startswith("step")
+        lat = {"mean": 0.5, "p50": 0.4, "p99": 1.0}
+        if "%" in label:
+            lat = {"mean": 0.3, "p50": 0.2 if step else 0.4, "p99": 0.6 if step else 1.0}
+        return {"images_per_s": 9.5 if step else 10.0, "requests_per_s": 9.5 if step else 10.0,
+                "latency_s": {**lat, "mean": 0.0615 if "idle" in label else lat["mean"]},
+                "latency_by_steps_s": {"8": {"mean": 0.1 if step else 0.4}, "32": {"mean": 1.0}},
+                "server_metrics": {"mean_request_execution_s": 0.05}}
 
 
-def test_targets_are_judged_against_the_stated_bounds():
-    rounds = [_round(1.0), _round(2.0), _round(0.5)]
-    runs, offline = compare.merge_rounds(["diffserve-b1", "diffserve"], rounds)
-    summary = compare.combine_summaries(_args(), runs, offline, rounds)
-    verdicts = {name: (value, met) for name, value, _, met in compare.targets(summary, "cpu")}
-    assert verdicts["saturated / offline B=max"] == (pytest.approx(30 / 33), True)  # >= 0.85
-    assert verdicts["batching gain served"] == (pytest.approx(3.0), True)  # >= 0.9 x 3.0
-    assert verdicts["idle overhead, ms"] == (pytest.approx(12.0), False)  # > 5 ms
-    # A GPU is held to 0.95 of its ceiling.
-    on_gpu = {name: met for name, _, _, met in compare.targets(summary, "cuda:0")}
-    assert on_gpu["saturated / offline B=max"] is False
-    text = compare.format_tables(_args(), runs, offline, summary)
-    assert "idle overhead, ms" in text and "MISSED" in text
-    # Nothing measured: no verdict rather than a pass.
-    assert all(met is None for *_, met in compare.targets({}, None))
+def test_modes_derives_loads_ratios_and_idle_overhead_from_its_measurements():
+    bench = FakeBench()
+    f = compare.modes(bench)
+    rates = {label: o.get("request_rate") for label, o in bench.calls}
+    # Offered loads are shares of request mode's saturated req/s, for both modes.
+    assert rates["request 50%"] == rates["step 50%"] == pytest.approx(5.0)
+    assert rates["step 80%"] == pytest.approx(8.0)
+    # Mixed 8/32 steps (mean 20) at half of a saturation measured at 20 steps: 5 req/s.
+    assert rates["step mixed"] == pytest.approx(5.0)
+    assert dict(bench.calls)["step mixed"]["mixed_steps"] == [8, 32]
+    assert dict(bench.calls)["request idle"] == {"max_concurrency": 1, "num_prompts": 8}
+    assert f[SATURATED] == pytest.approx(0.95)
+    assert f["p50 ms @50%, step/request"] == pytest.approx(0.5)
+    assert f["short mean ms (mixed), step/request"] == pytest.approx(0.25)
+    # 61.5 ms at the client - 50 ms executing - 8 ms delay.
+    assert f[IDLE_STEP] == pytest.approx(3.5)
+    verdicts = compare.summarize([f], TARGETS)["verdicts"]
+    assert all(verdicts.values()), verdicts

@@ -1,30 +1,110 @@
-"""Soak runs of benchmarks/soak.py: nothing lost, every image its own. CI runs the short one;
-the full 2,000-request run is marked slow (`python -m pytest -m slow`)."""
+"""Soak: a real `diffserve serve` under many concurrent requests. None may be lost or fail, every
+image must equal its own request's image made alone by the plain pipeline (tests/reference.py),
+and the server must have batched (fewer dispatches than requests) and exit cleanly. The short run
+is in the default suite; the 2,000-request runs are marked slow (`python -m pytest -m slow`)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from __future__ import annotations
 
+import asyncio
+import base64
+import io
+
+import httpx
+import numpy as np
 import pytest
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
-SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+from diffserve.executor.loading import edit_pipelines, load_model
+from diffserve.launcher import ServerProcess
+from helpers import make_request
+from reference import max_diff, solo
+
+MODEL = "tiny-sd"
+SUBJECTS = ["a cat", "a boat at sea", "a red circle", "noise"]
 
 
-def run_soak(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, str(SOAK), *args], capture_output=True, text=True,
-                          timeout=1800)
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert proc.returncode == 0, (summary, proc.stderr[-3000:])
-    assert summary["lost"] == summary["failed"] == summary["mismatched"] == 0
-    return summary
+def make_plan(count: int, distinct: int) -> list[dict]:
+    """``count`` bodies reusing ``distinct`` (prompt, seed, steps) jobs in turn; every third asks
+    for two images, and a third of the jobs run 2 steps instead of 4 (step mode mixes them)."""
+    jobs = [(f"soak {k}: {SUBJECTS[k % 4]}", 7919 * k, 2 if k % 3 == 1 else 4) for k in range(distinct)]
+    return [{"prompt": prompt, "seed": seed, "num_inference_steps": steps, "n": 2 if i % 3 == 0 else 1,
+             "size": "64x64", "guidance_scale": 5.0}
+            for i, (prompt, seed, steps) in ((i, jobs[i % distinct]) for i in range(count))]
 
 
-def test_short_soak():
-    summary = run_soak("--num-requests", "200", "--concurrency", "32", "--distinct", "24")
-    assert summary["executor_calls"] < summary["requests"]
+def references(plan: list[dict]) -> dict[tuple[str, int, int], np.ndarray]:
+    """(prompt, seed of the image, steps) -> the image, each from one plain pipeline call alone."""
+    loaded = load_model(MODEL, torch_threads=1)
+    edits = edit_pipelines(loaded.pipe)
+    wanted = {(b["prompt"], b["seed"], b["num_inference_steps"], i) for b in plan for i in range(b["n"])}
+    out = {}
+    for prompt, seed, steps, i in sorted(wanted):
+        request = make_request(n=i + 1, prompt=prompt, seed=seed, steps=steps, model=MODEL)
+        out[(prompt, seed + i, steps)] = solo(loaded, edits, request, start=i, stop=i + 1)[0]
+    return out
+
+
+async def send_all(url: str, plan: list[dict], concurrency: int) -> list[httpx.Response | Exception]:
+    limit = asyncio.Semaphore(concurrency)
+    pool = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=pool) as client:
+        async def one(body: dict) -> httpx.Response | Exception:
+            async with limit:
+                try:
+                    return await client.post("/v1/images/generations", json=body)
+                except httpx.HTTPError as error:
+                    return error
+
+        return await asyncio.gather(*(one(body) for body in plan))
+
+
+def metric(text: str, name: str) -> float:
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name)
+
+
+def soak(tmp_path, count: int, concurrency: int, distinct: int, mode: str) -> dict:
+    plan = make_plan(count, distinct)
+    server = ServerProcess.diffserve(
+        "--model", MODEL, "--batching-mode", mode, "--dynamic-batch-max-size", "8",
+        "--dynamic-batch-delay-ms", "8", "--torch-threads", "1", "--log-level", "warning",
+        log_path=tmp_path / "server.log", startup_timeout_s=300, name="soak server")
+    server.launch()  # it loads while the references are computed
+    try:
+        refs = references(plan)
+        server.wait_ready()
+        responses = asyncio.run(send_all(server.url, plan, concurrency))
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    finally:
+        exit_code = server.stop()
+    lost = [r for r in responses if not isinstance(r, httpx.Response)]
+    assert not lost, f"{len(lost)} requests lost, e.g. {lost[0]!r}"
+    failed = [r for r in responses if r.status_code != 200]
+    assert not failed, f"{len(failed)} failed, e.g. {failed[0].status_code} {failed[0].text[:300]}"
+    worst = images = 0
+    for body, response in zip(plan, responses):
+        data = response.json()["data"]
+        assert [d["seed"] for d in data] == [body["seed"] + i for i in range(body["n"])]
+        for d in data:
+            pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))).convert("RGB"))
+            diff = max_diff(pixels, refs[(body["prompt"], d["seed"], body["num_inference_steps"])])
+            assert diff <= 2, (body, d["seed"], diff)
+            worst, images = max(worst, diff), images + 1
+    assert images == sum(b["n"] for b in plan)
+    assert metric(metrics, "diffserve_requests_total") == count  # none counted twice, none invalid
+    dispatches = metric(metrics, "diffserve_batch_size_count")
+    assert 0 < dispatches < count, f"no batching: {dispatches:.0f} dispatches for {count} requests"
+    assert exit_code == 0, server.log[-3000:]
+    return {"images": images, "dispatches": dispatches, "worst_pixel_diff": worst}
+
+
+@pytest.mark.parametrize("mode", ["step", "request"])
+def test_short_soak(tmp_path, mode):
+    soak(tmp_path, count=200, concurrency=32, distinct=24, mode=mode)
 
 
 @pytest.mark.slow
-def test_full_soak():
-    run_soak("--num-requests", "2000", "--concurrency", "64")
+@pytest.mark.parametrize("mode", ["step", "request"])
+def test_full_soak(tmp_path, mode):
+    soak(tmp_path, count=2000, concurrency=64, distinct=64, mode=mode)

@@ -103,7 +103,11 @@ def open_image(data: bytes, param: str, max_pixels: int) -> Image.Image:
         raise invalid_request(f"{param!r} is an empty file", param, "invalid_image")
     try:
         image = Image.open(io.BytesIO(data))  # reads the header only
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+    except Image.DecompressionBombError:  # Pillow's own ceiling, far above ours
+        raise invalid_request(f"{param!r} has more pixels than this server decodes "
+                              f"({max_pixels}, --max-input-pixels)", param,
+                              "image_too_large") from None
+    except (UnidentifiedImageError, OSError, ValueError):
         raise invalid_request(f"{param!r} is not a PNG, JPEG or WebP image", param,
                               "invalid_image_format") from None
     if image.format not in FORMATS:

@@ -1,0 +1,98 @@
+"""One queue feeding two executors, through the real server: both run work, every image is its
+own, and killing one executor fails only what it held while the other keeps answering."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from diffserve.executor.loading import load_model
+from helpers import make_request
+from reference import max_diff, solo
+from server import Server, decode, metric, pids_titled, wait_for_metric
+
+GENERATE = "/v1/images/generations"
+
+
+def wait_all_ready(server: Server, timeout_s: float = 120) -> dict:
+    """/health is 200 once one executor serves; wait for every one (a restart or a slower start
+    is reported only there)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = httpx.get(server.url + "/health").json()
+        if all(e["state"] == "ready" for e in body["executors"]):
+            return body
+        assert time.monotonic() < deadline, body
+        time.sleep(0.1)
+
+
+def per_executor(text: str, name: str) -> list[float]:
+    return [metric(text, name, executor=str(i)) for i in range(2)]
+
+
+@pytest.mark.parametrize("mode", ["step", "request"])
+def test_both_executors_serve_and_every_image_is_its_own(mode):
+    loaded = load_model("tiny-sd", torch_threads=1)
+    bodies = [{"prompt": f"request {i}", "seed": 500 + 13 * i} for i in range(16)]
+    with Server("--data-parallel-size", "2", "--torch-threads", "1", "--batching-mode", mode,
+                "--dynamic-batch-max-size", "4") as srv, srv.client() as c:
+        health = wait_all_ready(srv)
+        assert [e["index"] for e in health["executors"]] == [0, 1]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            responses = list(pool.map(lambda b: c.post(GENERATE, json=b), bodies))
+        text = c.get("/metrics").text
+    assert [r.status_code for r in responses] == [200] * len(bodies)
+    assert all(n > 0 for n in per_executor(text, "diffserve_images_generated_total")), text
+    assert all(n > 0 for n in per_executor(text, "diffserve_batch_size_count"))
+    for body, r in zip(bodies, responses):
+        expected = solo(loaded, {}, make_request(prompt=body["prompt"], seed=body["seed"]))[0]
+        assert max_diff(decode(r.json()["data"][0]["b64_json"]), expected) <= 2, body
+
+
+def test_killing_one_executor_fails_only_its_requests_and_it_comes_back():
+    with Server("--data-parallel-size", "2", "--torch-threads", "1", "--dynamic-batch-max-size", "2",
+                "--dynamic-batch-delay-ms", "0", "--max-inference-steps", "1000") as srv:
+        wait_all_ready(srv)
+        executors = sorted(pids_titled(srv.proc.pid, "diffserve::executor"))
+        assert len(executors) == 2
+        victim = next(p for p in executors if "executor-1" in open(f"/proc/{p}/cmdline").read())
+
+        def post(i: int, steps: int = 120) -> httpx.Response:
+            with srv.client(timeout=120) as c:
+                return c.post(GENERATE, json={"prompt": f"load {i}", "seed": i,
+                                              "num_inference_steps": steps})
+
+        with ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(post, i) for i in range(4)]  # two per executor, long ones
+            wait_for_metric(srv, "diffserve_num_requests_running", lambda v: v >= 4)
+            os.kill(victim, signal.SIGKILL)
+            first = [f.result() for f in futures]
+            # The scheduler publishes an executor's death before it answers what it held.
+            health = httpx.get(srv.url + "/health")
+            # The survivor keeps answering while its peer is down.
+            quick = [pool.submit(post, 100 + i, 2) for i in range(4)]
+            assert [r.status_code for r in quick_results(quick)] == [200] * 4
+        failed = [r for r in first if r.status_code != 200]
+        assert len(failed) == 2 and all(r.status_code == 500 for r in failed), [r.text for r in first]
+        assert all("executor 1 exited unexpectedly" in r.json()["error"]["message"] for r in failed)
+        assert health.status_code == 200  # ready while one executor is
+        assert health.json()["executors"][1]["state"] in ("restarting", "starting")
+        body = wait_all_ready(srv)
+        assert body["executors"][1]["restarts"] == 1 and body["executors"][0]["restarts"] == 0
+        before = per_executor(httpx.get(srv.url + "/metrics").text, "diffserve_images_generated_total")
+        with ThreadPoolExecutor(8) as pool:
+            assert {r.status_code for r in pool.map(lambda i: post(200 + i, 30), range(8))} == {200}
+        after = per_executor(httpx.get(srv.url + "/metrics").text, "diffserve_images_generated_total")
+        assert after[0] > before[0] and after[1] > before[1], (before, after)
+        text = httpx.get(srv.url + "/metrics").text
+        assert metric(text, "diffserve_executor_restarts_total", executor="1") == 1
+        assert metric(text, "diffserve_executor_restarts_total", executor="0") == 0
+
+
+def quick_results(futures):
+    return [f.result() for f in futures]

@@ -1,0 +1,100 @@
+"""The step engine through the real server: the batching-mode flag, early finish, a departed
+caller's slot reused at once, and a crash mid-run that answers everyone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from diffserve.executor.loading import load_model
+from helpers import make_request
+from reference import max_diff, solo
+from server import Server, assert_openai_error, decode, metric, pids_titled, wait_for_metric
+
+GENERATE = "/v1/images/generations"
+
+
+def post(server: Server, body: dict, timeout: float = 120) -> httpx.Response:
+    with server.client(timeout=timeout) as c:
+        return c.post(GENERATE, json=body)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server("--batching-mode", "step", "--dynamic-batch-max-size", "2",
+                "--max-inference-steps", "1000", "--dynamic-batch-delay-ms", "0") as srv:
+        yield srv
+
+
+def test_the_mode_is_shown(server):
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["batching_mode"] == "step"
+    assert httpx.get(server.url + "/health").json()["batching_mode"] == "step"
+    assert metric(httpx.get(server.url + "/metrics").text, "diffserve_batching_mode", mode="step") == 1
+    assert "step mode" in server.log
+
+
+def test_a_short_request_that_arrives_during_a_long_one_finishes_first(server):
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(post, server, {"prompt": "long", "num_inference_steps": 300, "seed": 1})
+        wait_for_metric(server, "diffserve_num_requests_running", lambda v: v >= 1)
+        short = post(server, {"prompt": "short", "num_inference_steps": 2, "seed": 2})
+        assert short.status_code == 200
+        assert not long.done(), "the short request waited for the long one"
+        assert long.result().status_code == 200
+
+
+def test_a_departed_caller_frees_its_slot_and_the_others_are_unchanged(server):
+    loaded = load_model("tiny-sd", torch_threads=1)
+    stays = {"prompt": "stays", "num_inference_steps": 150, "seed": 3, "guidance_scale": 3.0}
+    before = metric(httpx.get(server.url + "/metrics").text, "diffserve_step_retirements_total",
+                    outcome="cancelled")
+    with ThreadPoolExecutor(3) as pool:
+        kept = pool.submit(post, server, stays)
+        with pytest.raises(httpx.ReadTimeout):  # the second slot's caller leaves mid-run
+            post(server, {"prompt": "leaves", "num_inference_steps": 900, "seed": 4}, timeout=1.0)
+        wait_for_metric(server, "diffserve_step_retirements_total", lambda v: v > before,
+                        outcome="cancelled")
+        # The running set is full without the departed caller's slot; a newcomer gets it now.
+        newcomer = post(server, {"prompt": "newcomer", "num_inference_steps": 2, "seed": 5})
+        assert newcomer.status_code == 200 and not kept.done()
+        response = kept.result()
+    expected = solo(loaded, {}, make_request(prompt="stays", seed=3, steps=150, guidance=3.0))[0]
+    assert max_diff(decode(response.json()["data"][0]["b64_json"]), expected) <= 2
+
+
+def test_an_executor_crash_mid_run_answers_every_running_request_at_once():
+    with Server("--batching-mode", "step", "--dynamic-batch-max-size", "4",
+                "--max-inference-steps", "1000") as srv:
+        (executor,) = pids_titled(srv.proc.pid, "diffserve::executor")
+        with ThreadPoolExecutor(5) as pool:
+            running = [pool.submit(post, srv, {"prompt": f"r{i}", "num_inference_steps": 600,
+                                               "n": 2 if i == 0 else 1}) for i in range(3)]
+            wait_for_metric(srv, "diffserve_num_requests_running", lambda v: v >= 3)
+            queued = pool.submit(post, srv, {"prompt": "queued", "num_inference_steps": 600,
+                                             "size": "128x64"})  # another shape: it waits
+            wait_for_metric(srv, "diffserve_num_requests_waiting", lambda v: v >= 1)
+            killed_at = time.monotonic()
+            os.kill(executor, signal.SIGKILL)
+            answers = [f.result() for f in running]
+            answered_in = time.monotonic() - killed_at
+            assert queued.result().status_code == 200  # kept in the queue, run after the restart
+        for r in answers:
+            assert_openai_error(r, 500)
+        assert answered_in < 2.0
+
+
+def test_step_mode_on_a_family_it_does_not_know_refuses_to_start():
+    srv = Server("--model", "tiny-hunyuandit", "--batching-mode", "step").launch()
+    assert srv.proc.wait(120) == 1
+    assert "--batching-mode step does not support HunyuanDiTPipeline" in srv.log, srv.log
+    assert "Use --batching-mode request" in srv.log
+
+
+def test_request_mode_is_kept_on_request():
+    with Server("--batching-mode", "request") as srv:
+        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["batching_mode"] == "request"
