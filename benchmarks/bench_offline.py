@@ -85,10 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         if failed or len(outcomes) != batch:
             raise RuntimeError(f"B={batch}: {len(failed)} failed ({failed[:1]}), {len(outcomes)} outcomes")
 
+    report = {"model": args.model, "pipeline_class": loaded.pipeline_class, "batching_mode": args.batching_mode,
+              "device": loaded.device, "dtype": loaded.dtype, "width": width, "height": height,
+              "num_inference_steps": steps, "guidance_scale": info.default_guidance_scale,
+              "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
+              "cpu_count": os.cpu_count(), "platform": platform.platform(), "results": []}
     print(f"{args.model} ({loaded.pipeline_class}) on {loaded.device}/{loaded.dtype}, {width}x{height}, "
-          f"{steps} steps, guidance {info.default_guidance_scale}, {args.batching_mode} mode, "
-          f"torch threads {torch.get_num_threads()}")
-    results = []
+          f"{steps} steps, {args.batching_mode} mode, torch threads {torch.get_num_threads()}")
     for batch in sizes:
         for i in range(args.warmup):
             run(batch, 1000 * i)
@@ -98,15 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             run(batch, 1000 * i)
             times.append(time.perf_counter() - start)
         median = statistics.median(times)
-        results.append({"batch_size": batch, "median_s": median, "images_per_s": batch / median, "times_s": times})
-        print(f"  B={batch:<4d} {batch / median:8.2f} img/s {batch / median / results[0]['images_per_s']:6.2f}x "
-              f"B={sizes[0]}  median {1000 * median:.1f} ms (min {1000 * min(times):.1f})", flush=True)
+        report["results"].append({"batch_size": batch, "median_s": median, "images_per_s": batch / median,
+                                  "times_s": times})
+        gain = batch / median / report["results"][0]["images_per_s"]
+        print(f"  B={batch:<4d} {batch / median:8.2f} img/s {gain:6.2f}x B={sizes[0]}  median "
+              f"{1000 * median:.1f} ms (min {1000 * min(times):.1f})", flush=True)
     if args.output_file:
-        report = {"model": args.model, "pipeline_class": loaded.pipeline_class, "batching_mode": args.batching_mode,
-                  "device": loaded.device, "dtype": loaded.dtype, "width": width, "height": height,
-                  "num_inference_steps": steps, "guidance_scale": info.default_guidance_scale,
-                  "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
-                  "cpu_count": os.cpu_count(), "platform": platform.platform(), "results": results}
         Path(args.output_file).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -39,7 +39,8 @@ from diffserve.launcher import LaunchError, ServerProcess, free_port  # noqa: E4
 STEP_OVER_REQUEST = "step/request"
 TARGETS = {  # scenario -> (figure, comparison, bound)
     "modes": [(f"saturated img/s, {STEP_OVER_REQUEST}", ">=", 0.95),
-              *((f"{p} ms @{load}%, {STEP_OVER_REQUEST}", "<=", 0.7) for load in (50, 80) for p in ("p50", "p99")),
+              *((f"{p} ms @{load}%, {STEP_OVER_REQUEST}", "<=", 0.7)
+                for load in (50, 80) for p in ("p50", "p99")),
               (f"short mean ms (mixed), {STEP_OVER_REQUEST}", "<=", 0.5),
               ("idle overhead ms, step", "<=", 5.0), ("idle overhead ms, request", "<=", 5.0)],
     "scale": [], "baseline": [],
@@ -153,7 +154,8 @@ def modes(b: Bench) -> dict[str, float | None]:
                 f[f"p50 ms @{load}%, {mode}"], f[f"p99 ms @{load}%, {mode}"] = ms(lat["p50"]), ms(lat["p99"])
             rate = 0.5 * full * (a.steps or a.default_steps) / statistics.mean(a.mixed_steps)
             mixed = b.load(served, f"{mode} mixed", request_rate=rate, mixed_steps=a.mixed_steps)
-            f[f"short mean ms (mixed), {mode}"] = ms(mixed["latency_by_steps_s"][str(min(a.mixed_steps))]["mean"])
+            short = mixed["latency_by_steps_s"][str(min(a.mixed_steps))]
+            f[f"short mean ms (mixed), {mode}"] = ms(short["mean"])
             idle = b.load(served, f"{mode} idle", max_concurrency=1, num_prompts=a.idle_requests)
             execution = (idle["server_metrics"] or {}).get("mean_request_execution_s")
             if execution is not None and idle["latency_s"]["mean"] is not None:
@@ -261,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     text = f"# {title}\n\n{format_table(summary, targets)}\n"
     report = {"scenario": args.scenario, "config": vars(args), "summary": summary,
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
-              "targets": [{"figure": n, "op": op, "bound": v, "met": summary["verdicts"][n]} for n, op, v in targets],
-              "rounds": rounds}
+              "targets": [{"figure": name, "op": op, "bound": bound, "met": summary["verdicts"][name]}
+                          for name, op, bound in targets], "rounds": rounds}
     (out_dir / f"{args.scenario}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out_dir / f"{args.scenario}.md").write_text(text)
     print("\n" + text)

@@ -61,7 +61,8 @@ def create_app(model: str) -> FastAPI:
         pipe = type(base).from_pipe(base, scheduler=base.scheduler.from_config(base.scheduler.config))
         pipe.set_progress_bar_config(disable=True)
         kwargs = dict(d.get("pipeline_kwargs", {}))
-        if (guidance := body.guidance_scale if body.guidance_scale is not None else d.get("guidance_scale")) is not None:
+        guidance = d.get("guidance_scale") if body.guidance_scale is None else body.guidance_scale
+        if guidance is not None:
             kwargs["guidance_scale"] = guidance
         images = pipe(prompt=[body.prompt] * body.n, height=height, width=width, output_type="np",
                       generator=[torch.Generator("cpu").manual_seed(body.seed + i) for i in range(body.n)],

@@ -65,17 +65,18 @@ def delta(before: Samples | None, after: Samples | None, duration_s: float,
         return s / count if s is not None and count else None
 
     def by_label(name: str, label: str) -> dict[str, float]:
-        values = sorted({dict(labels)[label] for n, labels in after if n == name and label in dict(labels)})
-        return {v: change(name, **{label: v}) for v in values}
+        """The nonzero changes of ``name`` per value of ``label``."""
+        values = sorted({dict(labels).get(label) for n, labels in after if n == name} - {None})
+        return {v: d for v in values if (d := change(name, **{label: v}))}
 
     executors = total(after, "diffserve_executor_ready") or 1.0
     busy = change("diffserve_executor_busy_seconds_total")
     server = {
-        "batching_mode": ",".join(m for m, v in by_label("diffserve_batching_mode", "mode").items()
-                                  if total(after, "diffserve_batching_mode", mode=m)),
+        "batching_mode": ",".join(sorted(dict(labels)["mode"] for (n, labels), v in after.items()
+                                         if n == "diffserve_batching_mode" and v)),
         "executors": executors,
         "dispatches": change("diffserve_batch_size_count"),
-        "dispatches_by_reason": {k: v for k, v in by_label("diffserve_dispatches_total", "reason").items() if v},
+        "dispatches_by_reason": by_label("diffserve_dispatches_total", "reason"),
         "mean_batch_size": mean("diffserve_batch_size"),
         "mean_step_running_images": mean("diffserve_step_running_images"),
         "mean_queue_time_s": mean("diffserve_queue_time_seconds"),
@@ -83,9 +84,9 @@ def delta(before: Samples | None, after: Samples | None, duration_s: float,
         "mean_request_execution_s": mean("diffserve_request_execution_seconds"),
         "mean_server_latency_s": mean("diffserve_request_latency_seconds"),
         "images_generated": change("diffserve_images_generated_total"),
-        "requests_by_status": {k: v for k, v in by_label("diffserve_requests_total", "status").items() if v},
+        "requests_by_status": by_label("diffserve_requests_total", "status"),
         # Share of the run the executors spent computing: what the server loses to its own gaps.
-        "executor_busy_fraction": busy / (duration_s * executors) if busy is not None and duration_s > 0 else None,
+        "executor_busy_fraction": None if busy is None or duration_s <= 0 else busy / duration_s / executors,
         "mean_server_overhead_s": None, "mean_client_and_http_s": None,
     }
     if None not in (client_mean_latency_s, server["mean_server_latency_s"],

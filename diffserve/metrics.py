@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -21,11 +22,16 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 
 
 def prepare_directory() -> str:
-    """A fresh, empty directory for this server's metric files, exported in the environment."""
-    if "prometheus_client" in __import__("sys").modules and not os.environ.get(ENV):
-        raise RuntimeError("prometheus_client was imported before the metrics directory was set")
+    """A fresh, empty directory for this server's metric files, exported in the environment
+    (spawned children inherit it). Call before the first metric is created."""
     path = tempfile.mkdtemp(prefix="diffserve-metrics-")
     os.environ[ENV] = path
+    if "prometheus_client" in sys.modules:
+        # A host process (a Ray Serve replica) imported prometheus_client first, when it chose
+        # in-memory values; metrics created from now on must write to the directory instead.
+        from prometheus_client import values
+
+        values.ValueClass = values.get_value_class()
     return path
 
 

@@ -1,15 +1,12 @@
-"""``diffserve serve``: the frontend process, which starts the scheduler (which starts the
-executor), waits for the model, then serves HTTP until stopped."""
+"""``diffserve serve``: the frontend process, which starts the engine (the scheduler, which
+starts the executors), waits for the model, then serves HTTP until stopped."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
-import shutil
 import signal
-import tempfile
 from contextlib import asynccontextmanager
 
 from diffserve import processes
@@ -20,10 +17,6 @@ log = logging.getLogger("diffserve")
 
 def serve(config: ServerConfig) -> int:
     """Run the server; returns the process exit code."""
-    from diffserve import metrics
-
-    metrics_dir = metrics.prepare_directory()  # before anything imports prometheus_client
-    ipc_dir = tempfile.mkdtemp(prefix="diffserve-")
     try:
         import setproctitle
 
@@ -32,39 +25,29 @@ def serve(config: ServerConfig) -> int:
         pass
     processes.configure_logging(config.log_level, "diffserve::frontend")
     try:
-        return _serve(config, ipc_dir)
+        return _serve(config)
     finally:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
-        metrics.remove_directory(metrics_dir)
         processes.stop_resource_tracker()
 
 
-def _serve(config: ServerConfig, ipc_dir: str) -> int:
+def _serve(config: ServerConfig) -> int:
     import uvicorn
-    import zmq
 
+    from diffserve.engine import Engine
     from diffserve.errors import unavailable
     from diffserve.frontend.app import create_app
-    from diffserve.frontend.engine_client import EngineClient, StartupError
-    from diffserve.scheduler.process import SchedulerSpec, run_scheduler
+    from diffserve.frontend.engine_client import StartupError
 
     _Server = _uvicorn_server_class()
-
-    ctx = zmq.Context()
-    engine = EngineClient(ctx, ipc_dir)
-    spec = SchedulerSpec(config, engine.request_addr, engine.result_addr, ipc_dir, os.getpid())
-    scheduler = processes.start(run_scheduler, spec, "diffserve::scheduler")
+    host = Engine(config)
+    engine, scheduler = host.client, host.scheduler
     exit_code = 0
     try:
-        log.info("loading model %r ...", config.model)
         try:
-            info = engine.wait_ready(scheduler.sentinel, config.startup_timeout_s)
+            info = host.wait_ready()
         except StartupError as error:
             log.error("cannot start: %s", error)
             return 1
-        log.info("model %r ready (%s, %dx%d, %s/%s, %s batching, %d executor(s))", info.name,
-                 info.pipeline_class, info.width, info.height, info.device, info.dtype,
-                 info.batching_mode, config.num_executors)
         server: uvicorn.Server | None = None
 
         def scheduler_died() -> None:
@@ -102,8 +85,7 @@ def _serve(config: ServerConfig, ipc_dir: str) -> int:
             exit_code = exit_code or 1
         return exit_code
     finally:
-        _stop_scheduler(scheduler, engine)
-        ctx.destroy(linger=0)
+        host.stop()
 
 
 def _uvicorn_server_class():
@@ -150,11 +132,3 @@ def _uvicorn_server_class():
                 "(--shutdown-timeout-s)."))
 
     return Server
-
-
-def _stop_scheduler(scheduler, engine) -> None:
-    """Ask the scheduler to stop (it answers what is left and stops the executor), then make sure."""
-    if scheduler.is_alive():
-        engine.send_shutdown()
-        scheduler.join(10)
-    processes.stop(scheduler)

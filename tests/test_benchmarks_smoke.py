@@ -39,12 +39,12 @@ def run_tool(tool: str, *args: str, env: dict[str, str], timeout: float = 120,
     return done
 
 
-@pytest.fixture(scope="module")
-def diffserve_url(env, tmp_path_factory):
+@pytest.fixture
+def diffserve_url(env, tmp_path):
     """A diffserve server (tiny-sd, batches of at most 2), always stopped."""
     server = ServerProcess.diffserve(
         "--model", "tiny-sd", "--dynamic-batch-max-size", "2", "--torch-threads", "1",
-        "--log-level", "warning", log_path=tmp_path_factory.mktemp("server") / "diffserve.log",
+        "--log-level", "warning", log_path=tmp_path / "diffserve.log",
         env=env, startup_timeout_s=120, name="smoke server")
     with server:
         yield server.url

@@ -1,3 +1,4 @@
+import dataclasses
 import subprocess
 import sys
 
@@ -47,3 +48,33 @@ def test_help_lists_every_flag_with_help_default_and_bounds():
     flat = " ".join(out.split())
     assert "Default: 8. Bounds: >= 1, <= 1024." in flat
     assert "Default: 8.0. Bounds: >= 0, <= 60000." in flat
+
+
+def test_the_readme_lists_every_flag_with_its_default():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("## Flags", 1)[1].split("\n## ", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(--[a-z-]+)` \| ([^|]*) \|", table, re.M)}
+    flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(ServerConfig)}
+    assert set(rows) == set(flags)
+    for flag, f in flags.items():
+        shown = rows[flag].strip()
+        if f.default == "":
+            assert shown.startswith("unset") or shown.startswith("`--"), (flag, shown)
+        elif isinstance(f.default, str):
+            assert shown.startswith(f"`{f.default}`"), (flag, shown)
+        else:
+            assert shown.split()[0] == (str(f.default) if isinstance(f.default, int) else f"{f.default:g}"), (flag, shown)
+
+
+def test_data_parallel_size_and_devices_agree():
+    assert ServerConfig(devices="cuda:0,cuda:1").num_executors == 2
+    assert ServerConfig(data_parallel_size=3).executor_devices() == ["auto"] * 3
+    assert ServerConfig(data_parallel_size=2, torch_threads=0).executor_threads(8) == 4
+    assert ServerConfig(torch_threads=0).executor_threads(8) == 0  # one executor: torch decides
+    with pytest.raises(ConfigError, match="names 2 devices but --data-parallel-size=3"):
+        ServerConfig(devices="cuda:0,cuda:1", data_parallel_size=3)
+    with pytest.raises(ConfigError, match="empty entry"):
+        ServerConfig(devices="cuda:0,,cuda:1")

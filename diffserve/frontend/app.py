@@ -11,7 +11,6 @@ import hmac
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
 from importlib import resources
 
 import orjson
@@ -131,6 +130,7 @@ class BearerAuth:
 
 async def until_disconnected(request: Request, work):
     """Await ``work``, unless the client disconnects first: then cancel it and return None.
+    If the caller itself is cancelled, ``work`` is cancelled with it.
 
     After the body is read, the ASGI ``receive`` only returns on disconnect, so waiting on it is
     an event, not a poll."""
@@ -138,6 +138,9 @@ async def until_disconnected(request: Request, work):
     gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled ourselves: so is the work, without waiting for it
+        task.cancel()
+        raise
     finally:
         gone.cancel()
     if task.done():
@@ -229,36 +232,44 @@ def create_app(config: ServerConfig, engine: EngineClient) -> FastAPI:
                 "usage": usage(done.done.prompt_tokens, request.n),
             })
 
-        events = engine.submit(request, frames)
+        submission = await engine.submit(request, frames)
         # The first event decides the status: a request that fails before anything was
         # streamed gets an ordinary error response.
-        first = await until_disconnected(http_request, anext(events))
+        try:
+            first = await until_disconnected(http_request, submission.next())
+        except BaseException:
+            submission.close()
+            raise
         if first is None:
+            submission.close()
             return None
 
         async def stream():
             outcome = "cancelled"
             try:
-                async with aclosing(events):
-                    event = first
-                    while True:
-                        if isinstance(event, Done):
-                            encoded = await encode(event.frames)
-                            for i, (b64, seed) in enumerate(zip(encoded, event.done.seeds)):
-                                yield streaming.completed(prefix, common, b64,
-                                                          usage(event.done.prompt_tokens, 1), i,
-                                                          request.n, seed)
-                            outcome = "success"
-                            return
-                        (b64,) = await encode([event.frame])
-                        yield streaming.partial_image(prefix, common, b64,
-                                                      event.partial.partial_index,
-                                                      event.partial.index, request.n)
-                        event = await anext(events)
+                event = first
+                while True:
+                    if isinstance(event, Done):
+                        encoded = await encode(event.frames)
+                        for i, (b64, seed) in enumerate(zip(encoded, event.done.seeds)):
+                            yield streaming.completed(prefix, common, b64,
+                                                      usage(event.done.prompt_tokens, 1), i,
+                                                      request.n, seed)
+                        outcome = "success"
+                        return
+                    (b64,) = await encode([event.frame])
+                    yield streaming.partial_image(prefix, common, b64, event.partial.partial_index,
+                                                  event.partial.index, request.n)
+                    # Watch the client while waiting: the server may notice a departure only
+                    # when it next writes, which can be a whole image later.
+                    event = await until_disconnected(http_request, submission.next())
+                    if event is None:
+                        return
             except APIError as error:
                 outcome = _outcome(error)
                 yield streaming.error(error.body())
             finally:
+                submission.close()  # the client left: the engine drops the work
                 m.requests_total.labels(status=outcome).inc()
                 m.request_latency_seconds.observe(time.perf_counter() - start)
 

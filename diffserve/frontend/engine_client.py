@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -46,6 +45,29 @@ class Preview:
 class Done:
     done: RequestDone
     frames: list[Any]
+
+
+class Submission:
+    """One request in flight: its events in order (previews, then one Done), or its error."""
+
+    def __init__(self, client: "EngineClient", request_id: str, queue: asyncio.Queue) -> None:
+        self._client, self.request_id, self._queue = client, request_id, queue
+        self.answered = False
+
+    async def next(self) -> Preview | Done:
+        """The next event; raises the engine's error for the request. Cancelling it is safe."""
+        event = await self._queue.get()
+        if isinstance(event, Exception):
+            self.answered = True
+            raise event
+        if isinstance(event, Done):
+            self.answered = True
+        return event
+
+    def close(self) -> None:
+        """Done with it: if no answer came (the caller went away), the engine drops the work."""
+        if self._client._pending.pop(self.request_id, None) is not None and not self.answered:
+            self._client._abort(self.request_id)
 
 
 class EngineClient:
@@ -101,38 +123,39 @@ class EngineClient:
         self._in = zmq.asyncio.Socket.from_socket(self._in)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
-    async def submit(self, request: ImageRequest, frames: list[Any] = ()) -> AsyncIterator[Preview | Done]:
-        """Send a request; yields its previews, then its answer. Raises the engine's error for
-        it. Leaving early (the caller went away) tells the engine to drop the work."""
+    async def submit(self, request: ImageRequest, frames: list[Any] = ()) -> "Submission":
+        """Send a request; read its previews and answer from the returned submission, and
+        close it when done with it (closing early tells the engine to drop the work)."""
         if self.stopped_reason:
             raise unavailable(self.stopped_reason)
         queue: asyncio.Queue = asyncio.Queue()
         self._pending[request.request_id] = queue
-        answered = False
         try:
             await self._out.send_multipart(encode(Kind.GENERATE, request, frames), copy=False)
-            while True:
-                event = await queue.get()
-                if isinstance(event, Exception):
-                    answered = True
-                    raise event
-                if isinstance(event, Done):
-                    answered = True
-                yield event
-                if answered:
-                    return
-        finally:
+        except BaseException:
             self._pending.pop(request.request_id, None)
-            if not answered:
-                await self._out.send_multipart(encode(Kind.ABORT, Abort(request.request_id)))
+            raise
+        return Submission(self, request.request_id, queue)
 
     async def generate(self, request: ImageRequest, frames: list[Any] = ()) -> Done:
         """Send a request and wait for its one final answer (previews are not asked for)."""
-        async with aclosing(self.submit(request, frames)) as events:
-            async for event in events:
+        submission = await self.submit(request, frames)
+        try:
+            while True:
+                event = await submission.next()
                 if isinstance(event, Done):
                     return event
-        raise RuntimeError("the engine ended a request without an answer")
+        finally:
+            submission.close()
+
+    def _abort(self, request_id: str) -> None:
+        """Tell the scheduler to drop a request, without awaiting: this runs while the caller's
+        task is being cancelled, when an await would be cancelled too."""
+        frames = encode(Kind.ABORT, Abort(request_id))
+        try:
+            self._out_sync.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:  # the queue to the scheduler is full: send it as soon as it drains
+            asyncio.get_running_loop().create_task(self._out.send_multipart(frames))
 
     def fail_all(self, error: APIError) -> None:
         self.stopped_reason = error.message

@@ -87,8 +87,8 @@ class SDSize:
 SD_TINY = SDSize(image_size=64, unet_channels=(32, 64), unet_norm_groups=8, text_hidden=32,
                  text_layers=2, text_intermediate=64, vae_channels=(16, 16, 32, 32), vae_norm_groups=8)
 # sd-mid: about 36M parameters (UNet about 29M) at 128x128, costly enough per step for batching
-# to matter the way it does with real models. Its seeds make it byte-identical to the model
-# benchmarks/models.py builds by default, which the published benchmark figures were taken on.
+# to matter the way it does with real models. Its seeds keep it byte-identical to the mid-size
+# model the earlier benchmark figures were taken on.
 SD_MID = SDSize(image_size=128, unet_channels=(96, 192, 384), unet_norm_groups=32, text_hidden=256,
                 text_layers=4, text_intermediate=1024, vae_channels=(32, 64, 128, 128),
                 vae_norm_groups=32, seeds=(0, 1, 2))

@@ -206,7 +206,7 @@ class SchedulerProc:
         from diffserve.metrics import process_died
 
         pid = self.supervisor.executors[index].process.pid
-        death = self.supervisor.died(index)
+        death = self.supervisor.died(index, restart=self.announced)
         process_died(pid)
         self.metrics.executor_ready.labels(executor=str(index)).set(0)
         # Not-ready first, so that a client told of the failure already finds /health updated.

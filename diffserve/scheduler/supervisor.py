@@ -83,18 +83,20 @@ class ExecutorSupervisor:
     def ever_ready(self) -> bool:
         return any(ex.restarts or ex.state == READY for ex in self.executors)
 
-    def died(self, index: int) -> Death:
-        """Reap a dead executor and start another unless it keeps failing before it loads."""
+    def died(self, index: int, restart: bool = True) -> Death:
+        """Reap a dead executor and start another, unless it keeps failing before it loads or
+        ``restart`` is False (the server is giving up anyway)."""
         ex = self.executors[index]
         ex.process.join()
         code = ex.process.exitcode
         was_ready = ex.state == READY
         ex.failed_starts = 0 if was_ready else ex.failed_starts + 1
         log.error("executor %d pid %d died with exit code %s", index, ex.process.pid, code)
-        if ex.failed_starts >= MAX_FAILED_STARTS:
+        if not restart or ex.failed_starts >= MAX_FAILED_STARTS:
             ex.state = FAILED
-            log.error("executor %d died %d times before loading its model; not restarting it",
-                      index, ex.failed_starts)
+            if restart:
+                log.error("executor %d died %d times before loading its model; not restarting "
+                          "it", index, ex.failed_starts)
             return Death(index, code, was_ready, restarted=False)
         ex.state, ex.restarts = RESTARTING, ex.restarts + 1
         self._launch(ex)

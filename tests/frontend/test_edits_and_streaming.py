@@ -197,10 +197,11 @@ def test_the_official_sdk_edits_and_streams_unchanged(server):
         client.images.edit(image=("in.gif", png(INPUT, "GIF"), "image/gif"), prompt="x")
 
 
-def test_leaving_a_stream_cancels_the_request(server):
-    before = metric(httpx.get(server.url + "/metrics").text, "diffserve_step_retirements_total",
-                    outcome="cancelled")
-    body = {"prompt": "a slow one", "num_inference_steps": 500, "stream": True,
+def test_leaving_a_stream_cancels_the_request_at_once(server):
+    text = httpx.get(server.url + "/metrics").text
+    cancelled = metric(text, "diffserve_step_retirements_total", outcome="cancelled")
+    previews = metric(text, "diffserve_partial_images_total")
+    body = {"prompt": "a slow one", "num_inference_steps": 800, "stream": True,
             "partial_images": 3, "seed": 1}
     with server.client(timeout=120) as c:
         with c.stream("POST", GENERATIONS, json=body) as response:
@@ -208,8 +209,10 @@ def test_leaving_a_stream_cancels_the_request(server):
             for line in response.iter_lines():
                 if line.startswith("event: image_generation.partial_image"):
                     break  # one preview seen; the client hangs up mid-stream
-    wait_for_metric(server, "diffserve_step_retirements_total", lambda v: v > before,
+    wait_for_metric(server, "diffserve_step_retirements_total", lambda v: v > cancelled,
                     outcome="cancelled")
+    # Dropped at once, not when the next preview (200 steps later) would have been written.
+    assert metric(httpx.get(server.url + "/metrics").text, "diffserve_partial_images_total") == previews + 1
 
 
 def bomb() -> bytes:

@@ -1,0 +1,52 @@
+"""The engine as a frontend hosts it: the scheduler process (which starts the executors), the
+client that talks to it, and the directories they share. ``diffserve serve`` hosts one in its
+own process; a Ray Serve replica (:mod:`diffserve.ray`) hosts one per replica."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+
+from diffserve import metrics, processes
+from diffserve.config import ServerConfig
+
+log = logging.getLogger("diffserve")
+
+
+class Engine:
+    def __init__(self, config: ServerConfig) -> None:
+        import zmq
+
+        from diffserve.frontend.engine_client import EngineClient
+        from diffserve.scheduler.process import SchedulerSpec, run_scheduler
+
+        self.config = config
+        self.metrics_dir = metrics.prepare_directory()  # before any metric is created
+        self.ipc_dir = tempfile.mkdtemp(prefix="diffserve-")
+        self._ctx = zmq.Context()
+        self.client = EngineClient(self._ctx, self.ipc_dir)
+        spec = SchedulerSpec(config, self.client.request_addr, self.client.result_addr,
+                             self.ipc_dir, os.getpid())
+        self.scheduler = processes.start(run_scheduler, spec, "diffserve::scheduler")
+
+    def wait_ready(self):
+        """Block until an executor has loaded the model; its ModelInfo. Raises StartupError."""
+        log.info("loading model %r ...", self.config.model)
+        info = self.client.wait_ready(self.scheduler.sentinel, self.config.startup_timeout_s)
+        log.info("model %r ready (%s, %dx%d, %s/%s, %s batching, %d executor(s))", info.name,
+                 info.pipeline_class, info.width, info.height, info.device, info.dtype,
+                 info.batching_mode, self.config.num_executors)
+        return info
+
+    def stop(self) -> None:
+        """Ask the scheduler to stop (it answers what is left and stops the executors), make
+        sure it did, and remove what the engine left on disk."""
+        if self.scheduler.is_alive():
+            self.client.send_shutdown()
+            self.scheduler.join(10)
+        processes.stop(self.scheduler)
+        self._ctx.destroy(linger=0)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        metrics.remove_directory(self.metrics_dir)

@@ -1,0 +1,128 @@
+"""Serving past one node on Ray Serve: every replica hosts one diffserve engine (a scheduler and
+its executors) behind Ray Serve's HTTP proxy, with the same routes, errors and streaming.
+
+    pip install '.[ray]'
+    serve run diffserve.ray:app model=shapes num_replicas=2
+
+Arguments are ``diffserve serve``'s flags without the dashes (``dynamic_batch_max_size=8`` or
+``dynamic-batch-max-size=8``), plus the deployment's own:
+
+- ``num_replicas``: a number, or ``auto`` to scale on ongoing requests (default 1);
+- ``min_replicas`` / ``max_replicas``: autoscaling bounds (given either, it autoscales);
+- ``target_ongoing_requests``: requests per replica the autoscaler aims at (default: twice the
+  images an engine batches at once, so a replica is scaled out before its queue builds up);
+- ``max_ongoing_requests``: the most a replica is sent at once (default 4x the target);
+- ``num_cpus`` / ``num_gpus``: what Ray reserves for each replica (default 1 / 0; on GPU nodes
+  give ``num_gpus`` the replica's devices, e.g. ``num_gpus=2 data_parallel_size=2``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from contextlib import asynccontextmanager
+from typing import Any
+
+from diffserve.config import ConfigError, ServerConfig, parse_value
+
+# Deployment options, with their types; everything else is a ServerConfig field.
+_DEPLOYMENT_ARGS = {"num_replicas": str, "min_replicas": int, "max_replicas": int,
+                    "target_ongoing_requests": float, "max_ongoing_requests": int,
+                    "num_cpus": float, "num_gpus": float}
+
+
+def parse_args(args: dict[str, Any]) -> tuple[ServerConfig, dict[str, Any]]:
+    """(the engine's config, the deployment's options) from ``serve run``'s key=value pairs."""
+    fields = {f.name: f for f in dataclasses.fields(ServerConfig)}
+    values, deployment = {}, {}
+    for key, value in args.items():
+        name = key.replace("-", "_")
+        if name in _DEPLOYMENT_ARGS:
+            deployment[name] = _DEPLOYMENT_ARGS[name](value)
+        elif name in fields:
+            values[name] = parse_value(fields[name], str(value)) if isinstance(value, str) else value
+        else:
+            raise ConfigError(f"unknown argument {key!r}: use diffserve serve's flags or "
+                              f"{', '.join(_DEPLOYMENT_ARGS)}")
+    config = ServerConfig.from_mapping(values)
+    return config, deployment_options(config, deployment)
+
+
+def deployment_options(config: ServerConfig, given: dict[str, Any]) -> dict[str, Any]:
+    target = given.get("target_ongoing_requests") or 2 * config.dynamic_batch_max_size * config.num_executors
+    options: dict[str, Any] = {
+        "max_ongoing_requests": given.get("max_ongoing_requests") or int(4 * target),
+        "ray_actor_options": {"num_cpus": given.get("num_cpus", 1.0),
+                              "num_gpus": given.get("num_gpus", 0.0)},
+        # Long enough for the engine to finish what it accepted (and to load on start).
+        "graceful_shutdown_timeout_s": config.shutdown_timeout_s + 5,
+        "health_check_timeout_s": 30,
+    }
+    replicas = given.get("num_replicas", "1")
+    if replicas == "auto" or "min_replicas" in given or "max_replicas" in given:
+        options["autoscaling_config"] = {
+            "min_replicas": given.get("min_replicas", 1),
+            "max_replicas": given.get("max_replicas", max(given.get("min_replicas", 1), 4)),
+            "target_ongoing_requests": target,
+        }
+    else:
+        options["num_replicas"] = int(replicas)
+    return options
+
+
+def replica_app(config: ServerConfig):
+    """The ASGI app of one replica: its own engine, started and loaded before it serves."""
+    from diffserve.engine import Engine
+    from diffserve.errors import unavailable
+    from diffserve.frontend.app import create_app
+    from diffserve.frontend.engine_client import StartupError
+
+    host = Engine(config)
+    try:
+        host.wait_ready()
+    except StartupError:
+        host.stop()
+        raise
+
+    def scheduler_died() -> None:
+        asyncio.get_running_loop().remove_reader(host.scheduler.sentinel)
+        host.client.fail_all(unavailable("The scheduler process died; this replica is being "
+                                         "replaced."))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await host.client.start()
+        asyncio.get_running_loop().add_reader(host.scheduler.sentinel, scheduler_died)
+        try:
+            yield
+        finally:
+            asyncio.get_running_loop().remove_reader(host.scheduler.sentinel)
+            await host.client.close()
+            host.stop()
+
+    app = create_app(config, host.client)
+    app.router.lifespan_context = lifespan
+    app.state.engine_host = host
+    return app
+
+
+def app(args: dict[str, Any]):
+    """The Ray Serve application builder (``serve run diffserve.ray:app key=value ...``)."""
+    from ray import serve
+
+    config, options = parse_args(args)
+
+    def build():  # runs on each replica as it starts (a plain function: Ray requires one)
+        return replica_app(config)
+
+    @serve.deployment(name="diffserve", **options)
+    @serve.ingress(build)
+    class Diffserve:
+        """One diffserve engine behind Ray Serve's HTTP proxy."""
+
+        def check_health(self) -> None:
+            host = self.app.state.engine_host
+            if not host.scheduler.is_alive() or host.client.stopped_reason:
+                raise RuntimeError(host.client.stopped_reason or "the scheduler process died")
+
+    return Diffserve.bind()

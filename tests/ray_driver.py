@@ -1,0 +1,89 @@
+"""Run inside a private network namespace that has only the loopback interface (see
+tests/test_ray.py): a local Ray cluster, ``serve run diffserve.ray:app`` with two replicas, and a
+plain ``diffserve serve`` for reference, all on 127.0.0.1. Prints one JSON line of findings."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+
+from diffserve.launcher import ServerProcess, diffserve_command
+
+RAY_PORT = 8000  # Ray Serve's HTTP proxy, its default address inside the namespace
+COUNT = 16
+
+
+def image(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")).astype(int)
+
+
+def replicas_running() -> int:
+    """Running replicas of the deployment, from Ray Serve itself (the `serve status` command
+    would need Ray's dashboard, which this cluster runs without)."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    app = serve.status().applications.get("default")
+    if app is None or app.status != "RUNNING":
+        return 0
+    return app.deployments["diffserve"].replica_states.get("RUNNING", 0)
+
+
+def main() -> None:
+    logs = Path(tempfile.mkdtemp(prefix="diffserve-ray-"))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    subprocess.run(["ray", "start", "--head", "--include-dashboard=false", "--num-cpus=4",
+                    "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=180)
+    found: dict = {}
+    serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-sd", "num_replicas=2",
+                           "torch_threads=1"], RAY_PORT, logs / "serve.log", env=env, name="serve run")
+    single = ServerProcess.diffserve("--model", "tiny-sd", "--torch-threads", "1",
+                                     log_path=logs / "single.log")
+    try:
+        with serve, single:
+            deadline = time.monotonic() + 180
+            while replicas_running() < 2:  # /health answers once the first replica is up
+                if time.monotonic() > deadline:
+                    raise RuntimeError("two replicas did not come up:\n" + serve.log[-3000:])
+                time.sleep(1)
+            bodies = [{"prompt": f"request {i} of {COUNT}", "seed": 40 + 7 * i, "n": 1 + i % 2}
+                      for i in range(COUNT)]
+            with httpx.Client(timeout=180) as c, ThreadPoolExecutor(COUNT) as pool:
+                on_ray = list(pool.map(lambda b: c.post(f"{serve.url}/v1/images/generations", json=b), bodies))
+                alone = [c.post(f"{single.url}/v1/images/generations", json=b) for b in bodies]
+                found["statuses"] = [r.status_code for r in on_ray]
+                found["worst_diff"] = max(
+                    int(np.abs(image(a["b64_json"]) - image(b["b64_json"])).max())
+                    for x, y in zip(on_ray, alone) if x.status_code == 200
+                    for a, b in zip(x.json()["data"], y.json()["data"]))
+                found["images"] = sum(len(r.json()["data"]) for r in on_ray if r.status_code == 200)
+                bad = c.post(f"{serve.url}/v1/images/generations", json={"prompt": "x", "size": "3x3"})
+                found["bad"] = [bad.status_code, bad.json()]
+                stream = c.post(f"{serve.url}/v1/images/generations",
+                                json={"prompt": "streamed", "stream": True, "partial_images": 1,
+                                      "num_inference_steps": 4, "seed": 1})
+                found["stream_events"] = [line.split(": ", 1)[1] for line in stream.text.splitlines()
+                                          if line.startswith("event: ")]
+                found["models"] = c.get(f"{serve.url}/v1/models").json()
+                found["health"] = c.get(f"{serve.url}/health").status_code
+    finally:
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+    print("RESULT " + json.dumps(found), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""diffserve on Ray Serve: two replicas on a local Ray cluster serve the same API, and every
+image equals a single server's answer to the same request.
+
+Ray advertises the machine's network address and binds its gRPC ports on every interface, so
+the whole run happens in a private network namespace that has only the loopback interface
+(``unshare -n``, then ``ip link set lo up``): nothing can leave the machine. Where that is not
+permitted the test is skipped, and it never falls back to the machine's interfaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install '.[ray]'")
+
+DRIVER = Path(__file__).with_name("ray_driver.py")
+
+
+def namespace_command(*command: str) -> list[str]:
+    return ["unshare", "-n", "bash", "-c", 'ip link set lo up && exec "$@"', "bash", *command]
+
+
+@pytest.fixture(scope="module")
+def isolated():
+    if not (shutil.which("unshare") and shutil.which("ip")):
+        pytest.skip("unshare and ip (util-linux, iproute2) are needed to keep Ray on loopback")
+    probe = subprocess.run(namespace_command("true"), capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("cannot create a private network namespace here (unshare -n needs root or "
+                    f"user namespaces): {probe.stderr.strip()}; Ray is not run on this machine's "
+                    "interfaces instead")
+
+
+def test_two_replicas_serve_the_same_api_and_images_as_one_server(isolated):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DRIVER.parent), *sys.path])}
+    bin_dir = str(Path(sys.executable).parent)  # `ray` and `serve` of this environment
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    done = subprocess.run(namespace_command(sys.executable, str(DRIVER)), capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    found = json.loads(line.removeprefix("RESULT "))
+    assert found["statuses"] == [200] * 16
+    assert found["images"] == 24
+    assert found["worst_diff"] <= 2
+    status, body = found["bad"]
+    assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    assert found["stream_events"] == ["image_generation.partial_image", "image_generation.completed"]
+    assert found["models"]["data"][0]["id"] == "tiny-sd" and found["health"] == 200
+
+
+def test_the_application_builder_reads_serve_run_arguments():
+    from diffserve.ray import parse_args
+
+    config, options = parse_args({"model": "shapes", "num_replicas": "2",
+                                  "dynamic-batch-max-size": "4", "data_parallel_size": "2"})
+    assert (config.model, config.dynamic_batch_max_size, config.num_executors) == ("shapes", 4, 2)
+    assert options["num_replicas"] == 2 and "autoscaling_config" not in options
+    config, options = parse_args({"num_replicas": "auto", "max_replicas": "8"})
+    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 8,
+                                             "target_ongoing_requests": 16}
+    with pytest.raises(ValueError, match="unknown argument 'nonsense'"):
+        parse_args({"nonsense": "1"})
+
+
+def test_the_shipped_serve_config_names_this_application():
+    import yaml
+
+    from diffserve.ray import parse_args
+
+    spec = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "ray" / "serve.yaml").read_text())
+    (app,) = spec["applications"]
+    assert app["import_path"] == "diffserve.ray:app"
+    config, options = parse_args({k: str(v) for k, v in app["args"].items()})
+    assert config.model == "shapes" and options["autoscaling_config"]["max_replicas"] == 4
