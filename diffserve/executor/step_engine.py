@@ -231,34 +231,41 @@ class StepEngine:
         u.step += 1
 
     def _previews(self, out: StepOutput) -> None:
-        for u in self.units:
-            index = u.partial_at.get(u.step)
-            if index is None or u.finished:
-                continue
-            r = u.item.request
-            pixels = self.family.decode(u.latents, r.width, r.height, r.task)
-            out.previews.extend(Preview(r.request_id, u.item.start + j, index, pixels[j])
-                                for j in range(u.size))
+        due = [u for u in self.units if u.step in u.partial_at and not u.finished]
+        for units, pixels in self._decode(due):
+            offset = 0
+            for u in units:
+                r, index = u.item.request, u.partial_at[u.step]
+                out.previews.extend(Preview(r.request_id, u.item.start + j, index, pixels[offset + j])
+                                    for j in range(u.size))
+                offset += u.size
+
+    def _decode(self, units: list[Unit]):
+        """Pixels of ``units``' latents: one VAE call per task among them (they share a size).
+        Yields (units, pixels); raises what decoding raises."""
+        tasks: dict[str, list[Unit]] = {}
+        for u in units:
+            tasks.setdefault(u.item.request.task, []).append(u)
+        for task, group in tasks.items():
+            r = group[0].item.request
+            latents = self.family.torch.cat([u.latents for u in group])
+            yield group, self.family.decode(latents, r.width, r.height, task)
 
     def _retire(self, out: StepOutput) -> None:
         done = [u for u in self.units if u.finished]
         if not done:
             return
         self.units = [u for u in self.units if not u.finished]
-        tasks: dict[str, list[Unit]] = {}
-        for u in done:
-            tasks.setdefault(u.item.request.task, []).append(u)
-        for task, units in tasks.items():
-            r = units[0].item.request
-            try:  # one VAE call for the requests finishing at this step (they share a size)
-                pixels = self.family.decode(self.family.torch.cat([u.latents for u in units]),
-                                            r.width, r.height, task)
-            except Exception as error:  # noqa: BLE001 - these requests fail, the rest go on
-                log.exception("decoding failed")
-                out.finished.extend(Outcome(u.item, None, describe(error),
-                                            self.clock() - u.admitted_at) for u in units)
-                continue
-            offset, now = 0, self.clock()
+        try:
+            decoded = list(self._decode(done))
+        except Exception as error:  # noqa: BLE001 - these requests fail, the rest go on
+            log.exception("decoding failed")
+            out.finished.extend(Outcome(u.item, None, describe(error), self.clock() - u.admitted_at)
+                                for u in done)
+            return
+        now = self.clock()
+        for units, pixels in decoded:
+            offset = 0
             for u in units:
                 out.finished.append(Outcome(u.item, pixels[offset:offset + u.size], None,
                                             now - u.admitted_at, u.prompt_tokens))

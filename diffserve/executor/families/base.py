@@ -130,10 +130,22 @@ class Family:
 
         return pipe.mask_processor.preprocess(Image.fromarray(mask), height=height, width=width)
 
-    def _timesteps(self, scheduler, steps: int, **kwargs):
+    def _schedule(self, scheduler, steps: int, width: int, height: int):
+        """A request's whole noise schedule, set on its own scheduler as the family's
+        text-to-image pipeline sets it (families with shifted schedules override this)."""
         from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
-        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, **kwargs)
+        return retrieve_timesteps(scheduler, steps, self.device)[0]
+
+    def _edit_schedule(self, pipe, scheduler, steps: int, strength: float, width: int,
+                       height: int):
+        """An edit's schedule: the whole one, cut by ``strength`` by the edit pipeline's own
+        ``get_timesteps`` (which also sets the scheduler's begin index). Call it with the
+        request's scheduler swapped into ``pipe``."""
+        self._schedule(scheduler, steps, width, height)
+        timesteps, remaining = pipe.get_timesteps(steps, strength, self.device)
+        if remaining < 1:
+            raise ValueError(f"strength {strength} leaves no denoising step of {steps}")
         return timesteps
 
 

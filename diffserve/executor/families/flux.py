@@ -79,10 +79,7 @@ class Flux(Family):
         init = self._image_tensor(pipe, image, width, height).to(dtype=self.torch.float32)
         init = init.repeat(k, 1, 1, 1)
         with scheduler_swapped(pipe, scheduler):
-            self._schedule(scheduler, steps, width, height)
-            timesteps, remaining = pipe.get_timesteps(steps, strength, self.device)
-            if remaining < 1:
-                raise ValueError(f"strength {strength} leaves no denoising step of {steps}")
+            timesteps = self._edit_schedule(pipe, scheduler, steps, strength, width, height)
             start = timesteps[:1].repeat(k)
             if task == EDIT:
                 latents, _ = pipe.prepare_latents(init, start, k, channels, height, width,

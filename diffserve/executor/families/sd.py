@@ -40,38 +40,27 @@ class StableDiffusion(Family):
 
     def _prepare_generate(self, scheduler, steps, width, height, generators, cond_dtype) -> Prepared:
         pipe, k = self.pipe, len(generators)
-        timesteps = self._timesteps(scheduler, steps)
+        timesteps = self._schedule(scheduler, steps, width, height)
         with scheduler_swapped(pipe, scheduler):
             latents = pipe.prepare_latents(k, pipe.unet.config.in_channels, height, width,
                                            cond_dtype, self.device, generators)
             return Prepared(timesteps, latents, pipe.prepare_extra_step_kwargs(generators, 0.0))
-
-    def _edit_schedule(self, pipe, scheduler, steps: int, strength: float):
-        self._timesteps(scheduler, steps)
-        timesteps, remaining = pipe.get_timesteps(steps, strength, self.device)
-        if remaining < 1:
-            raise ValueError(f"strength {strength} leaves no denoising step of {steps}")
-        return timesteps
 
     def _prepare_edit(self, scheduler, steps, strength, generators, cond_dtype, image, width,
                       height) -> Prepared:
         pipe, k = self.edits[EDIT], len(generators)
         init = self._image_tensor(pipe, image, width, height).repeat(k, 1, 1, 1)
         with scheduler_swapped(pipe, scheduler):
-            timesteps = self._edit_schedule(pipe, scheduler, steps, strength)
-            latents = self._edit_latents(pipe, init, timesteps[:1].repeat(k), k, cond_dtype,
-                                         generators)
+            timesteps = self._edit_schedule(pipe, scheduler, steps, strength, width, height)
+            latents = pipe.prepare_latents(init, timesteps[:1].repeat(k), k, 1, cond_dtype,
+                                           self.device, generators)
             return Prepared(timesteps, latents, pipe.prepare_extra_step_kwargs(generators, 0.0))
-
-    def _edit_latents(self, pipe, init, latent_timestep, k, cond_dtype, generators):
-        return pipe.prepare_latents(init, latent_timestep, k, 1, cond_dtype, self.device,
-                                    generators)
 
     def _prepare_inpaint(self, scheduler, steps, strength, width, height, generators, cond_dtype,
                          image, mask) -> Prepared:
         pipe, k = self.edits[INPAINT], len(generators)
         with scheduler_swapped(pipe, scheduler):
-            timesteps = self._edit_schedule(pipe, scheduler, steps, strength)
+            timesteps = self._edit_schedule(pipe, scheduler, steps, strength, width, height)
             init = self._image_tensor(pipe, image, width, height).repeat(k, 1, 1, 1)
             init = init.to(dtype=self.torch.float32)
             latents, noise, image_latents = pipe.prepare_latents(
@@ -79,15 +68,12 @@ class StableDiffusion(Family):
                 generators, None, image=init, timestep=timesteps[:1].repeat(k),
                 is_strength_max=strength == 1.0, return_noise=True, return_image_latents=True)
             condition = self._mask_tensor(pipe, mask, width, height).repeat(k, 1, 1, 1)
-            mask_latents, _ = self._mask_latents(pipe, condition, init * (condition < 0.5), k,
-                                                 width, height, cond_dtype, generators)
+            mask_latents, _ = pipe.prepare_mask_latents(condition, init * (condition < 0.5), k,
+                                                        height, width, cond_dtype, self.device,
+                                                        generators, False)
             return Prepared(timesteps, latents, pipe.prepare_extra_step_kwargs(generators, 0.0),
                             blend={"mask": mask_latents, "image_latents": image_latents,
                                    "noise": noise})
-
-    def _mask_latents(self, pipe, condition, masked, k, width, height, cond_dtype, generators):
-        return pipe.prepare_mask_latents(condition, masked, k, height, width, cond_dtype,
-                                         self.device, generators, False)
 
     def renoise(self, scheduler, image_latents, noise, timestep) -> Any:
         """Inpainting: the input's latents at the noise level of ``timestep``."""
