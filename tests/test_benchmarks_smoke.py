@@ -19,7 +19,7 @@ from diffserve.launcher import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-TOOLS = ["bench_serving.py", "bench_offline.py", "compare.py", "naive_server.py", "bench_batcher.py"]
+TOOLS = ["bench_serving.py", "bench_offline.py", "compare.py", "naive_server.py", "bench_batcher.py", "queue_model.py"]
 TINY = ["--model", "tiny-sd", "--steps", "1", "--num-requests", "4", "--warmup", "1", "--concurrency", "4",
         "--max-batch-size", "4", "--rounds", "1", "--startup-timeout", "120"]
 
