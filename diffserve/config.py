@@ -107,7 +107,7 @@ class ServerConfig:
         if listed and self.data_parallel_size and len(listed) != self.data_parallel_size:
             raise ConfigError(f"--devices={self.devices!r} names {len(listed)} devices but "
                               f"--data-parallel-size={self.data_parallel_size}")
-        if any(not d for d in self.devices.split(",")) and self.devices:
+        if listed and not all(listed):
             raise ConfigError(f"--devices={self.devices!r} has an empty entry")
 
     def __repr__(self) -> str:  # keep the API key out of logs

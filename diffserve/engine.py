@@ -4,10 +4,13 @@ own process; a Ray Serve replica (:mod:`diffserve.ray`) hosts one per replica.""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
 import tempfile
+from contextlib import asynccontextmanager
+from typing import Callable
 
 from diffserve import metrics, processes
 from diffserve.config import ServerConfig
@@ -39,6 +42,25 @@ class Engine:
                  info.pipeline_class, info.width, info.height, info.device, info.dtype,
                  info.batching_mode, self.config.num_executors)
         return info
+
+    @asynccontextmanager
+    async def serving(self, on_scheduler_death: Callable[[], None]):
+        """While an app serves: the client reads the engine's messages, and
+        ``on_scheduler_death`` is called once if the scheduler process dies."""
+        loop = asyncio.get_running_loop()
+        sentinel = self.scheduler.sentinel
+
+        def died() -> None:
+            loop.remove_reader(sentinel)
+            on_scheduler_death()
+
+        await self.client.start()
+        loop.add_reader(sentinel, died)
+        try:
+            yield
+        finally:
+            loop.remove_reader(sentinel)
+            await self.client.close()
 
     def stop(self) -> None:
         """Ask the scheduler to stop (it answers what is left and stops the executors), make

@@ -113,10 +113,10 @@ class _Metrics:
             "diffserve_step_retirements", "Step mode: requests (or parts of one) that left the "
             "running set, by outcome: finished, cancelled, failed.", ["executor", "outcome"])
 
-
     def declare_executor(self, index: int) -> None:
         """Create executor ``index``'s series at zero, so that dashboards and alert rules see
         them before the first event (a series that does not exist cannot be alerted on)."""
+        from diffserve.executor.results import OUTCOMES
         from diffserve.scheduler.core import DISPATCH_REASONS
 
         label = str(index)
@@ -127,7 +127,7 @@ class _Metrics:
             metric.labels(executor=label)
         for reason in DISPATCH_REASONS:
             self.dispatches_total.labels(reason=reason, executor=label)
-        for outcome in ("finished", "cancelled", "failed"):
+        for outcome in OUTCOMES:
             self.step_retirements_total.labels(executor=label, outcome=outcome)
         self.executor_ready.labels(executor=label).set(0)
 

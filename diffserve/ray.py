@@ -18,7 +18,6 @@ Arguments are ``diffserve serve``'s flags without the dashes (``dynamic_batch_ma
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from contextlib import asynccontextmanager
 from typing import Any
@@ -85,19 +84,15 @@ def replica_app(config: ServerConfig):
         raise
 
     def scheduler_died() -> None:
-        asyncio.get_running_loop().remove_reader(host.scheduler.sentinel)
         host.client.fail_all(unavailable("The scheduler process died; this replica is being "
                                          "replaced."))
 
     @asynccontextmanager
     async def lifespan(app):
-        await host.client.start()
-        asyncio.get_running_loop().add_reader(host.scheduler.sentinel, scheduler_died)
         try:
-            yield
+            async with host.serving(scheduler_died):
+                yield
         finally:
-            asyncio.get_running_loop().remove_reader(host.scheduler.sentinel)
-            await host.client.close()
             host.stop()
 
     app = create_app(config, host.client)

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-from contextlib import asynccontextmanager
 
 from diffserve import processes
 from diffserve.config import ServerConfig
@@ -40,7 +39,7 @@ def _serve(config: ServerConfig) -> int:
 
     _Server = _uvicorn_server_class()
     host = Engine(config)
-    engine, scheduler = host.client, host.scheduler
+    engine = host.client
     exit_code = 0
     try:
         try:
@@ -52,7 +51,6 @@ def _serve(config: ServerConfig) -> int:
 
         def scheduler_died() -> None:
             nonlocal exit_code
-            asyncio.get_running_loop().remove_reader(scheduler.sentinel)
             if server is not None and server.should_exit:
                 return  # we are stopping it ourselves
             log.error("the scheduler process died; answering every waiting request and exiting")
@@ -61,15 +59,8 @@ def _serve(config: ServerConfig) -> int:
             if server is not None:
                 server.should_exit = True
 
-        @asynccontextmanager
-        async def lifespan(app):
-            await engine.start()
-            asyncio.get_running_loop().add_reader(scheduler.sentinel, scheduler_died)
-            yield
-            await engine.close()
-
         app = create_app(config, engine)
-        app.router.lifespan_context = lifespan
+        app.router.lifespan_context = lambda app: host.serving(scheduler_died)
         server = _Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level,
             # A little longer than our own drain, so the 503s it ends with are still written.

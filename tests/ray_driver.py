@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from diffserve.launcher import ServerProcess, diffserve_command
+from diffserve.launcher import ServerProcess
 
 RAY_PORT = 8000  # Ray Serve's HTTP proxy, its default address inside the namespace
 COUNT = 16

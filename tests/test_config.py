@@ -76,5 +76,7 @@ def test_data_parallel_size_and_devices_agree():
     assert ServerConfig(torch_threads=0).executor_threads(8) == 0  # one executor: torch decides
     with pytest.raises(ConfigError, match="names 2 devices but --data-parallel-size=3"):
         ServerConfig(devices="cuda:0,cuda:1", data_parallel_size=3)
-    with pytest.raises(ConfigError, match="empty entry"):
-        ServerConfig(devices="cuda:0,,cuda:1")
+    for devices in ("cuda:0,,cuda:1", "cuda:0, "):  # a blank entry is empty too
+        with pytest.raises(ConfigError, match="empty entry"):
+            ServerConfig(devices=devices)
+    assert ServerConfig(devices="cuda:0, cuda:1").executor_devices() == ["cuda:0", "cuda:1"]

@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from diffserve import processes
+from diffserve.executor.results import CANCELLED_OUTCOME
 from diffserve.protocol import (
     Fatal,
     ItemResult,
@@ -228,7 +229,7 @@ class RequestLoop(_Loop):
         m = self.metrics
         m.batch_execution_seconds.labels(executor=self.label).observe(elapsed)
         m.executor_busy_seconds.labels(executor=self.label).inc(elapsed)
-        if outcomes and all(o.error and o.error.startswith("cancelled") for o in outcomes):
+        if outcomes and all(o.status == CANCELLED_OUTCOME for o in outcomes):
             m.batches_interrupted_total.labels(executor=self.label).inc()
         self._send_outcomes(outcomes)
 
@@ -273,9 +274,7 @@ class StepLoop(_Loop):
                     m.step_running_images.labels(executor=label).observe(out.images)
                 m.executor_busy_seconds.labels(executor=label).inc(out.seconds)
                 for o in out.finished:
-                    outcome = ("finished" if o.error is None else
-                               "cancelled" if o.error.startswith("cancelled") else "failed")
-                    m.step_retirements_total.labels(executor=label, outcome=outcome).inc()
+                    m.step_retirements_total.labels(executor=label, outcome=o.status).inc()
 
     def _admit(self, work: list[tuple[Work, list[Any]]]) -> None:
         items, inputs = [], []

@@ -144,15 +144,15 @@ class RequestRunner:
 
     def _previews(self, pipe, done: int, samples, latents) -> None:
         total = pipe.num_timesteps
-        rows = [(row, item, i) for row, (item, i) in enumerate(samples)
-                if done in partial_steps(item.request.partial_images, total)]
-        if not rows:
+        due = [(row, item, i, partial_steps(item.request.partial_images, total).get(done))
+               for row, (item, i) in enumerate(samples)]
+        due = [entry for entry in due if entry[3] is not None]
+        if not due:
             return
         first = samples[0][0].request
-        pixels = self.family.decode(latents[[row for row, _, _ in rows]], first.width, first.height,
+        pixels = self.family.decode(latents[[row for row, *_ in due]], first.width, first.height,
                                     first.task)
-        for (_, item, i), image in zip(rows, pixels):
-            index = partial_steps(item.request.partial_images, total)[done]
+        for (_, item, i, index), image in zip(due, pixels):
             self.emit_preview(Preview(item.request.request_id, i, index, image))
 
     _interrupted = False

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from diffserve.protocol import WorkItem
 
+if TYPE_CHECKING:  # the scheduler process imports this module and needs no numpy
+    import numpy as np
+
 CANCELLED = "cancelled: the client went away"
+# How a work item ended, as the step-mode retirement metric counts it.
+FINISHED, CANCELLED_OUTCOME, FAILED = "finished", "cancelled", "failed"
+OUTCOMES = (FINISHED, CANCELLED_OUTCOME, FAILED)
 
 
 @dataclass
@@ -20,6 +25,10 @@ class Outcome:
     error: str | None
     execution_s: float
     prompt_tokens: int = 0
+
+    @property
+    def status(self) -> str:
+        return FINISHED if self.error is None else CANCELLED_OUTCOME if self.error == CANCELLED else FAILED
 
 
 @dataclass

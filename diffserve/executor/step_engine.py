@@ -196,7 +196,7 @@ class StepEngine:
         for u in units:
             t = u.prepared.timesteps[u.step]
             x = torch.cat([u.latents] * 2) if u.cfg else u.latents
-            if fam.scales_model_input:
+            if not fam.flow_matching:
                 x = u.scheduler.scale_model_input(x, t)
             inputs.append(x)
             timesteps.append(t.expand(x.shape[0]) if t.dim() == 0 else t.repeat(x.shape[0]))

@@ -7,6 +7,7 @@ Every error leaves through :func:`error_response`, the one place where errors be
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import time
 import uuid
@@ -24,7 +25,6 @@ from diffserve import metrics as metrics_module
 from diffserve.config import ServerConfig
 from diffserve.errors import (
     APIError,
-    body_too_large,
     internal_error,
     invalid_request,
     method_not_allowed,
@@ -45,7 +45,7 @@ from diffserve.frontend.schemas import (
 )
 from diffserve.frontend.uploads import decode_inputs, parse_form, read_limited
 from diffserve.frontend.validation import to_engine_request
-from diffserve.protocol import EDIT, GENERATE, INPAINT, ImageRequest
+from diffserve.protocol import EDIT, INPAINT, ImageRequest
 
 
 class OrjsonResponse(JSONResponse):
@@ -340,9 +340,7 @@ def create_app(config: ServerConfig, engine: EngineClient) -> FastAPI:
         info = engine.model_info
         body = {"status": "ok" if engine.ready else "unavailable", "model": info.name,
                 "batching_mode": info.batching_mode,
-                "executors": [{"index": e.index, "state": e.state, "device": e.device,
-                               "pid": e.pid, "restarts": e.restarts}
-                              for e in engine.status.executors]}
+                "executors": [dataclasses.asdict(e) for e in engine.status.executors]}
         if engine.stopped_reason:
             body["reason"] = engine.stopped_reason
         return JSONResponse(body, status_code=200 if engine.ready else 503)

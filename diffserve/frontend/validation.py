@@ -7,7 +7,7 @@ import re
 import secrets
 
 from diffserve.config import ServerConfig
-from diffserve.errors import APIError, invalid_request, model_not_found
+from diffserve.errors import invalid_request, model_not_found
 from diffserve.frontend.schemas import SEED_MAX, ImageOptions
 from diffserve.protocol import GENERATE, INPAINT, ImageRequest, ModelInfo
 

@@ -80,9 +80,6 @@ class ExecutorSupervisor:
         ex = self.executors[index]
         ex.state, ex.failed_starts, ex.device = READY, 0, device
 
-    def ever_ready(self) -> bool:
-        return any(ex.restarts or ex.state == READY for ex in self.executors)
-
     def died(self, index: int, restart: bool = True) -> Death:
         """Reap a dead executor and start another, unless it keeps failing before it loads or
         ``restart`` is False (the server is giving up anyway)."""

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from diffserve.protocol import EDIT, GENERATE, INPAINT
+from diffserve.protocol import GENERATE
 
 
 @contextmanager
@@ -60,8 +60,9 @@ class Prepared:
 class Family:
     name: ClassVar[str]
     pipelines: ClassVar[tuple[str, ...]]  # text-to-image pipeline classes this family drives
-    # SD-style schedulers scale the denoiser's input; flow-matching families do not.
-    scales_model_input: ClassVar[bool] = True
+    # Flow-matching families (SD3, Flux) neither scale the denoiser's input nor add noise the
+    # DDPM way; the others' schedulers do both.
+    flow_matching: ClassVar[bool] = False
 
     def __init__(self, pipe, edits: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
         import torch
@@ -72,7 +73,6 @@ class Family:
         self.call_kwargs = call_kwargs
         self.device = pipe._execution_device
         self.dtype = self.denoiser.dtype
-        self.tasks = [GENERATE, *[t for t in (EDIT, INPAINT) if t in edits]]
 
     @property
     def denoiser(self):
@@ -104,6 +104,14 @@ class Family:
         """One denoiser forward over stacked rows: ``timesteps`` and ``guidance`` have one
         value per row, ``cond`` one row per row of ``latents``; every row has this size."""
         raise NotImplementedError
+
+    def renoise(self, scheduler, image_latents, noise, timestep) -> Any:
+        """Inpainting: the input's latents at the noise level of ``timestep``, which each step
+        blends back in outside the mask."""
+        t = self.torch.tensor([timestep])
+        if self.flow_matching:
+            return scheduler.scale_noise(image_latents, t, noise)
+        return scheduler.add_noise(image_latents, noise, t)
 
     # -- at the end ------------------------------------------------------------------------
 

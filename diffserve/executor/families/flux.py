@@ -12,7 +12,7 @@ from diffserve.protocol import EDIT, GENERATE
 class Flux(Family):
     name = "flux"
     pipelines = ("FluxPipeline",)
-    scales_model_input = False
+    flow_matching = True
 
     def __init__(self, pipe, edits, call_kwargs) -> None:
         super().__init__(pipe, edits, call_kwargs)
@@ -93,6 +93,3 @@ class Flux(Family):
                 self.device, generators)
             return Prepared(timesteps, latents, blend={"mask": mask_latents,
                                                        "image_latents": image_latents, "noise": noise})
-
-    def renoise(self, scheduler, image_latents, noise, timestep):
-        return scheduler.scale_noise(image_latents, self.torch.tensor([timestep]), noise)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from diffserve.executor.families.base import Conditioning, Family, Prepared, scheduler_swapped
 from diffserve.protocol import EDIT, GENERATE, INPAINT
 
@@ -74,7 +72,3 @@ class StableDiffusion(Family):
             return Prepared(timesteps, latents, pipe.prepare_extra_step_kwargs(generators, 0.0),
                             blend={"mask": mask_latents, "image_latents": image_latents,
                                    "noise": noise})
-
-    def renoise(self, scheduler, image_latents, noise, timestep) -> Any:
-        """Inpainting: the input's latents at the noise level of ``timestep``."""
-        return scheduler.add_noise(image_latents, noise, self.torch.tensor([timestep]))

@@ -9,7 +9,7 @@ from diffserve.protocol import EDIT, GENERATE, INPAINT
 class StableDiffusion3(Family):
     name = "stable-diffusion-3"
     pipelines = ("StableDiffusion3Pipeline",)
-    scales_model_input = False
+    flow_matching = True
 
     def encode(self, prompts, negatives, cfg):
         positive, negative, pooled, negative_pooled = self.pipe.encode_prompt(
@@ -74,6 +74,3 @@ class StableDiffusion3(Family):
                 generators, False)
             return Prepared(timesteps, latents, blend={"mask": mask_latents,
                                                        "image_latents": image_latents, "noise": noise})
-
-    def renoise(self, scheduler, image_latents, noise, timestep):
-        return scheduler.scale_noise(image_latents, self.torch.tensor([timestep]), noise)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffserve.executor.families.base import Conditioning, rows, scheduler_swapped
+from diffserve.executor.families.base import Conditioning, rows
 from diffserve.executor.families.sd import StableDiffusion
 from diffserve.protocol import GENERATE
 
