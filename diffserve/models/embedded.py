@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from diffserve.models.shapes import WEIGHTS_DIR as SHAPES_WEIGHTS
-from diffserve.models.tokenizers import (character_t5_tokenizer, write_byte_clip_tokenizer,
-                                         write_character_bert_tokenizer)
+from diffserve.models.tokenizers import (character_t5_tokenizer, gemma_tokenizer, qwen2_tokenizer,
+                                         write_byte_clip_tokenizer, write_character_bert_tokenizer)
 
 SERVING_DEFAULTS_FILE = "diffserve.json"
 # Bump when a builder changes so that stale caches are rebuilt rather than reused.
@@ -255,6 +255,154 @@ def build_tiny_flux(directory: Path) -> None:
                     guidance_scale=3.5, pipeline_kwargs={"max_sequence_length": 64})
 
 
+def _qwen2_5_vl_encoder(torch, tokenizer, hidden: int = 32):
+    """A two-layer Qwen2.5-VL over ``tokenizer``'s ids, with grouped-query attention (4 heads,
+    2 key/value heads) and multimodal RoPE as in the real one; its one-block vision tower is
+    there only because the class has one: text-to-image never feeds it an image."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            # The three RoPE sections (time, height, width) split the head's 4 frequency pairs.
+            rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6},
+            bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>")),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                           out_hidden_size=hidden, fullatt_block_indexes=[0]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>")))
+
+
+def build_tiny_qwen_image(directory: Path) -> None:
+    """QwenImagePipeline: a two-block MM-DiT with flow matching over 2x2-packed latents of a 3D
+    (video-style) VAE, conditioned on a Qwen2.5-VL's last hidden states, 64x64 native."""
+    import torch
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
+                           QwenImagePipeline, QwenImageTransformer2DModel)
+
+    # The pipeline wraps each prompt in a chat template (set in its __init__, hence read from a
+    # pipeline with no components) and drops the template's first 34 tokens: with Qwen's
+    # vocabulary, all that precedes the prompt. Learning the template's words keeps it so.
+    template = QwenImagePipeline(None, None, None, None, None).prompt_template_encode
+    tokenizer = qwen2_tokenizer([template])
+    hidden = 32
+    torch.manual_seed(0)
+    # Packed latents have 4x the VAE's 16 channels in, and the transformer gives 16 back per
+    # 2x2 patch. The RoPE axes (frame, height, width) add up to the head width.
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=hidden, axes_dims_rope=(4, 6, 6))
+    torch.manual_seed(0)
+    # Three spatial downsamplings (8x), two of them also in time, as in the real VAE, whose
+    # per-channel latent mean and std are the class defaults.
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True])
+    pipe = QwenImagePipeline(
+        # Qwen-Image's own scheduler settings: the shift grows with the image token count.
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
+            shift=1.0, shift_terminal=0.02, use_dynamic_shifting=True,
+            time_shift_type="exponential"),
+        vae=vae, text_encoder=_qwen2_5_vl_encoder(torch, tokenizer, hidden), tokenizer=tokenizer,
+        transformer=transformer)
+    pipe.save_pretrained(directory)
+    # guidance_scale is true_cfg_scale's default: the pipeline's own guidance_scale only feeds
+    # guidance-distilled transformers, which this one is not.
+    _write_defaults(directory, width=64, height=64, spatial_stride=16, num_inference_steps=4,
+                    guidance_scale=4.0)
+
+
+def build_tiny_pixart_sigma(directory: Path) -> None:
+    """PixArtSigmaPipeline: a two-block DiT with cross-attention to a T5 encoder, learned
+    variance (8 output channels for 4 latent ones), 64x64 native.
+
+    Its sample size is 32 latents, the smallest that the pipeline's resolution binning accepts
+    (it raises for any size outside 32, 64, 128 and 256), so a call that leaves the size out
+    gets 256x256. Serving uses 64x64: the position embedding is recomputed for any grid."""
+    import torch
+    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    t5_tokenizer = character_t5_tokenizer()
+    torch.manual_seed(0)
+    # Cross-attention runs at the inner width (2 x 16), after the caption projection from T5's.
+    transformer = PixArtTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2,
+        cross_attention_dim=32, caption_channels=32, sample_size=32, patch_size=2,
+        use_additional_conditions=False)
+    pipe = PixArtSigmaPipeline(
+        tokenizer=t5_tokenizer, text_encoder=_t5_encoder(torch, len(t5_tokenizer)),
+        vae=_vae(torch, scaling_factor=0.13025, force_upcast=False), transformer=transformer,
+        # PixArt-Sigma's scheduler: DPM-Solver++ (2nd order), whose defaults are its settings.
+        scheduler=DPMSolverMultistepScheduler())
+    pipe.save_pretrained(directory)
+    # clean_caption (on by default) needs bs4 and ftfy and silently turns itself off without
+    # them; off, the prompt is only lower-cased, whatever is installed.
+    _write_defaults(directory, width=64, height=64, spatial_stride=16, num_inference_steps=4,
+                    guidance_scale=4.5, pipeline_kwargs={"clean_caption": False})
+
+
+def _deep_compression_vae(torch, latent_channels: int = 32):
+    """A four-level AutoencoderDC (8x; Sana's own has six levels, 32x): residual blocks at the
+    top, linear-attention (EfficientViT) blocks below, with Sana's norms and activations."""
+    from diffusers import AutoencoderDC
+
+    blocks = ("ResBlock", "ResBlock", "EfficientViTBlock", "EfficientViTBlock")
+    channels, layers, scales = (8, 16, 32, 32), (1, 1, 1, 1), ((), (), (5,), (5,))
+    torch.manual_seed(0)
+    return AutoencoderDC(
+        in_channels=3, latent_channels=latent_channels, attention_head_dim=8,
+        encoder_block_types=blocks, decoder_block_types=blocks,
+        encoder_block_out_channels=channels, decoder_block_out_channels=channels,
+        encoder_layers_per_block=layers, decoder_layers_per_block=layers,
+        encoder_qkv_multiscales=scales, decoder_qkv_multiscales=scales,
+        decoder_norm_types=("batch_norm", "batch_norm", "rms_norm", "rms_norm"),
+        decoder_act_fns=("relu", "relu", "silu", "silu"), downsample_block_type="Conv",
+        upsample_block_type="interpolate", scaling_factor=0.41407)
+
+
+def build_tiny_sana(directory: Path) -> None:
+    """SanaPipeline: a two-block linear-attention DiT (patch size 1, no position embedding) with
+    cross-attention to a Gemma 2 encoder, over a deep-compression VAE, 64x64 native.
+
+    Sizes must be multiples of 32 (the pipeline checks). The sample size, 16 latents, is the
+    smallest that resolution binning accepts; it sets nothing else, since a call that leaves the
+    size out gets 1024x1024 whatever it is."""
+    import inspect
+
+    import torch
+    from diffusers import DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    # By default each prompt goes after a long instruction; learning its words keeps it about
+    # as many tokens as with Gemma's vocabulary rather than one per character.
+    instruction = inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"]
+    tokenizer = gemma_tokenizer(instruction.default)
+    hidden = 32
+    torch.manual_seed(0)
+    text_encoder = Gemma2Model(Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        query_pre_attn_scalar=16, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id))
+    torch.manual_seed(0)
+    transformer = SanaTransformer2DModel(
+        in_channels=32, out_channels=32, num_attention_heads=2, attention_head_dim=16,
+        num_layers=2, num_cross_attention_heads=2, cross_attention_head_dim=16,
+        cross_attention_dim=32, caption_channels=hidden, sample_size=16, patch_size=1)
+    pipe = SanaPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=_deep_compression_vae(torch),
+        transformer=transformer,
+        # Sana's scheduler: DPM-Solver++ on flow-matching sigmas, shifted by 3.
+        scheduler=DPMSolverMultistepScheduler(prediction_type="flow_prediction",
+                                              use_flow_sigmas=True, flow_shift=3.0))
+    pipe.save_pretrained(directory)
+    _write_defaults(directory, width=64, height=64, spatial_stride=32, num_inference_steps=4,
+                    guidance_scale=4.5)
+
+
 # Models whose trained weights ship inside the package: name -> (description, directory).
 PACKAGED: dict[str, tuple[str, Path]] = {
     "shapes": ("Stable Diffusion trained on CPU to draw a coloured circle, square or triangle on a "
@@ -274,6 +422,12 @@ EMBEDDED: dict[str, tuple[str, Callable[[Path], None]]] = {
     "tiny-hunyuandit": ("HunyuanDiT (DiT, BERT + T5) with random weights, 64x64, 4 steps; a regression "
                         "fixture: its pipeline turns a 64x64 request into 1024x1024 unless called "
                         "with use_resolution_binning=False", build_tiny_hunyuandit),
+    "tiny-qwen-image": ("Qwen-Image (MM-DiT, flow matching, Qwen2.5-VL text encoder) with "
+                        "random weights, 64x64, 4 steps", build_tiny_qwen_image),
+    "tiny-pixart-sigma": ("PixArt-Sigma (DiT with cross-attention, T5) with random weights, "
+                          "64x64, 4 steps", build_tiny_pixart_sigma),
+    "tiny-sana": ("Sana (linear-attention DiT, deep-compression VAE, Gemma 2 text encoder) "
+                  "with random weights, 64x64, 4 steps", build_tiny_sana),
 }
 
 

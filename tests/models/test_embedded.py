@@ -1,7 +1,7 @@
 """Embedded random-weight pipelines: each builds, reloads from disk as an ordinary diffusers
-directory, and generates at its native size; the Stable Diffusion family and Flux also convert to
-image-to-image and inpainting pipelines. Each model is built once per module, into a temporary
-directory, so these tests exercise the builders as they are rather than a cached build."""
+directory, and generates at its native size; the Stable Diffusion family, Flux and Qwen-Image also
+convert to image-to-image and inpainting pipelines. Each model is built once per module, into a
+temporary directory, so these tests exercise the builders as they are rather than a cached build."""
 
 import json
 import shutil
@@ -20,7 +20,12 @@ PIPELINE_CLASSES = {
     "tiny-sdxl": "StableDiffusionXLPipeline",
     "tiny-sd3": "StableDiffusion3Pipeline",
     "tiny-hunyuandit": "HunyuanDiTPipeline",
+    "tiny-qwen-image": "QwenImagePipeline",
+    "tiny-pixart-sigma": "PixArtSigmaPipeline",
+    "tiny-sana": "SanaPipeline",
 }
+# Pipelines that would otherwise swap the requested size for one of their standard sizes.
+BINNING = {"tiny-hunyuandit", "tiny-pixart-sigma", "tiny-sana"}
 SEEDS = (0, 1)
 
 
@@ -71,14 +76,13 @@ def test_builds_reloads_and_generates_at_native_size(load, name):
     width, height = defaults["width"], defaults["height"]
     assert width % defaults["spatial_stride"] == 0 and height % defaults["spatial_stride"] == 0
     assert defaults["num_inference_steps"] == 4
-    # HunyuanDiT would otherwise swap the requested size for one of its standard sizes.
-    extra = {"use_resolution_binning": False} if name == "tiny-hunyuandit" else {}
+    extra = {"use_resolution_binning": False} if name in BINNING else {}
     images = _generate(pipe, defaults, height=height, width=width, **extra)
     assert images.shape == (len(SEEDS), height, width, 3)
     assert np.isfinite(images).all() and not np.array_equal(images[0], images[1])
 
 
-@pytest.mark.parametrize("name", ["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux"])
+@pytest.mark.parametrize("name", ["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwen-image"])
 def test_converts_to_image_to_image_and_inpainting(load, name):
     pipe, defaults = load(name)
     size = defaults["width"]
@@ -108,3 +112,44 @@ def test_hunyuandit_turns_64x64_into_1024x1024_unless_binning_is_off(load):
     # The default: the size is replaced by the nearest standard one (about 2 s on a CPU).
     on = _generate(pipe, defaults, steps=1, seeds=(0,), height=64, width=64)
     assert on.shape == (1, 1024, 1024, 3)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen-image", "tiny-pixart-sigma", "tiny-sana"])
+def test_prompts_of_different_lengths_batch_like_single_runs(load, name):
+    """Shorter prompts are padded (Qwen-Image to the longest, the others to a fixed length) and
+    masked, so a batch gives each prompt the image it gets alone, with guidance too."""
+    pipe, defaults = load(name)
+    prompts = ["a red circle", "a small blue square on a plain white background"]
+    negatives = ["", "blurry, dark"]
+    guidance = {"true_cfg_scale": 4.0} if name == "tiny-qwen-image" else {}
+    extra = {"use_resolution_binning": False} if name in BINNING else {}
+
+    def run(indices):
+        with torch.inference_mode():
+            return pipe(prompt=[prompts[i] for i in indices],
+                        negative_prompt=[negatives[i] for i in indices],
+                        generator=[torch.Generator("cpu").manual_seed(i) for i in indices],
+                        num_inference_steps=2, height=32, width=64, output_type="np",
+                        guidance_scale=defaults["guidance_scale"], **guidance, **extra,
+                        **defaults.get("pipeline_kwargs", {})).images
+
+    batched = run([0, 1])
+    alone = np.concatenate([run([0]), run([1])])
+    assert batched.shape == (2, 32, 64, 3)
+    assert np.abs(batched - alone).max() <= 2 / 255
+
+
+def test_qwen_image_template_drops_exactly_what_precedes_the_prompt(load):
+    """QwenImagePipeline drops a fixed number of leading template tokens: with the embedded
+    tokenizer, as with Qwen's own, they must be all of the template before the prompt."""
+    pipe, _ = load("tiny-qwen-image")
+    system = pipe.prompt_template_encode.split("{}")[0]
+    assert len(pipe.tokenizer(system).input_ids) == pipe.prompt_template_encode_start_idx
+
+
+@pytest.mark.parametrize("name", ["tiny-pixart-sigma", "tiny-sana"])
+def test_has_no_image_to_image_or_inpainting_pipeline(load, name):
+    pipe, _ = load(name)
+    for auto in (diffusers.AutoPipelineForImage2Image, diffusers.AutoPipelineForInpainting):
+        with pytest.raises(ValueError):
+            auto.from_pipe(pipe)
