@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from diffserve.models.shapes import WEIGHTS_DIR
-from diffserve.models.shapes import data
-from diffserve.models.shapes.evaluate import classify, parse_prompt, score
+from tools.shapes import data
+from tools.shapes.evaluate import classify, parse_prompt, score
 
 # Shape accuracy measured on the same prompts and seeds when the weights were made, less a margin
 # (see docs/shapes.md).

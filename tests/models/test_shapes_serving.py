@@ -6,8 +6,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from diffserve.config import DEFAULT_MODEL
-from diffserve.models.shapes import data
-from diffserve.models.shapes.evaluate import classify, parse_prompt
+from tools.shapes import data
+from tools.shapes.evaluate import classify, parse_prompt
 from server import Server, decode, metric
 
 

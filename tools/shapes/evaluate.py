@@ -6,7 +6,7 @@ foreground's colour is its most common one. The shape comes from the largest con
 foreground: its fill ratio of its bounding box (square ~1, circle ~0.8, triangle ~0.5) and how
 narrow its top rows are compared with its bottom rows (a triangle comes to a point).
 
-Run ``python -m diffserve.models.shapes.evaluate --model DIR`` to score a saved pipeline on
+Run ``python -m tools.shapes.evaluate --model DIR`` to score a saved pipeline on
 the held-out prompts.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diffserve.models.shapes.data import COLOURS, PALETTE, SHAPES, held_out_prompts
+from tools.shapes.data import COLOURS, PALETTE, SHAPES, held_out_prompts
 
 _PALETTE_ARRAY = np.array([PALETTE[c] for c in COLOURS], dtype=np.float32)
 _PROMPT = re.compile(r"^\s*an?\s+(\w+)\s+(\w+)\s+on\s+an?\s+(\w+)\s+background\s*\.?\s*$", re.I)

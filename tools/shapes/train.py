@@ -1,6 +1,6 @@
 """Train the ``shapes`` model from scratch on CPU and save it as a diffusers pipeline.
 
-Two stages, both on images drawn by :mod:`diffserve.models.shapes.data` from the training
+Two stages, both on images drawn by :mod:`tools.shapes.data` from the training
 combinations only (the held-out ones are never drawn):
 
 1. an autoencoder (AutoencoderKL, 32x32x3 pixels <-> 8x8x4 latents), trained on reconstruction
@@ -12,7 +12,7 @@ combinations only (the held-out ones are never drawn):
 
 Usage::
 
-    python -m diffserve.models.shapes.train --out DIR [--dtype float16]
+    python -m tools.shapes.train --out DIR [--dtype float16]
 
 The defaults are the settings of the shipped model (about 25 minutes on 2 CPU cores). The run
 is seeded: the same flags give the same data, initial weights and noise.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diffserve.models.shapes import data
+from tools.shapes import data
 
 MAX_TOKENS = 48
 
@@ -137,7 +137,7 @@ def encode_latents(torch, vae, images: "torch.Tensor", batch: int = 256) -> "tor
 def check_vae(torch, vae, combos, seed: int, count: int = 240, grid: Path | None = None) -> dict:
     """Shape and colour accuracy of ``classify`` on autoencoder round trips of fresh images;
     the ones it misreads go to ``grid`` (a PNG) if given."""
-    from diffserve.models.shapes.evaluate import make_grid, parse_prompt, score_images
+    from tools.shapes.evaluate import make_grid, parse_prompt, score_images
 
     pixels, prompts, _ = data.make_dataset(count, combos, seed=seed + 99)
     x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     blank_ids = encoded[-1]
 
     def probe(unet, text_encoder) -> None:
-        from diffserve.models.shapes.evaluate import evaluation_prompts, score
+        from tools.shapes.evaluate import evaluation_prompts, score
 
         pipe = build_pipeline(vae, unet, text_encoder, tokenizer)
         pipe.set_progress_bar_config(disable=True)
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     log(f"saved to {args.out} ({args.dtype})")
 
     if args.eval_repeats:
-        from diffserve.models.shapes.evaluate import evaluation_prompts, score
+        from tools.shapes.evaluate import evaluation_prompts, score
 
         result = score(pipe, evaluation_prompts(args.eval_repeats),
                        num_inference_steps=args.steps_default, guidance_scale=args.guidance_default)

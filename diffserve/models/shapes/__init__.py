@@ -3,12 +3,8 @@
 It draws one flat circle, square or triangle of one of eight colours on a plain background of
 another, at 32x32 pixels, from prompts such as ``"a red circle on a blue background"``. It is an
 ordinary diffusers StableDiffusionPipeline (autoencoder, UNet, CLIP text encoder, byte-level
-tokenizer) kept in :data:`WEIGHTS_DIR`. See ``docs/shapes.md``.
-
-- :mod:`diffserve.models.shapes.data`: the synthetic dataset (drawn with PIL) and its prompts.
-- :mod:`diffserve.models.shapes.train`: trains the model (``python -m diffserve.models.shapes.train``).
-- :mod:`diffserve.models.shapes.evaluate`: reads generated images back (``classify``) and scores
-  a pipeline on the held-out prompts.
+tokenizer) kept in :data:`WEIGHTS_DIR`. It is trained, reproducibly, by ``tools/shapes`` in the
+repository (not part of the installed package); see ``docs/shapes.md``.
 """
 
 from __future__ import annotations
