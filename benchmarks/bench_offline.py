@@ -49,23 +49,22 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from diffserve.executor.families import family_for
-    from diffserve.executor.loading import edit_pipelines, load_model, model_info, supported_tasks
+    from diffserve.executor.loading import load_model, model_info, task_pipelines
     from diffserve.executor.request_runner import RequestRunner
     from diffserve.executor.step_engine import StepEngine
     from diffserve.protocol import ImageRequest, Work, WorkItem
 
     loaded = load_model(args.model, args.device, torch_threads=args.torch_threads)
-    edits = edit_pipelines(loaded.pipe)
+    pipelines = task_pipelines(loaded.pipe)
     fam_cls = family_for(loaded.pipeline_class)
-    family = fam_cls(loaded.pipe, edits, loaded.call_kwargs) if fam_cls else None
+    family = fam_cls(loaded.pipe, pipelines, loaded.call_kwargs) if fam_cls else None
     if args.batching_mode == "step" and family is None:
         p.error(f"step mode does not support {loaded.pipeline_class}; use --batching-mode request")
-    info = model_info(loaded, args.model, args.batching_mode, fam_cls and fam_cls.name,
-                      supported_tasks(edits))
+    info = model_info(loaded, args.model, args.batching_mode, fam_cls, list(pipelines))
     width, height = (int(v) for v in args.size.lower().split("x")) if args.size else (info.width, info.height)
     steps = args.steps or info.default_steps
     prompts = [ln.strip() for ln in PROMPTS.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-    runner = RequestRunner(loaded, edits, family)
+    runner = RequestRunner(loaded, pipelines, family)
 
     def run(batch: int, seed: int) -> None:
         items = [WorkItem(ImageRequest(f"r{seed}-{i}", args.model, width, height,

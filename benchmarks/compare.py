@@ -8,6 +8,13 @@ one server (or one set of servers) at a time, loaded by bench_serving (see docs/
 - ``scale``: ``--data-parallel-size 2`` x 1 thread, 1 executor x 2 threads, and two 1-thread
   servers behind round-robin, at ``--concurrency``.
 - ``baseline``: diffserve, ``--dynamic-batch-max-size 1`` and naive_server.py at ``--concurrency``.
+- ``overhead``: what the server itself costs, in each mode: saturated img/s and p99 (closed loop
+  at ``--concurrency``) and the idle overhead at concurrency 1 (a request's latency beyond its
+  time in the engine and the batching delay).
+
+``--tree DIR`` runs the diffserve servers from another checkout of the project (e.g. a git
+worktree of an earlier commit), so that a change is measured against what it replaced with the
+same load generator and the same rules.
 
 Each figure is taken in each of ``--rounds`` rounds (fresh servers, ratios within a round); the
 medians, with target verdicts, go to ``<scenario>.md`` and ``<scenario>.json`` in ``--output-dir``.
@@ -43,7 +50,7 @@ TARGETS = {  # scenario -> (figure, comparison, bound)
                 for load in (50, 80) for p in ("p50", "p99")),
               (f"short mean ms (mixed), {STEP_OVER_REQUEST}", "<=", 0.5),
               ("idle overhead ms, step", "<=", 5.0), ("idle overhead ms, request", "<=", 5.0)],
-    "scale": [], "baseline": [],
+    "scale": [], "baseline": [], "overhead": [],
 }
 
 
@@ -116,6 +123,8 @@ class Bench:
                 kwargs["env"] = {"OMP_NUM_THREADS": str(a.torch_threads or os.cpu_count())}
                 procs.append(ServerProcess(cmd, port, log, **kwargs))
             else:
+                if a.tree:  # that checkout's diffserve, not this one's
+                    kwargs["env"] = {"PYTHONPATH": str(Path(a.tree).resolve())}
                 procs.append(ServerProcess.diffserve(*self.serve_args(overrides), log_path=log, **kwargs))
         with contextlib.ExitStack() as stack:
             for proc in procs:
@@ -157,12 +166,30 @@ def modes(b: Bench) -> dict[str, float | None]:
             short = mixed["latency_by_steps_s"][str(min(a.mixed_steps))]
             f[f"short mean ms (mixed), {mode}"] = ms(short["mean"])
             idle = b.load(served, f"{mode} idle", max_concurrency=1, num_prompts=a.idle_requests)
-            execution = (idle["server_metrics"] or {}).get("mean_request_execution_s")
-            if execution is not None and idle["latency_s"]["mean"] is not None:
-                f[f"idle overhead ms, {mode}"] = ms(idle["latency_s"]["mean"] - execution) - a.batch_delay_ms
+            f[f"idle overhead ms, {mode}"] = idle_overhead_ms(b, idle)
     for name in ["saturated img/s", "saturated p99 ms", "short mean ms (mixed)",
                  *(f"{p} ms @{load}%" for load in a.loads for p in ("p50", "p99"))]:
         f[f"{name}, {STEP_OVER_REQUEST}"] = ratio(f.get(f"{name}, step"), f.get(f"{name}, request"))
+    return f
+
+
+def idle_overhead_ms(b: Bench, idle: dict) -> float | None:
+    """A lone request's latency beyond its time in the engine and the batching delay."""
+    execution = (idle["server_metrics"] or {}).get("mean_request_execution_s")
+    if execution is None or idle["latency_s"]["mean"] is None:
+        return None
+    return ms(idle["latency_s"]["mean"] - execution) - b.args.batch_delay_ms
+
+
+def overhead(b: Bench) -> dict[str, float | None]:
+    a, f = b.args, {}
+    for mode in ("request", "step"):
+        with b.servers(f"{mode} mode", {"--batching-mode": mode}) as served:
+            sat = b.load(served, f"{mode} saturated", max_concurrency=a.concurrency)
+            f[f"saturated img/s, {mode}"] = sat["images_per_s"]
+            f[f"saturated p99 ms, {mode}"] = ms(sat["latency_s"]["p99"])
+            idle = b.load(served, f"{mode} idle", max_concurrency=1, num_prompts=a.idle_requests)
+            f[f"idle overhead ms, {mode}"] = idle_overhead_ms(b, idle)
     return f
 
 
@@ -190,7 +217,7 @@ def baseline(b: Bench) -> dict[str, float | None]:
     return f
 
 
-SCENARIOS = {"modes": modes, "scale": scale, "baseline": baseline}
+SCENARIOS = {"modes": modes, "scale": scale, "baseline": baseline, "overhead": overhead}
 
 
 def plot(summary: dict, loads: list[int], path: Path, title: str) -> bool:
@@ -234,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="scale, baseline: the servers' mode (default: theirs).")
     p.add_argument("--torch-threads", type=int, default=0, help="Per executor, where a scenario sets none.")
     p.add_argument("--rounds", type=int, default=1, help="Repeat with fresh servers; report medians.")
+    p.add_argument("--tree", default=None, help="Run the diffserve servers from this checkout of "
+                   "the project instead of the installed one (e.g. a worktree of an earlier commit).")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="Longest server start, s.")
     p.add_argument("--output-dir", default=None, help="Default: benchmarks/results/<scenario>-<time>.")
     args = p.parse_args(argv)

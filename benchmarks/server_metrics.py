@@ -10,14 +10,23 @@ from prometheus_client.parser import text_string_to_metric_families
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (name, sorted labels) -> value
 
+# Not a metric of the server's: the executors of the servers read, each counted once. Every
+# executor's series exist from start-up, so counting them does not depend on whether an executor
+# had finished loading when the snapshot was taken (summing its readiness would).
+EXECUTORS = ("executors", ())
+
 
 def parse(text: str, into: Samples | None = None) -> Samples:
     """Every sample of the exposition ``text``, added to ``into`` (a sum over servers)."""
     samples = {} if into is None else into
+    executors = set()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             key = (s.name, tuple(sorted(s.labels.items())))
             samples[key] = samples.get(key, 0.0) + s.value
+            if s.name == "diffserve_executor_ready":
+                executors.add(s.labels.get("executor"))
+    samples[EXECUTORS] = samples.get(EXECUTORS, 0.0) + len(executors)
     return samples
 
 
@@ -69,7 +78,7 @@ def delta(before: Samples | None, after: Samples | None, duration_s: float,
         values = sorted({dict(labels).get(label) for n, labels in after if n == name} - {None})
         return {v: d for v in values if (d := change(name, **{label: v}))}
 
-    executors = total(after, "diffserve_executor_ready") or 1.0
+    executors = after.get(EXECUTORS) or 1.0
     busy = change("diffserve_executor_busy_seconds_total")
     server = {
         "batching_mode": ",".join(sorted(dict(labels)["mode"] for (n, labels), v in after.items()

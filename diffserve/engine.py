@@ -14,6 +14,7 @@ from typing import Callable
 
 from diffserve import metrics, processes
 from diffserve.config import ServerConfig
+from diffserve.errors import unavailable
 
 log = logging.getLogger("diffserve")
 
@@ -26,12 +27,12 @@ class Engine:
         from diffserve.scheduler.process import SchedulerSpec, run_scheduler
 
         self.config = config
-        self.metrics_dir = metrics.prepare_directory()  # before any metric is created
+        self.metrics_dir = metrics.prepare_directory()
         self.ipc_dir = tempfile.mkdtemp(prefix="diffserve-")
         self._ctx = zmq.Context()
         self.client = EngineClient(self._ctx, self.ipc_dir)
         spec = SchedulerSpec(config, self.client.request_addr, self.client.result_addr,
-                             self.ipc_dir, os.getpid())
+                             self.ipc_dir, self.metrics_dir, os.getpid())
         self.scheduler = processes.start(run_scheduler, spec, "diffserve::scheduler")
 
     def wait_ready(self):
@@ -43,18 +44,23 @@ class Engine:
                  info.batching_mode, self.config.num_executors)
         return info
 
+    def render_metrics(self) -> tuple[bytes, str]:
+        return metrics.render(self.metrics_dir)
+
     @asynccontextmanager
-    async def serving(self, on_scheduler_death: Callable[[], None]):
-        """While an app serves: the client reads the engine's messages, and
-        ``on_scheduler_death`` is called once if the scheduler process dies."""
+    async def serving(self, on_failure: Callable[[str], None]):
+        """While an app serves: the client reads the engine's messages. ``on_failure(reason)`` is
+        called once if the engine can no longer serve (the scheduler process died, or the
+        client's reader failed); every waiting request has been answered 503 by then."""
         loop = asyncio.get_running_loop()
         sentinel = self.scheduler.sentinel
 
         def died() -> None:
             loop.remove_reader(sentinel)
-            on_scheduler_death()
+            self.client.fail_all(unavailable("The scheduler process died; the server is stopping."))
+            on_failure("the scheduler process died")
 
-        await self.client.start()
+        await self.client.start(on_failure)
         loop.add_reader(sentinel, died)
         try:
             yield

@@ -20,9 +20,21 @@ class APIError(Exception):
     def __str__(self) -> str:
         return self.message
 
+    @property
+    def outcome(self) -> str:
+        """How the request counts in the metrics: rejected (429), invalid (4xx) or failed."""
+        return "rejected" if self.status == 429 else "invalid" if self.status < 500 else "failed"
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+def error_response(error: APIError):
+    """The HTTP response of an error: its status, its headers and the OpenAI error body."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -61,11 +73,11 @@ def unauthorized() -> APIError:
                     {"WWW-Authenticate": "Bearer"})
 
 
-def body_too_large(limit: int, flag: str = "--max-body-bytes") -> APIError:
+def body_too_large(limit: int, flag: str) -> APIError:
     return APIError(f"The request body is larger than {limit} bytes ({flag}).", None,
                     "request_too_large", 413, "invalid_request_error")
 
 
-def internal_error() -> APIError:
-    return APIError("The server had an internal error while processing the request.", None,
-                    "internal_error", 500, "server_error")
+def internal_error(message: str = "The server had an internal error while processing the "
+                   "request.") -> APIError:
+    return APIError(message, None, "internal_error", 500, "server_error")

@@ -1,10 +1,13 @@
-"""Prometheus metrics, shared by all of the server's processes.
+"""Prometheus metrics of a server's processes.
 
-prometheus-client's multiprocess mode keeps each process's values in files under one directory
-(``PROMETHEUS_MULTIPROC_DIR``), and the frontend's ``/metrics`` sums them, so figures observed in
-the scheduler and the executor show there. The directory must be set in the environment before
-``prometheus_client`` is first imported: :func:`prepare_directory` does that in the server's main
-process and spawned children inherit it.
+The scheduler and the executors are processes of their own; prometheus-client's multiprocess
+mode keeps their values in files under one directory per server, and ``/metrics`` on the
+frontend sums them. Each of those processes calls :func:`record_to` first thing at its start,
+before prometheus-client is imported there: the library reads the directory from the environment
+at import. The frontend's own figures (requests by outcome, latency) live in a private registry of
+its process, so a host process (a Ray Serve replica) keeps its other metrics exactly as they were:
+nothing here changes the environment or the library's state of the process that hosts the
+frontend.
 """
 
 from __future__ import annotations
@@ -20,35 +23,60 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
+# The outcome of a request as the frontend counts it.
+OUTCOMES = ("success", "invalid", "rejected", "failed", "cancelled")
+
 
 def prepare_directory() -> str:
-    """A fresh, empty directory for this server's metric files, exported in the environment
-    (spawned children inherit it). Call before the first metric is created."""
-    path = tempfile.mkdtemp(prefix="diffserve-metrics-")
-    os.environ[ENV] = path
-    if "prometheus_client" in sys.modules:
-        # A host process (a Ray Serve replica) imported prometheus_client first, when it chose
-        # in-memory values; metrics created from now on must write to the directory instead.
-        from prometheus_client import values
+    """A fresh, empty directory for one server's metric files (the engine's processes write
+    there; see :func:`record_to`)."""
+    return tempfile.mkdtemp(prefix="diffserve-metrics-")
 
-        values.ValueClass = values.get_value_class()
-    return path
+
+def record_to(path: str) -> None:
+    """In an engine process, before any metric exists: write metric values to ``path``."""
+    if "prometheus_client" in sys.modules:
+        raise RuntimeError("prometheus_client was imported before the process chose where its "
+                           "metrics go")
+    os.environ[ENV] = path
 
 
 def remove_directory(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-class _Metrics:
+class FrontendMetrics:
+    """What the frontend itself observes, in a registry of its own process."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests_total = Counter(
+            "diffserve_requests", "Finished image requests by outcome: success, invalid (4xx), "
+            "rejected (429, queue full), failed (5xx), cancelled (the client went away).", ["status"],
+            registry=self.registry)
+        for status in OUTCOMES:
+            self.requests_total.labels(status=status)
+        self.request_latency_seconds = Histogram(
+            "diffserve_request_latency_seconds", "Time from accepting a request to answering it.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def finished(self, outcome: str, seconds: float) -> None:
+        """One request's answer: the one place its outcome and latency are counted."""
+        self.requests_total.labels(status=outcome).inc()
+        self.request_latency_seconds.observe(seconds)
+
+
+class EngineMetrics:
+    """What the scheduler and the executors observe, summed over their processes."""
+
     def __init__(self) -> None:
         from prometheus_client import Counter, Gauge, Histogram
 
+        if not os.environ.get(ENV):
+            raise RuntimeError("engine metrics need record_to(directory) at process start")
         ex = ["executor"]
-        self.requests_total = Counter(
-            "diffserve_requests", "Finished image requests by outcome: success, invalid (4xx), "
-            "rejected (429, queue full), failed (5xx), cancelled (the client went away).", ["status"])
-        for status in ("success", "invalid", "rejected", "failed", "cancelled"):
-            self.requests_total.labels(status=status)
         self.num_requests_waiting = Gauge(
             "diffserve_num_requests_waiting", "Requests waiting in the queue.",
             multiprocess_mode="livesum")
@@ -75,9 +103,6 @@ class _Metrics:
         self.queue_time_seconds = Histogram(
             "diffserve_queue_time_seconds", "Time from arrival at the scheduler to the first "
             "dispatch of a request.", buckets=_LATENCY_BUCKETS)
-        self.request_latency_seconds = Histogram(
-            "diffserve_request_latency_seconds", "Time from accepting a request to answering it.",
-            buckets=_LATENCY_BUCKETS)
         self.request_execution_seconds = Histogram(
             "diffserve_request_execution_seconds", "Time of the pipeline calls or denoising steps "
             "that produced a successful request's images (summed over its parts).",
@@ -116,7 +141,7 @@ class _Metrics:
     def declare_executor(self, index: int) -> None:
         """Create executor ``index``'s series at zero, so that dashboards and alert rules see
         them before the first event (a series that does not exist cannot be alerted on)."""
-        from diffserve.executor.results import OUTCOMES
+        from diffserve.protocol import OUTCOMES
         from diffserve.scheduler.core import DISPATCH_REASONS
 
         label = str(index)
@@ -132,24 +157,32 @@ class _Metrics:
         self.executor_ready.labels(executor=label).set(0)
 
 
-_instance: _Metrics | None = None
+_engine: EngineMetrics | None = None
+_frontend: FrontendMetrics | None = None
 
 
-def metrics() -> _Metrics:
-    global _instance
-    if _instance is None:
-        _instance = _Metrics()
-    return _instance
+def engine() -> EngineMetrics:
+    global _engine
+    if _engine is None:
+        _engine = EngineMetrics()
+    return _engine
 
 
-def render() -> tuple[bytes, str]:
-    """The exposition text summed over every process of this server."""
+def frontend() -> FrontendMetrics:
+    global _frontend
+    if _frontend is None:
+        _frontend = FrontendMetrics()
+    return _frontend
+
+
+def render(directory: str) -> tuple[bytes, str]:
+    """The exposition text: the engine's processes' figures summed, then the frontend's."""
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
-    MultiProcessCollector(registry)
-    return generate_latest(registry), CONTENT_TYPE_LATEST
+    MultiProcessCollector(registry, path=directory)
+    return generate_latest(registry) + generate_latest(frontend().registry), CONTENT_TYPE_LATEST
 
 
 def process_died(pid: int) -> None:

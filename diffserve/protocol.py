@@ -21,6 +21,8 @@ from typing import Any, Sequence
 
 import msgspec
 
+from diffserve.tasks import GENERATE, Task, task_named
+
 # How a request field takes part in batching:
 SHAPE = "shape"              # fixes tensor shapes: equal for every sample of a forward, in any mode
 CALL = "call"                # one value per pipeline call; the step engine varies it per sample
@@ -38,9 +40,12 @@ VARIES_PER_SAMPLE: dict[str, frozenset[str]] = {
     STEP_MODE: frozenset({SAMPLE, CALL}),
 }
 
-# What a request asks for. Edits carry input pixels as raw frames after the header.
-GENERATE, EDIT, INPAINT = "generate", "edit", "inpaint"
-INPUT_FRAMES = {GENERATE: 0, EDIT: 1, INPAINT: 2}  # the image (H, W, 3), then the mask (H, W)
+# Seeds are 32-bit, as the API accepts them; image i of a request uses (seed + i) modulo this.
+SEED_MODULUS = 2**32
+
+# How a work item ended.
+FINISHED, FAILED, CANCELLED = "finished", "failed", "cancelled"
+OUTCOMES = (FINISHED, FAILED, CANCELLED)
 
 
 def _role(role: str, default: Any) -> Any:
@@ -91,7 +96,7 @@ class ImageRequest:
     model: str = shape()
     width: int = shape()
     height: int = shape()
-    task: str = call(GENERATE)
+    task: str = call(GENERATE.name)  # a name in diffserve.tasks.TASKS
     num_inference_steps: int = call(20)
     guidance_scale: float = call(5.0)
     strength: float = call(1.0)  # edits: how far from the input image (1.0: ignore it)
@@ -105,8 +110,16 @@ class ImageRequest:
         return tuple(getattr(self, name) for name in signature_fields(type(self), mode))
 
     @property
+    def task_spec(self) -> Task:
+        return task_named(self.task)
+
+    @property
     def input_frames(self) -> int:
-        return INPUT_FRAMES[self.task]
+        return len(self.task_spec.inputs)
+
+    def seed_of(self, index: int) -> int:
+        """The seed of image ``index``: consecutive from the request's seed, wrapping at 2**32."""
+        return (self.seed + index) % SEED_MODULUS
 
 
 @dataclass(frozen=True)
@@ -123,7 +136,7 @@ class WorkItem:
         return (self.request.request_id, self.start)
 
     @property
-    def size(self) -> int:
+    def samples(self) -> int:
         return self.stop - self.start
 
 
@@ -138,11 +151,12 @@ class Work:
 
 @dataclass(frozen=True)
 class ItemResult:
-    """One finished item. On success its ``stop - start`` images follow as frames."""
+    """How one work item ended. A finished item's images went to the frontend beforehand."""
 
     request_id: str
     start: int
     stop: int
+    status: str  # one of OUTCOMES
     execution_s: float  # pipeline time this item took part in (request mode: the whole call)
     error: str | None = None
     prompt_tokens: int = 0
@@ -150,17 +164,28 @@ class ItemResult:
 
 @dataclass(frozen=True)
 class ItemsDone:
-    """Executor to scheduler: items that finished (request mode: a whole call; step mode: the
-    requests retired at one step). Frames: the images of the successful items, in order."""
+    """Executor to scheduler: items that ended (request mode: a whole call; step mode: the
+    requests retired at one step). Headers only: the pixels go straight to the frontend."""
 
-    width: int
-    height: int
     items: list[ItemResult]
 
 
 @dataclass(frozen=True)
+class ItemImages:
+    """Executor to frontend: images ``start``..``stop-1`` of a request, one raw frame each
+    (uint8, height x width x 3), sent before the item's result goes to the scheduler."""
+
+    request_id: str
+    start: int
+    stop: int
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
 class Partial:
-    """A streamed preview: image ``index`` of a request after some of its steps. One frame."""
+    """Executor to frontend: a streamed preview, image ``index`` of a request after some of its
+    steps. One frame."""
 
     request_id: str
     index: int
@@ -192,7 +217,7 @@ class ModelInfo:
     device: str
     dtype: str
     batching_mode: str
-    tasks: list[str]  # of GENERATE, EDIT, INPAINT
+    tasks: list[str]  # names in diffserve.tasks.TASKS
     partial_images: bool  # whether streamed previews are real intermediate decodes
     family: str | None = None  # the step engine's family, where it knows the pipeline
 
@@ -219,11 +244,10 @@ class EngineStatus:
 
 @dataclass(frozen=True)
 class RequestDone:
-    """All images of one request; followed by ``len(seeds)`` raw frames in index order."""
+    """Scheduler to frontend: every image of the request is made (the pixels came from the
+    executors as :class:`ItemImages`)."""
 
     request_id: str
-    width: int
-    height: int
     seeds: list[int]
     prompt_tokens: int = 0
 
@@ -257,27 +281,28 @@ class Empty:
 class Kind(enum.IntEnum):
     """The one-byte message kind, and what each kind carries."""
 
-    GENERATE = 1        # frontend -> scheduler: ImageRequest + input frames
+    SUBMIT = 1          # frontend -> scheduler: ImageRequest + input frames
     ABORT = 2           # frontend -> scheduler: Abort
     READY = 3           # executor -> scheduler -> frontend: ModelInfo
-    REQUEST_DONE = 4    # scheduler -> frontend: RequestDone + image frames
+    REQUEST_DONE = 4    # scheduler -> frontend: RequestDone
     REQUEST_FAILED = 5  # scheduler -> frontend: RequestFailed
     ENGINE_STATUS = 6   # scheduler -> frontend: EngineStatus
     WORK = 7            # scheduler -> executor: Work + input frames
-    ITEMS_DONE = 8      # executor -> scheduler: ItemsDone + image frames
+    ITEMS_DONE = 8      # executor -> scheduler: ItemsDone
     SHUTDOWN = 9        # parent -> child: Empty
     FATAL = 10          # child -> parent: Fatal
     CANCEL = 11         # scheduler -> executor: Cancel
-    PARTIAL = 12        # executor -> scheduler -> frontend: Partial + one frame
+    PARTIAL = 12        # executor -> frontend: Partial + one frame
     DRAIN = 13          # frontend -> scheduler: Empty; stop waiting for company, the server stops
+    IMAGES = 14         # executor -> frontend: ItemImages + one frame per image
 
 
 PAYLOADS: dict[Kind, type] = {
-    Kind.GENERATE: ImageRequest, Kind.ABORT: Abort, Kind.READY: ModelInfo,
+    Kind.SUBMIT: ImageRequest, Kind.ABORT: Abort, Kind.READY: ModelInfo,
     Kind.REQUEST_DONE: RequestDone, Kind.REQUEST_FAILED: RequestFailed,
     Kind.ENGINE_STATUS: EngineStatus, Kind.WORK: Work, Kind.ITEMS_DONE: ItemsDone,
     Kind.SHUTDOWN: Empty, Kind.FATAL: Fatal, Kind.CANCEL: Cancel, Kind.PARTIAL: Partial,
-    Kind.DRAIN: Empty,
+    Kind.DRAIN: Empty, Kind.IMAGES: ItemImages,
 }
 
 _ENCODER = msgspec.msgpack.Encoder()

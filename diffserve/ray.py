@@ -71,8 +71,9 @@ def deployment_options(config: ServerConfig, given: dict[str, Any]) -> dict[str,
 
 def replica_app(config: ServerConfig):
     """The ASGI app of one replica: its own engine, started and loaded before it serves."""
+    import logging
+
     from diffserve.engine import Engine
-    from diffserve.errors import unavailable
     from diffserve.frontend.app import create_app
     from diffserve.frontend.engine_client import StartupError
 
@@ -83,19 +84,20 @@ def replica_app(config: ServerConfig):
         host.stop()
         raise
 
-    def scheduler_died() -> None:
-        host.client.fail_all(unavailable("The scheduler process died; this replica is being "
-                                         "replaced."))
+    def engine_failed(reason: str) -> None:
+        # Every waiting request has its 503; the health check fails from now on, and Ray Serve
+        # replaces the replica.
+        logging.getLogger("diffserve").error("%s; this replica is being replaced", reason)
 
     @asynccontextmanager
     async def lifespan(app):
         try:
-            async with host.serving(scheduler_died):
+            async with host.serving(engine_failed):
                 yield
         finally:
             host.stop()
 
-    app = create_app(config, host.client)
+    app = create_app(config, host.client, host.render_metrics)
     app.router.lifespan_context = lifespan
     app.state.engine_host = host
     return app

@@ -33,7 +33,6 @@ def _serve(config: ServerConfig) -> int:
     import uvicorn
 
     from diffserve.engine import Engine
-    from diffserve.errors import unavailable
     from diffserve.frontend.app import create_app
     from diffserve.frontend.engine_client import StartupError
 
@@ -49,18 +48,17 @@ def _serve(config: ServerConfig) -> int:
             return 1
         server: uvicorn.Server | None = None
 
-        def scheduler_died() -> None:
+        def engine_failed(reason: str) -> None:
+            """The server cannot answer any more: exit non-zero, for the supervisor (systemd,
+            Kubernetes) to start it again. Every waiting request has been answered 503."""
             nonlocal exit_code
-            if server is not None and server.should_exit:
-                return  # we are stopping it ourselves
-            log.error("the scheduler process died; answering every waiting request and exiting")
-            engine.fail_all(unavailable("The scheduler process died; the server is stopping."))
+            log.error("%s; every waiting request was answered 503; exiting", reason)
             exit_code = 1
             if server is not None:
                 server.should_exit = True
 
-        app = create_app(config, engine)
-        app.router.lifespan_context = lambda app: host.serving(scheduler_died)
+        app = create_app(config, engine, host.render_metrics)
+        app.router.lifespan_context = lambda app: host.serving(engine_failed)
         server = _Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level,
             # A little longer than our own drain, so the 503s it ends with are still written.

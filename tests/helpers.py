@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import itertools
 
-from diffserve.protocol import GENERATE, ImageRequest
+from diffserve.protocol import ImageRequest
 
 _ids = itertools.count()
 
 
 def make_request(n: int = 1, *, request_id: str | None = None, width: int = 64, height: int = 64,
                  steps: int = 4, guidance: float = 5.0, prompt: str | None = None, seed: int = 0,
-                 model: str = "tiny-sd", negative_prompt: str = "", task: str = GENERATE,
+                 model: str = "tiny-sd", negative_prompt: str = "", task: str = "generate",
                  strength: float = 1.0, partial_images: int = 0) -> ImageRequest:
     rid = request_id or f"r{next(_ids)}"
     return ImageRequest(request_id=rid, model=model, width=width, height=height, task=task,
@@ -25,3 +25,16 @@ def exit_with(code: int) -> None:
     import os
 
     os._exit(code)
+
+
+def scheduler_failing_at_dispatch(spec) -> None:
+    """The real scheduler process entry, with a fault injected: its loop raises as soon as a
+    request waits to be dispatched (a stand-in for any bug in the loop)."""
+    from diffserve.scheduler import process
+
+    def fail(self, now):
+        if self.core.num_waiting:
+            raise RuntimeError("injected fault in the scheduler loop")
+
+    process.SchedulerProc._dispatch = fail
+    process.run_scheduler(spec)

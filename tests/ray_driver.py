@@ -81,6 +81,7 @@ def main() -> None:
                 found["models"] = c.get(f"{serve.url}/v1/models").json()
                 found["health"] = c.get(f"{serve.url}/health").status_code
     finally:
+        # This runs in the test's own PID namespace: `ray stop` sees only the cluster it started.
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
     print("RESULT " + json.dumps(found), flush=True)
 

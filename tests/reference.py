@@ -10,20 +10,21 @@ from PIL import Image
 
 from diffserve.executor.families.base import to_uint8
 from diffserve.executor.loading import FORCED_KWARGS, LoadedModel
-from diffserve.protocol import EDIT, GENERATE, INPAINT, ImageRequest
+from diffserve.protocol import ImageRequest
 
 
-def solo(loaded: LoadedModel, edits: dict, request: ImageRequest, image=None, mask=None,
+def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None, mask=None,
          start: int = 0, stop: int | None = None) -> np.ndarray:
-    """Images ``start``..``stop-1`` of ``request`` from one call of the plain pipeline for its task,
-    with the seeds the server uses (image i: seed + i) and nothing else shared."""
+    """Images ``start``..``stop-1`` of ``request`` from one call of the plain pipeline for its task
+    (``pipelines``: task name -> pipeline, the loaded one where the task is missing), with the
+    seeds the server uses (image i: seed + i) and nothing else shared."""
     stop = request.n if stop is None else stop
-    pipe = loaded.pipe if request.task == GENERATE else edits[request.task]
+    pipe = pipelines.get(request.task, loaded.pipe)
     accepts = set(inspect.signature(pipe.__call__).parameters)
     count = stop - start
     kwargs = {k: v for k, v in loaded.call_kwargs.items() if k in accepts and k not in FORCED_KWARGS}
     kwargs.update(prompt=[request.prompt] * count, output_type="np",
-                  generator=[torch.Generator("cpu").manual_seed(request.seed + i)
+                  generator=[torch.Generator("cpu").manual_seed(request.seed_of(i))
                              for i in range(start, stop)],
                   num_inference_steps=request.num_inference_steps,
                   guidance_scale=request.guidance_scale)
@@ -31,9 +32,9 @@ def solo(loaded: LoadedModel, edits: dict, request: ImageRequest, image=None, ma
         kwargs.update(height=request.height, width=request.width)
     if request.negative_prompt:
         kwargs["negative_prompt"] = [request.negative_prompt] * count
-    if request.task in (EDIT, INPAINT):
+    if request.task_spec.from_image:
         kwargs.update(image=[Image.fromarray(image)] * count, strength=request.strength)
-    if request.task == INPAINT:
+    if request.task_spec.masked:
         kwargs["mask_image"] = [Image.fromarray(mask)] * count
     with torch.inference_mode():
         return to_uint8(pipe(**kwargs).images)

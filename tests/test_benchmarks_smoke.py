@@ -147,6 +147,17 @@ def test_compare_modes(env, tmp_path):
     assert (tmp_path / "modes.png").stat().st_size > 0
 
 
+def test_compare_overhead_against_another_checkout(env, tmp_path):
+    # --tree: the servers run from that checkout (here this one, by its path: the flag's effect
+    # shows in the servers' command environment, and the run must work through it).
+    report = run_compare("overhead", tmp_path, "--torch-threads", "1", "--idle-requests", "2",
+                         "--tree", str(ROOT), env=env)
+    medians = report["summary"]["medians"]
+    for mode in ("step", "request"):
+        assert medians[f"saturated img/s, {mode}"] > 0 and f"idle overhead ms, {mode}" in medians
+    assert report["config"]["tree"] == str(ROOT)
+
+
 def test_compare_scale(env, tmp_path):
     report = run_compare("scale", tmp_path, env=env)
     runs = {run["label"]: run for run in report["rounds"][0]["runs"]}

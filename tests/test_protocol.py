@@ -12,6 +12,7 @@ from diffserve.protocol import (
     SHAPE,
     STEP_MODE,
     ImageRequest,
+    ItemImages,
     ItemResult,
     ItemsDone,
     Kind,
@@ -42,7 +43,7 @@ def test_the_signature_follows_the_mode():
     a = make_request(prompt="x", seed=1, n=1)
     b = make_request(prompt="y", seed=2, n=4, negative_prompt="z", partial_images=2)
     assert a.signature(REQUEST_MODE) == b.signature(REQUEST_MODE)
-    for change in ({"num_inference_steps": 9}, {"guidance_scale": 1.0}, {"task": "edit"}):
+    for change in ({"num_inference_steps": 9}, {"guidance_scale": 1.0}, {"task": "image-to-image"}):
         changed = dataclasses.replace(a, **change)
         assert changed.signature(REQUEST_MODE) != a.signature(REQUEST_MODE)
         assert changed.signature(STEP_MODE) == a.signature(STEP_MODE)
@@ -60,21 +61,29 @@ def test_undeclared_field_is_rejected():
 
 
 def test_messages_round_trip_with_raw_buffers():
-    request = make_request(n=2, seed=7, task="edit", strength=0.5)
+    request = make_request(n=2, seed=7, task="image-to-image", strength=0.5)
     image = np.zeros((64, 64, 3), np.uint8)
-    kind, decoded, buffers = decode(encode(Kind.GENERATE, request, [image.tobytes()]))
-    assert kind is Kind.GENERATE and decoded == request and buffers == [image.tobytes()]
+    kind, decoded, buffers = decode(encode(Kind.SUBMIT, request, [image.tobytes()]))
+    assert kind is Kind.SUBMIT and decoded == request and buffers == [image.tobytes()]
     assert decoded.input_frames == 1
 
     work = Work(3, [WorkItem(request, 0, 2)])
     assert decode(encode(Kind.WORK, work))[1] == work
 
+    done = ItemsDone([ItemResult(request.request_id, 0, 1, "finished", 0.5)])
+    assert decode(encode(Kind.ITEMS_DONE, done)) == (Kind.ITEMS_DONE, done, [])
+
     pixels = np.arange(2 * 4 * 3, dtype=np.uint8).reshape(2, 4, 3)
-    done = ItemsDone(4, 2, [ItemResult(request.request_id, 0, 1, 0.5)])
-    frames = encode(Kind.ITEMS_DONE, done, [pixels])
+    images = ItemImages(request.request_id, 0, 1, 4, 2)
+    frames = encode(Kind.IMAGES, images, [pixels])
     assert frames[1] is pixels  # the pixel buffer is sent as it is, not serialised
     kind, decoded, buffers = decode([frames[0], pixels.tobytes()])
-    assert decoded == done and buffers == [pixels.tobytes()]
+    assert decoded == images and buffers == [pixels.tobytes()]
+
+
+def test_seeds_are_consecutive_and_wrap_at_32_bits():
+    request = make_request(n=3, seed=2**32 - 2)
+    assert [request.seed_of(i) for i in range(3)] == [2**32 - 2, 2**32 - 1, 0]
 
 
 def test_every_kind_has_a_payload_type():
@@ -85,8 +94,8 @@ def test_every_kind_has_a_payload_type():
     [],
     [b""],
     [bytes([99]) + msgspec.msgpack.encode({})],
-    [bytes([Kind.GENERATE]) + b"\xc1garbage"],
-    [bytes([Kind.GENERATE]) + msgspec.msgpack.encode({"request_id": "x"})],  # fields missing
+    [bytes([Kind.SUBMIT]) + b"\xc1garbage"],
+    [bytes([Kind.SUBMIT]) + msgspec.msgpack.encode({"request_id": "x"})],  # fields missing
     [bytes([Kind.WORK]) + msgspec.msgpack.encode({"work_id": "one", "items": []})],  # wrong type
     [bytes([Kind.ABORT]) + msgspec.msgpack.encode({"request_id": 5})],
 ])

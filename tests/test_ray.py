@@ -3,8 +3,10 @@ image equals a single server's answer to the same request.
 
 Ray advertises the machine's network address and binds its gRPC ports on every interface, so
 the whole run happens in a private network namespace that has only the loopback interface
-(``unshare -n``, then ``ip link set lo up``): nothing can leave the machine. Where that is not
-permitted the test is skipped, and it never falls back to the machine's interfaces."""
+(``unshare -n``, then ``ip link set lo up``): nothing can leave the machine. It also runs in a
+private PID namespace, so the cluster's clean-up (``ray stop``) sees only the processes this test
+started, never another Ray on the machine, and whatever is left dies with the namespace. Where
+that is not permitted the test is skipped, and it never falls back to the machine's interfaces."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ DRIVER = Path(__file__).with_name("ray_driver.py")
 
 
 def namespace_command(*command: str) -> list[str]:
-    return ["unshare", "-n", "bash", "-c", 'ip link set lo up && exec "$@"', "bash", *command]
+    return ["unshare", "--net", "--pid", "--fork", "--mount-proc", "bash", "-c",
+            'ip link set lo up && exec "$@"', "bash", *command]
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +35,9 @@ def isolated():
         pytest.skip("unshare and ip (util-linux, iproute2) are needed to keep Ray on loopback")
     probe = subprocess.run(namespace_command("true"), capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip("cannot create a private network namespace here (unshare -n needs root or "
-                    f"user namespaces): {probe.stderr.strip()}; Ray is not run on this machine's "
-                    "interfaces instead")
+        pytest.skip("cannot create private network and PID namespaces here (unshare needs root "
+                    f"or user namespaces): {probe.stderr.strip()}; Ray is not run on this "
+                    "machine's interfaces instead")
 
 
 def test_two_replicas_serve_the_same_api_and_images_as_one_server(isolated):

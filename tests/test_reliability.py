@@ -177,6 +177,11 @@ def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig):
         try:
             late = post(srv, FAST, timeout=5)
             assert_openai_error(late, 503, code="shutting_down")
+            # Checked before the body is read: an edit is refused without decoding its upload.
+            with srv.client(timeout=5) as c:
+                edit = c.post("/v1/images/edits", files={"image": ("x.png", b"not an image")},
+                              data={"prompt": "x"})
+            assert_openai_error(edit, 503, code="shutting_down")
         except httpx.TransportError:
             pass  # the listener is closed already: refused, which is also "not accepted"
         assert [f.result().status_code for f in futures] == [200, 200, 200]
@@ -215,10 +220,11 @@ def test_api_key_guards_v1_only(how):
         assert key not in srv.log
 
 
-def test_oversized_body_gets_413():
+def test_oversized_body_gets_413_naming_the_flag_that_bounds_it():
     with Server("--max-body-bytes", "2048") as srv, srv.client() as c:
         r = c.post(GENERATE, content=b'{"prompt": "' + b"x" * 4096 + b'"}')
-        assert_openai_error(r, 413, code="request_too_large")
+        error = assert_openai_error(r, 413, code="request_too_large")
+        assert "--max-body-bytes" in error["message"], error
         assert c.post(GENERATE, json=FAST).status_code == 200
 
 

@@ -114,6 +114,18 @@ def test_n_above_the_batch_size_is_split_and_answered_together(server):
     assert [d["seed"] for d in r.json()["data"]] == list(range(1, 11))
 
 
+def test_seeds_wrap_at_32_bits_and_every_returned_seed_is_accepted_again(server, reference):
+    with server.client() as c:
+        r = c.post("/v1/images/generations", json={"prompt": "wraps", "n": 2, "seed": 2**32 - 1})
+        assert r.status_code == 200, r.text
+        data = r.json()["data"]
+        assert [d["seed"] for d in data] == [2**32 - 1, 0]
+        again = c.post("/v1/images/generations", json={"prompt": "wraps", "seed": data[1]["seed"]})
+    assert again.status_code == 200
+    assert np.abs(decode(data[1]["b64_json"]).astype(int)
+                  - reference("wraps", 0).astype(int)).max() <= 2
+
+
 def test_server_drawn_seed_is_reported_and_reproducible(server):
     with server.client() as c:
         first = c.post("/v1/images/generations", json={"prompt": "seedless"}).json()["data"][0]

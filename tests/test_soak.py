@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from diffserve.executor.loading import edit_pipelines, load_model
+from diffserve.executor.loading import task_pipelines, load_model
 from diffserve.launcher import ServerProcess
 from helpers import make_request
 from reference import max_diff, solo
@@ -36,7 +36,7 @@ def make_plan(count: int, distinct: int) -> list[dict]:
 def references(plan: list[dict]) -> dict[tuple[str, int, int], np.ndarray]:
     """(prompt, seed of the image, steps) -> the image, each from one plain pipeline call alone."""
     loaded = load_model(MODEL, torch_threads=1)
-    edits = edit_pipelines(loaded.pipe)
+    edits = task_pipelines(loaded.pipe)
     wanted = {(b["prompt"], b["seed"], b["num_inference_steps"], i) for b in plan for i in range(b["n"])}
     out = {}
     for prompt, seed, steps, i in sorted(wanted):

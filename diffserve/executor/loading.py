@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.models.registry import resolve_model, serving_defaults
-from diffserve.protocol import EDIT, GENERATE, INPAINT, REQUEST_MODE, STEP_MODE, ModelInfo
+from diffserve.protocol import REQUEST_MODE, STEP_MODE, ModelInfo
+from diffserve.tasks import GENERATE, TASKS
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
     return LoadedModel(pipe, device, dtype, defaults, accepts, kwargs)
 
 
-def resolve_mode(requested: str, family: str | None, pipeline_class: str) -> str:
+def resolve_mode(requested: str, family: type | None, pipeline_class: str) -> str:
     """The batching mode to run: ``auto`` takes the step engine where it knows the family."""
     if requested == STEP_MODE and family is None:
         from diffserve.executor.families import supported_pipelines
@@ -99,8 +100,9 @@ def resolve_mode(requested: str, family: str | None, pipeline_class: str) -> str
     return STEP_MODE
 
 
-def model_info(loaded: LoadedModel, served_name: str, mode: str, family: str | None,
+def model_info(loaded: LoadedModel, served_name: str, mode: str, family: type | None,
                tasks: list[str]) -> ModelInfo:
+    """What the frontend validates against; ``family``: the step engine's family class, if any."""
     pipe, d = loaded.pipe, loaded.defaults
     call_defaults = {k: p.default for k, p in inspect.signature(pipe.__call__).parameters.items()}
     scale = int(getattr(pipe, "vae_scale_factor", 8) or 8)
@@ -122,28 +124,27 @@ def model_info(loaded: LoadedModel, served_name: str, mode: str, family: str | N
         default_guidance_scale=float(guidance if isinstance(guidance, (int, float)) else 5.0),
         supports_negative_prompt="negative_prompt" in loaded.accepts,
         device=loaded.device, dtype=loaded.dtype, batching_mode=mode, tasks=tasks,
-        partial_images=family is not None, family=family)
+        partial_images=family is not None, family=family.name if family else None)
 
 
-def edit_pipelines(pipe) -> dict[str, Any]:
-    """The image-to-image and inpainting pipelines of the loaded one's family, built from its
-    own components (no second copy of the weights). A family without one simply lacks the task."""
-    from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
+def task_pipelines(pipe) -> dict[str, Any]:
+    """Task name -> the pipeline that runs it: the loaded one for generation, and for every task
+    that has an auto-pipeline, that pipeline of the loaded one's family, built from its own
+    components (no second copy of the weights). A family without one lacks the task."""
+    import diffusers
 
-    found: dict[str, Any] = {}
-    for task, auto in ((EDIT, AutoPipelineForImage2Image), (INPAINT, AutoPipelineForInpainting)):
-        try:
-            edit = auto.from_pipe(pipe)
-        except (ValueError, KeyError, TypeError) as error:
-            log.info("no %s pipeline for %s: %s", task, type(pipe).__name__, error)
+    found: dict[str, Any] = {GENERATE.name: pipe}
+    for task in TASKS.values():
+        if task.auto_pipeline is None:
             continue
-        edit.set_progress_bar_config(disable=True)
-        found[task] = edit
+        try:
+            built = getattr(diffusers, task.auto_pipeline).from_pipe(pipe)
+        except (ValueError, KeyError, TypeError) as error:
+            log.info("no %s pipeline for %s: %s", task.name, type(pipe).__name__, error)
+            continue
+        built.set_progress_bar_config(disable=True)
+        found[task.name] = built
     return found
-
-
-def supported_tasks(edits: dict[str, Any]) -> list[str]:
-    return [GENERATE, *[t for t in (EDIT, INPAINT) if t in edits]]
 
 
 def token_counter(pipe):

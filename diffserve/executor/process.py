@@ -1,14 +1,18 @@
 """Executor process: IO around one of the two engines.
 
-It connects a DEALER socket to the scheduler's ROUTER under its identity (``index:generation``),
-loads the model, says READY (with the batching mode it will run), and then:
+It connects a DEALER socket to the scheduler's ROUTER under its identity (``index:generation``)
+and a PUSH socket to the frontend, loads the model, says READY (with the batching mode it will
+run), and then:
 
 - **request mode** (:class:`RequestLoop`): one work message is one pipeline call. While it runs,
-  the pipeline's step callback peeks at the socket, so a call whose callers have all gone stops
-  at the next denoising step.
+  the pipeline's step callback takes the cancels that have arrived, so a call whose callers have
+  all gone stops at the next denoising step; any other message waits for the loop.
 - **step mode** (:class:`StepLoop`): between two steps it takes every waiting message, admits
   the new work into the running set, drops cancelled requests, then runs one step. Every
   per-step decision is made here; nothing crosses a process boundary per step.
+
+Pixels (finished images, previews) go straight to the frontend; the scheduler gets only each
+item's result header, sent after its images.
 """
 
 from __future__ import annotations
@@ -18,16 +22,18 @@ import os
 import sys
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from diffserve import processes
-from diffserve.executor.results import CANCELLED_OUTCOME
+from diffserve import metrics, processes
+from diffserve.config import ServerConfig
 from diffserve.protocol import (
+    CANCELLED,
     Fatal,
-    ItemResult,
+    ItemImages,
     ItemsDone,
     Kind,
     Partial,
@@ -36,6 +42,8 @@ from diffserve.protocol import (
     decode,
     encode,
 )
+from diffserve.executor.results import Outcome
+from diffserve.samples import split_inputs
 
 log = logging.getLogger(__name__)
 
@@ -58,100 +66,83 @@ def bound_openmp_spin() -> None:
 
 @dataclass(frozen=True)
 class ExecutorSpec:
-    model: str
-    served_name: str
+    config: ServerConfig
     index: int
     device: str
-    dtype: str
     torch_threads: int
-    batching_mode: str
-    address: str      # the scheduler's ROUTER
-    identity: bytes   # this process's address there
+    scheduler_addr: str  # the scheduler's ROUTER
+    identity: bytes      # this process's address there
+    frontend_addr: str   # where images and previews go
+    metrics_dir: str
     parent_pid: int
-    log_level: str = "info"
 
 
 def run_executor(spec: ExecutorSpec) -> None:
-    processes.become(f"diffserve::executor-{spec.index}", spec.parent_pid, spec.log_level)
+    processes.become(f"diffserve::executor-{spec.index}", spec.parent_pid, spec.config.log_level)
+    metrics.record_to(spec.metrics_dir)
     bound_openmp_spin()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, spec.identity)
     sock.setsockopt(zmq.LINGER, 5000)
-    sock.connect(spec.address)
+    sock.connect(spec.scheduler_addr)
+    pixels = ctx.socket(zmq.PUSH)
+    pixels.setsockopt(zmq.LINGER, 5000)
+    pixels.connect(spec.frontend_addr)
     try:
-        loop = build_loop(spec, sock)
+        loop = build_loop(spec, sock, pixels)
     except Exception as error:  # noqa: BLE001 - reported to the operator, then exit
-        log.error("could not load model %r:\n%s", spec.model, traceback.format_exc())
-        sock.send_multipart(encode(Kind.FATAL, Fatal(f"could not load model {spec.model!r}: "
+        model = spec.config.model
+        log.error("could not load model %r:\n%s", model, traceback.format_exc())
+        sock.send_multipart(encode(Kind.FATAL, Fatal(f"could not load model {model!r}: "
                                                      f"{type(error).__name__}: {error}")))
-        sock.close()
-        ctx.term()
+        ctx.destroy(linger=5000)
         raise SystemExit(1)
     loop.run()
-    sock.close()
-    ctx.term()
+    ctx.destroy(linger=5000)
 
 
-def build_loop(spec: ExecutorSpec, sock: zmq.Socket):
+def build_loop(spec: ExecutorSpec, sock: zmq.Socket, pixels: zmq.Socket):
     """Load the model, pick the engine, say READY; the loop that serves it."""
     from diffserve.executor.families import family_for
-    from diffserve.executor.loading import (
-        edit_pipelines,
-        load_model,
-        model_info,
-        resolve_mode,
-        supported_tasks,
-        token_counter,
-    )
+    from diffserve.executor.loading import load_model, model_info, resolve_mode, task_pipelines, token_counter
     from diffserve.protocol import STEP_MODE
 
-    loaded = load_model(spec.model, spec.device, spec.dtype, spec.torch_threads, spec.index)
+    c = spec.config
+    loaded = load_model(c.model, spec.device, c.dtype, spec.torch_threads, spec.index)
     family_cls = family_for(loaded.pipeline_class)
-    family_name = family_cls.name if family_cls else None
-    mode = resolve_mode(spec.batching_mode, family_name, loaded.pipeline_class)
-    edits = edit_pipelines(loaded.pipe)
-    family = family_cls(loaded.pipe, edits, loaded.call_kwargs) if family_cls else None
-    info = model_info(loaded, spec.served_name, mode, family_name, supported_tasks(edits))
+    mode = resolve_mode(c.batching_mode, family_cls, loaded.pipeline_class)
+    pipelines = task_pipelines(loaded.pipe)
+    family = family_cls(loaded.pipe, pipelines, loaded.call_kwargs) if family_cls else None
+    info = model_info(loaded, c.model_name, mode, family_cls, list(pipelines))
     count = token_counter(loaded.pipe)
+    io = EngineIO(sock, pixels, spec.index)
     if mode == STEP_MODE:
         from diffserve.executor.step_engine import StepEngine
 
-        loop = StepLoop(StepEngine(family, count), sock, spec.index)
+        loop = StepLoop(StepEngine(family, count), io)
     else:
         from diffserve.executor.request_runner import RequestRunner
 
-        loop = RequestLoop(RequestRunner(loaded, edits, family, count), sock, spec.index)
-    log.info("loaded %s (%s) on %s/%s, native %dx%d, %s mode, tasks: %s", spec.model,
+        loop = RequestLoop(lambda interrupt, emit: RequestRunner(
+            loaded, pipelines, family, count, interrupt, emit), io)
+    log.info("loaded %s (%s) on %s/%s, native %dx%d, %s mode, tasks: %s", c.model,
              info.pipeline_class, info.device, info.dtype, info.width, info.height, mode,
              ", ".join(info.tasks))
     sock.send_multipart(encode(Kind.READY, info))
     return loop
 
 
-def split_inputs(work: Work, frames: list[Any]) -> list[list[Any]]:
-    """The input frames of each item (edits carry an image, inpainting a mask too)."""
-    inputs, offset = [], 0
-    for item in work.items:
-        count = item.request.input_frames
-        inputs.append(frames[offset:offset + count])
-        offset += count
-    if offset != len(frames):
-        raise ProtocolError(f"work {work.work_id} carries {len(frames)} input frames, its items "
-                            f"{offset}")
-    return inputs
+class EngineIO:
+    """The executor's two sockets: messages from and headers to the scheduler, pixels to the
+    frontend."""
 
-
-class _Loop:
-    def __init__(self, sock: zmq.Socket, index: int) -> None:
-        from diffserve.metrics import metrics
-
-        self.sock = sock
+    def __init__(self, sock: zmq.Socket, pixels: zmq.Socket, index: int) -> None:
+        self.sock, self.pixels = sock, pixels
         self.label = str(index)
-        self.metrics = metrics()
-        self.stopping = False
+        self.metrics = metrics.engine()
 
-    def _receive(self, block: bool) -> tuple[Kind, Any, list[Any]] | None:
+    def receive(self, block: bool) -> tuple[Kind, Any, list[Any]] | None:
         try:
             frames = self.sock.recv_multipart(0 if block else zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -162,95 +153,122 @@ class _Loop:
             log.error("dropped a malformed message from the scheduler: %s", error)
             return None
 
-    def _send_outcomes(self, outcomes) -> None:
+    def send_outcomes(self, outcomes) -> None:
+        """Each finished item's images to the frontend, then every item's result to the
+        scheduler (which answers the request once all of its images are made)."""
         if not outcomes:
             return
-        results, frames = [], []
         for o in outcomes:
-            results.append(ItemResult(o.item.request.request_id, o.item.start, o.item.stop,
-                                      o.execution_s, o.error, o.prompt_tokens))
-            if o.error is None:
-                frames.extend(o.images)  # rows of a contiguous array: sent without a copy
-        first = outcomes[0].item.request
-        self.sock.send_multipart(encode(Kind.ITEMS_DONE, ItemsDone(first.width, first.height, results),
-                                        frames), copy=False)
-        self.metrics.images_generated_total.labels(executor=self.label).inc(len(frames))
+            if o.images is not None:
+                r = o.item.request
+                # Rows of a contiguous array: sent without a copy.
+                self.pixels.send_multipart(encode(Kind.IMAGES, ItemImages(
+                    r.request_id, o.item.start, o.item.stop, r.width, r.height), list(o.images)),
+                    copy=False)
+                self.metrics.images_generated_total.labels(executor=self.label).inc(len(o.images))
+        self.sock.send_multipart(encode(Kind.ITEMS_DONE, ItemsDone([o.result() for o in outcomes])))
 
-    def _send_preview(self, preview) -> None:
-        image = preview.image
-        self.sock.send_multipart(encode(Kind.PARTIAL, Partial(
-            preview.request_id, preview.index, preview.partial_index, image.shape[1],
+    def send_partial(self, partial) -> None:
+        image = partial.image
+        self.pixels.send_multipart(encode(Kind.PARTIAL, Partial(
+            partial.request_id, partial.index, partial.partial_index, image.shape[1],
             image.shape[0]), [image]), copy=False)
         self.metrics.partial_images_total.labels(executor=self.label).inc()
 
+    # What the loops count.
 
-class RequestLoop(_Loop):
+    def count_call(self, seconds: float, interrupted: bool) -> None:
+        m, label = self.metrics, self.label
+        m.batch_execution_seconds.labels(executor=label).observe(seconds)
+        m.executor_busy_seconds.labels(executor=label).inc(seconds)
+        if interrupted:
+            m.batches_interrupted_total.labels(executor=label).inc()
+
+    def count_admission(self, seconds: float, admitted: int) -> None:
+        self.metrics.executor_busy_seconds.labels(executor=self.label).inc(seconds)
+        self.metrics.step_admissions_total.labels(executor=self.label).inc(admitted)
+
+    def count_step(self, out) -> None:
+        m, label = self.metrics, self.label
+        if out.samples:
+            m.step_seconds.labels(executor=label).observe(out.seconds)
+            m.step_running_images.labels(executor=label).observe(out.samples)
+        m.executor_busy_seconds.labels(executor=label).inc(out.seconds)
+        for o in out.finished:
+            m.step_retirements_total.labels(executor=label, outcome=o.status).inc()
+
+
+class RequestLoop:
     """One work message at a time, one pipeline call each."""
 
-    def __init__(self, runner, sock: zmq.Socket, index: int) -> None:
-        super().__init__(sock, index)
-        self.runner = runner
+    def __init__(self, make_runner, io: EngineIO) -> None:
+        """``make_runner(should_interrupt, emit_partial)`` builds the request runner."""
+        self.io = io
+        self.runner = make_runner(self._should_interrupt, io.send_partial)
         self.running: set[str] = set()
-        self.cancelled: set[str] = set()
-        self.pending: list[tuple[Work, list[Any]]] = []
-        runner.should_interrupt = self._should_interrupt
-        runner.emit_preview = self._send_preview
+        self.cancelled: set[str] = set()  # only ids of requests running or waiting here
+        self.pending: deque[tuple[Kind, Any, list[Any]]] = deque()  # messages for the loop
+        self.stopping = False
 
     def run(self) -> None:
         while not self.stopping:
-            if self.pending:
-                self._execute(*self.pending.pop(0))
+            message = self.pending.popleft() if self.pending else self.io.receive(block=True)
+            if message is None:
                 continue
-            message = self._receive(block=True)
-            if message is not None:
-                self._handle(*message)
+            kind, msg, frames = message
+            if kind is Kind.SHUTDOWN:
+                self.stopping = True
+            elif kind is Kind.CANCEL:
+                self._cancel(msg.request_ids)
+            elif kind is Kind.WORK:
+                self._execute(msg, frames)
+            else:
+                log.warning("executor ignored a %s message", kind.name)
 
-    def _handle(self, kind: Kind, msg, frames) -> None:
-        if kind is Kind.SHUTDOWN:
-            self.stopping = True
-        elif kind is Kind.CANCEL:
-            self.cancelled.update(msg.request_ids)
-        elif kind is Kind.WORK:
-            if self.running:  # the scheduler sends work only to an idle executor; keep it
-                log.error("work %d arrived during a call; it runs next", msg.work_id)
-            self.pending.append((msg, frames))
-        else:
-            log.warning("executor ignored a %s message", kind.name)
+    def _cancel(self, request_ids: list[str]) -> None:
+        """Remember cancels of requests that run or wait here; any other id is done already."""
+        waiting = {item.request.request_id for kind, msg, _ in self.pending if kind is Kind.WORK
+                   for item in msg.items}
+        self.cancelled.update(set(request_ids) & (self.running | waiting))
 
     def _execute(self, work: Work, frames: list[Any]) -> None:
         self.running = {item.request.request_id for item in work.items}
-        self.cancelled -= self.running  # a request id is never reused
         start = time.perf_counter()
         try:
-            outcomes = self.runner.execute(work, split_inputs(work, frames))
+            outcomes = self.runner.execute(work, split_inputs(work.items, frames))
+        except ProtocolError as error:  # the work cannot be read: answer each item, go on
+            log.error("%s", error)
+            outcomes = [Outcome.failed(item, f"malformed work: {error}", 0.0) for item in work.items]
         finally:
+            self.cancelled -= self.running  # a request id is never reused
             self.running = set()
-        elapsed = time.perf_counter() - start
-        m = self.metrics
-        m.batch_execution_seconds.labels(executor=self.label).observe(elapsed)
-        m.executor_busy_seconds.labels(executor=self.label).inc(elapsed)
-        if outcomes and all(o.status == CANCELLED_OUTCOME for o in outcomes):
-            m.batches_interrupted_total.labels(executor=self.label).inc()
-        self._send_outcomes(outcomes)
+        self.io.count_call(time.perf_counter() - start,
+                           bool(outcomes) and all(o.status == CANCELLED for o in outcomes))
+        self.io.send_outcomes(outcomes)
 
     def _should_interrupt(self) -> bool:
-        while (message := self._receive(block=False)) is not None:
-            self._handle(*message)
-        return self.stopping or self.running <= self.cancelled
+        """Asked at every denoising step: take the cancels that came meanwhile (anything else
+        waits for the loop); stop once every caller of the call has gone."""
+        while (message := self.io.receive(block=False)) is not None:
+            if message[0] is Kind.CANCEL:
+                self._cancel(message[1].request_ids)
+            else:
+                self.pending.append(message)
+        return self.running <= self.cancelled
 
 
-class StepLoop(_Loop):
+class StepLoop:
     """The running set: admit and drop between steps, one step at a time."""
 
-    def __init__(self, engine, sock: zmq.Socket, index: int) -> None:
-        super().__init__(sock, index)
+    def __init__(self, engine, io: EngineIO) -> None:
         self.engine = engine
+        self.io = io
+        self.stopping = False
 
     def run(self) -> None:
-        m, label = self.metrics, self.label
         while not self.stopping:
             work = []
-            message = self._receive(block=not self.engine)  # an empty set sleeps until work comes
+            message = self.io.receive(block=not self.engine)  # an empty set sleeps until work comes
             while message is not None:
                 kind, msg, frames = message
                 if kind is Kind.SHUTDOWN:
@@ -259,30 +277,28 @@ class StepLoop(_Loop):
                     self.engine.cancel(msg.request_ids)
                 elif kind is Kind.WORK:
                     work.append((msg, frames))
-                message = self._receive(block=False)
+                message = self.io.receive(block=False)
             if self.stopping:
                 break
             if work:
                 self._admit(work)
             if self.engine:
                 out = self.engine.step()
-                for preview in out.previews:
-                    self._send_preview(preview)
-                self._send_outcomes(out.finished)
-                if out.images:
-                    m.step_seconds.labels(executor=label).observe(out.seconds)
-                    m.step_running_images.labels(executor=label).observe(out.images)
-                m.executor_busy_seconds.labels(executor=label).inc(out.seconds)
-                for o in out.finished:
-                    m.step_retirements_total.labels(executor=label, outcome=o.status).inc()
+                for partial in out.partials:
+                    self.io.send_partial(partial)
+                self.io.send_outcomes(out.finished)
+                self.io.count_step(out)
 
     def _admit(self, work: list[tuple[Work, list[Any]]]) -> None:
-        items, inputs = [], []
+        items, inputs, malformed = [], [], []
         for msg, frames in work:
-            items.extend(msg.items)
-            inputs.extend(split_inputs(msg, frames))
+            try:
+                inputs.extend(split_inputs(msg.items, frames))
+                items.extend(msg.items)
+            except ProtocolError as error:  # that work cannot be read: answer its items, go on
+                log.error("%s", error)
+                malformed += [Outcome.failed(item, f"malformed work: {error}", 0.0) for item in msg.items]
         start = time.perf_counter()
-        failed = self.engine.admit(items, inputs)
-        self.metrics.executor_busy_seconds.labels(executor=self.label).inc(time.perf_counter() - start)
-        self.metrics.step_admissions_total.labels(executor=self.label).inc(len(items) - len(failed))
-        self._send_outcomes(failed)
+        failed = malformed + self.engine.admit(items, inputs)
+        self.io.count_admission(time.perf_counter() - start, len(items) + len(malformed) - len(failed))
+        self.io.send_outcomes(failed)

@@ -1,9 +1,10 @@
-"""Request mode: one batched call of the loaded pipeline (or of its image-to-image or inpainting
-pipeline, for edits) per batch.
+"""Request mode: one batched call of the loaded pipeline (or of the pipeline of the batch's task,
+such as image-to-image or inpainting) per batch.
 
 Works with any diffusers text-to-image pipeline that takes a prompt list and a generator list;
 what a pipeline accepts is read off its ``__call__`` signature, not from a list of families.
-Torch runs on the thread that built the pipeline (see DESIGN facts: pool threads are much slower).
+Torch runs on the thread that built the pipeline: on small CPU machines a pipeline call from a
+pool thread was measured at nearly three times the time of the same call on the loading thread.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import numpy as np
 
 from diffserve.executor.families.base import Family, to_uint8
 from diffserve.executor.loading import LoadedModel
-from diffserve.executor.results import CANCELLED, Outcome, Preview, describe, partial_steps
-from diffserve.protocol import GENERATE, INPAINT, Work, WorkItem
+from diffserve.executor.results import Outcome, PartialImage, describe, partial_steps
+from diffserve.protocol import Work, WorkItem
+from diffserve.samples import chunks, generators, group_by, input_arrays, isolate
 
 log = logging.getLogger(__name__)
+
+Pair = tuple[WorkItem, list[Any]]  # a work item and its input frames
 
 
 class OutputSizeError(RuntimeError):
@@ -28,81 +32,70 @@ class OutputSizeError(RuntimeError):
 
 
 class RequestRunner:
-    def __init__(self, loaded: LoadedModel, edits: dict[str, Any], family: Family | None,
-                 count_tokens: Callable[[str], int] = lambda p: 0) -> None:
+    def __init__(self, loaded: LoadedModel, pipelines: dict[str, Any], family: Family | None,
+                 count_tokens: Callable[[str], int] = lambda p: 0,
+                 should_interrupt: Callable[[], bool] = lambda: False,
+                 emit_partial: Callable[[PartialImage], None] = lambda partial: None) -> None:
+        """``pipelines``: task name -> pipeline (the loaded one for generation). ``family`` only
+        decodes previews (None: no previews). ``should_interrupt`` is asked at every denoising
+        step whether every caller of the running call has gone; ``emit_partial`` sends a preview
+        at once."""
         import torch
 
         self.torch = torch
         self.loaded = loaded
-        self.pipelines = {GENERATE: loaded.pipe, **edits}
+        self.pipelines = pipelines
         self.accepts = {task: frozenset(inspect.signature(p.__call__).parameters)
-                        for task, p in self.pipelines.items()}
-        self.family = family  # only to decode previews; None: no previews for this pipeline
+                        for task, p in pipelines.items()}
+        self.family = family
         self.count_tokens = count_tokens
+        self.should_interrupt = should_interrupt
+        self.emit_partial = emit_partial
         # Pipelines that encode a missing negative prompt as zeros, not as "": a call must not
         # mix requests with and without one, or those without would change.
         self.split_negatives = bool(getattr(loaded.pipe.config, "force_zeros_for_empty_prompt", False))
-        # Set by the executor loop: is every caller of the running call gone?
-        self.should_interrupt: Callable[[], bool] = lambda: False
-        # Set by the executor loop: send a preview at once.
-        self.emit_preview: Callable[[Preview], None] = lambda preview: None
+        self._interrupted = False
+        self._sent: set[tuple[str, int, int]] = set()  # previews streamed during this batch
 
     def execute(self, work: Work, inputs: list[list[Any]]) -> list[Outcome]:
         """Run a batch. If the batched call raises, run each request alone so that only the
-        request that causes the error fails."""
+        request that causes the error fails; a preview streamed before the retry is not sent
+        again."""
         start = time.perf_counter()
-        items = list(zip(work.items, inputs))
-        groups = [items]
-        if self.split_negatives:
-            groups = [g for g in ([i for i in items if i[0].request.negative_prompt],
-                                  [i for i in items if not i[0].request.negative_prompt]) if g]
-        try:
-            images = {}
-            for group in groups:
-                images.update(self._call(group))
-        except Exception as batch_error:  # noqa: BLE001 - isolate the culprit below
-            if self._interrupted:
-                return [Outcome(item, None, CANCELLED, time.perf_counter() - start)
-                        for item in work.items]
-            log.warning("batch %d failed (%s); retrying its requests one by one",
-                        work.work_id, batch_error)
-            return self._one_by_one(items, start)
+        self._interrupted, self._sent = False, set()
+        pairs = list(zip(work.items, inputs))
+        results = isolate(pairs, self._call_all, lambda pair: pair[0].request.request_id,
+                          f"batch {work.work_id}")
         elapsed = time.perf_counter() - start
         if self._interrupted:
-            return [Outcome(item, None, CANCELLED, elapsed) for item in work.items]
-        return [Outcome(item, images[item.key], None, elapsed, self.count_tokens(item.request.prompt))
-                for item in work.items]
+            return [Outcome.cancelled(item, elapsed) for item in work.items]
+        return [Outcome.failed(item, describe(images), elapsed) if isinstance(images, Exception)
+                else Outcome.made(item, images, elapsed, self.count_tokens(item.request.prompt))
+                for (item, _), images in results]
 
-    def _one_by_one(self, items, start: float) -> list[Outcome]:
-        by_request: dict[str, list] = {}
-        for pair in items:
-            by_request.setdefault(pair[0].request.request_id, []).append(pair)
-        outcomes = []
-        for pairs in by_request.values():
-            try:
-                images = self._call(pairs)
-            except Exception as error:  # noqa: BLE001 - reported to that request's caller
-                outcomes.extend(Outcome(item, None, describe(error), time.perf_counter() - start)
-                                for item, _ in pairs)
-                continue
-            outcomes.extend(Outcome(item, images[item.key], None, time.perf_counter() - start,
-                                    self.count_tokens(item.request.prompt)) for item, _ in pairs)
-        return outcomes
+    def _call_all(self, pairs: list[Pair]) -> list[np.ndarray]:
+        """Each pair's images, in as few pipeline calls as the pipeline allows."""
+        if self._interrupted:  # every caller left during an earlier call: nothing to retry
+            return [np.empty(0)] * len(pairs)
+        key = (lambda pair: bool(pair[0].request.negative_prompt)) if self.split_negatives else (
+            lambda pair: None)
+        images: dict[int, np.ndarray] = {}
+        for group in group_by(pairs, key).values():
+            images.update(zip(map(id, group), self._call(group)))
+        return [images[id(pair)] for pair in pairs]
 
-    def _call(self, pairs: list[tuple[WorkItem, list[Any]]]) -> dict[tuple[str, int], np.ndarray]:
-        """One pipeline call for these items; each item's images, by item key."""
+    def _call(self, pairs: list[Pair]) -> list[np.ndarray]:
+        """One pipeline call for these items; each item's images."""
         from PIL import Image
 
-        torch = self.torch
         first = pairs[0][0].request
-        task = first.task
-        pipe, accepts = self.pipelines[task], self.accepts[task]
+        pipe, accepts = self.pipelines[first.task], self.accepts[first.task]
         samples = [(item, i) for item, _ in pairs for i in range(item.start, item.stop)]
         kwargs = {k: v for k, v in self.loaded.call_kwargs.items() if k in accepts}
         kwargs.update(
             prompt=[item.request.prompt for item, _ in samples],
             # One generator per image, so every sample depends on its own seed only.
-            generator=[torch.Generator("cpu").manual_seed(item.request.seed + i) for item, i in samples],
+            generator=[g for item, _ in pairs for g in generators(item.request, item.start, item.stop)],
             num_inference_steps=first.num_inference_steps, output_type="np")
         if "height" in accepts:
             kwargs.update(height=first.height, width=first.width)
@@ -110,26 +103,20 @@ class RequestRunner:
             kwargs["guidance_scale"] = first.guidance_scale
         if "negative_prompt" in accepts and any(item.request.negative_prompt for item, _ in samples):
             kwargs["negative_prompt"] = [item.request.negative_prompt for item, _ in samples]
-        if task != GENERATE:
-            frames = {item.key: frames for item, frames in pairs}
+        if first.task_spec.inputs:
             kwargs["strength"] = first.strength
-            kwargs["image"] = [Image.fromarray(np.asarray(frames[item.key][0]).reshape(
-                first.height, first.width, 3)) for item, _ in samples]
-            if task == INPAINT:
-                kwargs["mask_image"] = [Image.fromarray(np.asarray(frames[item.key][1]).reshape(
-                    first.height, first.width)) for item, _ in samples]
+            arrays = [input_arrays(item.request, frames) for item, frames in pairs]
+            for spec in first.task_spec.inputs:
+                kwargs[spec.name] = [Image.fromarray(a[spec.name]) for a, (item, _) in
+                                     zip(arrays, pairs) for _ in range(item.samples)]
         if "callback_on_step_end" in accepts:
             kwargs["callback_on_step_end"] = self._step_callback(samples)
-        self._interrupted = False
-        with torch.inference_mode():
+        with self.torch.inference_mode():
             images = to_uint8(pipe(**kwargs).images)
         check_output(images, len(samples), first.width, first.height, type(pipe).__name__)
-        found, offset = {}, 0
-        for item, _ in pairs:
-            found[item.key], offset = images[offset:offset + item.size], offset + item.size
-        return found
+        return chunks(images, [item.samples for item, _ in pairs])
 
-    def _step_callback(self, samples):
+    def _step_callback(self, samples: list[tuple[WorkItem, int]]):
         wanted = any(item.request.partial_images for item, _ in samples) and self.family is not None
 
         def on_step_end(pipe, step, timestep, callback_kwargs):
@@ -137,25 +124,26 @@ class RequestRunner:
                 self._interrupted = True
                 pipe._interrupt = True
             elif wanted:
-                self._previews(pipe, step + 1, samples, callback_kwargs["latents"])
+                self._partials(pipe, step + 1, samples, callback_kwargs["latents"])
             return callback_kwargs
 
         return on_step_end
 
-    def _previews(self, pipe, done: int, samples, latents) -> None:
+    def _partials(self, pipe, done: int, samples, latents) -> None:
         total = pipe.num_timesteps
-        due = [(row, item, i, partial_steps(item.request.partial_images, total).get(done))
-               for row, (item, i) in enumerate(samples)]
-        due = [entry for entry in due if entry[3] is not None]
+        due = []
+        for row, (item, i) in enumerate(samples):
+            index = partial_steps(item.request.partial_images, total).get(done)
+            if index is not None and (item.request.request_id, i, index) not in self._sent:
+                due.append((row, item, i, index))
         if not due:
             return
         first = samples[0][0].request
         pixels = self.family.decode(latents[[row for row, *_ in due]], first.width, first.height,
-                                    first.task)
+                                    first.task_spec)
         for (_, item, i, index), image in zip(due, pixels):
-            self.emit_preview(Preview(item.request.request_id, i, index, image))
-
-    _interrupted = False
+            self.emit_partial(PartialImage(item.request.request_id, i, index, image))
+            self._sent.add((item.request.request_id, i, index))
 
 
 def check_output(images: np.ndarray, count: int, width: int, height: int, pipeline: str) -> None:

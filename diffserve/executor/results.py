@@ -1,38 +1,50 @@
-"""What an engine hands back to the executor process: finished work items and previews."""
+"""What an engine hands back to the executor process: finished work items and partial images."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from diffserve.protocol import WorkItem
+from diffserve.protocol import CANCELLED, FAILED, FINISHED, ItemResult, WorkItem
 
-if TYPE_CHECKING:  # the scheduler process imports this module and needs no numpy
+if TYPE_CHECKING:
     import numpy as np
 
-CANCELLED = "cancelled: the client went away"
-# How a work item ended, as the step-mode retirement metric counts it.
-FINISHED, CANCELLED_OUTCOME, FAILED = "finished", "cancelled", "failed"
-OUTCOMES = (FINISHED, CANCELLED_OUTCOME, FAILED)
+CANCELLED_MESSAGE = "cancelled: the client went away"
 
 
 @dataclass
 class Outcome:
-    """A work item that is done: its images (uint8, k x H x W x 3) or an error."""
+    """A work item that ended: ``made`` (its images, uint8 k x H x W x 3), ``failed`` or
+    ``cancelled``."""
 
     item: WorkItem
+    status: str
     images: np.ndarray | None
     error: str | None
     execution_s: float
     prompt_tokens: int = 0
 
-    @property
-    def status(self) -> str:
-        return FINISHED if self.error is None else CANCELLED_OUTCOME if self.error == CANCELLED else FAILED
+    @classmethod
+    def made(cls, item: WorkItem, images, execution_s: float, prompt_tokens: int = 0) -> "Outcome":
+        return cls(item, FINISHED, images, None, execution_s, prompt_tokens)
+
+    @classmethod
+    def failed(cls, item: WorkItem, error: str, execution_s: float) -> "Outcome":
+        return cls(item, FAILED, None, error, execution_s)
+
+    @classmethod
+    def cancelled(cls, item: WorkItem, execution_s: float) -> "Outcome":
+        return cls(item, CANCELLED, None, CANCELLED_MESSAGE, execution_s)
+
+    def result(self) -> ItemResult:
+        item = self.item
+        return ItemResult(item.request.request_id, item.start, item.stop, self.status,
+                          self.execution_s, self.error, self.prompt_tokens)
 
 
 @dataclass
-class Preview:
+class PartialImage:
     """A streamed partial image of one image of a request."""
 
     request_id: str

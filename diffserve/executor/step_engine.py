@@ -7,6 +7,10 @@ every request whose schedule has ended. :meth:`StepEngine.admit` adds requests b
 their prompts are encoded together and each gets its own copy of the noise scheduler and its own
 generators, so a request's images depend on nothing but its own fields.
 
+Every stage fails only the requests that cause an error: a batched stage that raises (the forward,
+a decode) is run again request by request, and a request's own scheduler step or inpainting blend
+fails that request alone. The engine itself never raises out of a step.
+
 No sockets here: the executor process (:mod:`diffserve.executor.process`) feeds it work and sends
 what it returns. It needs torch and a family (:mod:`diffserve.executor.families`), nothing else.
 """
@@ -18,13 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
-from diffserve.executor.families.base import Conditioning, Family, Prepared, rows
-from diffserve.executor.results import CANCELLED, Outcome, Preview, describe, partial_steps
+from diffserve.executor.families.base import Encoded, Family, Prepared
+from diffserve.executor.results import Outcome, PartialImage, describe, partial_steps
 from diffserve.protocol import WorkItem
+from diffserve.samples import chunks, generators, group_by, input_arrays, isolate
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class Unit:
@@ -32,9 +36,7 @@ class Unit:
 
     item: WorkItem
     scheduler: Any
-    generators: list
     prepared: Prepared
-    cond: Conditioning
     cfg: bool
     partial_at: dict[int, int]
     admitted_at: float
@@ -42,24 +44,33 @@ class Unit:
     step: int = 0
 
     @property
-    def latents(self):
-        return self.prepared.latents
+    def request(self):
+        return self.item.request
 
     @property
     def finished(self) -> bool:
         return self.step >= len(self.prepared.timesteps)
 
     @property
-    def size(self) -> int:
-        return self.item.size
+    def samples(self) -> int:
+        return self.item.samples
+
+    @property
+    def rows(self) -> int:
+        """Rows of the denoiser's batch: with classifier-free guidance, two per sample."""
+        return self.samples * (2 if self.cfg else 1)
 
 
 @dataclass
 class StepOutput:
     finished: list[Outcome] = field(default_factory=list)
-    previews: list[Preview] = field(default_factory=list)
-    images: int = 0  # images the forward carried
+    partials: list[PartialImage] = field(default_factory=list)
+    samples: int = 0  # samples the forward carried
     seconds: float = 0.0
+
+
+def _request_id(unit: Unit) -> str:
+    return unit.request.request_id
 
 
 class StepEngine:
@@ -72,8 +83,8 @@ class StepEngine:
         self._cancelled: set[str] = set()
 
     @property
-    def images(self) -> int:
-        return sum(u.size for u in self.units)
+    def samples(self) -> int:
+        return sum(u.samples for u in self.units)
 
     def __bool__(self) -> bool:
         return bool(self.units)
@@ -83,65 +94,53 @@ class StepEngine:
     def admit(self, items: list[WorkItem], inputs: list[list[Any]]) -> list[Outcome]:
         """Add ``items`` (``inputs[i]``: item i's input frames) to the running set. Returns the
         items that could not be admitted, as failures."""
-        torch = self.family.torch
         start = self.clock()
         failed: list[Outcome] = []
-        with torch.inference_mode():
+        with self.family.torch.inference_mode():
             try:
-                conds = self._encode(items)
+                encoded = self._encode(items)
             except Exception as error:  # noqa: BLE001 - reported to each caller
                 log.exception("prompt encoding failed")
-                return [Outcome(item, None, describe(error), self.clock() - start) for item in items]
-            for item, frames, cond in zip(items, inputs, conds):
+                return [Outcome.failed(item, describe(error), self.clock() - start) for item in items]
+            for item, frames, enc in zip(items, inputs, encoded):
                 try:
-                    self.units.append(self._unit(item, frames, cond, start))
+                    self.units.append(self._unit(item, frames, enc, start))
                 except Exception as error:  # noqa: BLE001 - only this request fails
                     log.warning("could not admit %s: %s", item.request.request_id, error)
-                    failed.append(Outcome(item, None, describe(error), self.clock() - start))
+                    failed.append(Outcome.failed(item, describe(error), self.clock() - start))
         return failed
 
-    def _encode(self, items: list[WorkItem]) -> list[Conditioning]:
-        """Every item's text conditioning, in at most two encoder calls: one for the requests with
-        a negative prompt, one for the rest (which some families encode differently)."""
+    def _encode(self, items: list[WorkItem]) -> list[Encoded]:
+        """Every item's text conditioning (one row per image), in one encoder call per group:
+        the requests with a negative prompt, and the rest (which some families encode
+        differently)."""
         fam = self.family
-        cfg = [fam.uses_cfg(item.request.guidance_scale) for item in items]
-        with_negative = [i for i, item in enumerate(items) if cfg[i] and item.request.negative_prompt]
-        others = [i for i in range(len(items)) if i not in set(with_negative)]
-        conds: list[Conditioning | None] = [None] * len(items)
-        for group, negatives in ((with_negative, True), (others, False)):
-            if not group:
-                continue
-            encoded = fam.encode([items[i].request.prompt for i in group],
-                                 [items[i].request.negative_prompt for i in group] if negatives
-                                 else None, any(cfg[i] for i in group))
+        cfg = [fam.uses_cfg(i.request.guidance_scale, i.request.negative_prompt) for i in items]
+        negative = lambda i: cfg[i] and bool(items[i].request.negative_prompt)  # noqa: E731
+        encoded: list[Encoded | None] = [None] * len(items)
+        for with_negative, group in group_by(range(len(items)), negative).items():
+            both = fam.encode([items[i].request.prompt for i in group],
+                              [items[i].request.negative_prompt for i in group] if with_negative
+                              else None, any(cfg[i] for i in group))
             for row, i in enumerate(group):
-                k = items[i].size
-                pick = lambda d: {key: rows(value[row:row + 1], k) for key, value in d.items()}
-                conds[i] = Conditioning(pick(encoded.positive),
-                                        pick(encoded.negative) if cfg[i] else None)
-        return conds
+                k = items[i].samples
+                encoded[i] = Encoded(both.positive.rows(row, row + 1).repeat(k),
+                                     both.negative.rows(row, row + 1).repeat(k) if cfg[i] else None)
+        return encoded
 
-    def _unit(self, item: WorkItem, frames: list[Any], cond: Conditioning, start: float) -> Unit:
+    def _unit(self, item: WorkItem, frames: list[Any], encoded: Encoded, start: float) -> Unit:
         fam, r = self.family, item.request
-        torch = fam.torch
-        generators = [torch.Generator("cpu").manual_seed(r.seed + i) for i in range(item.start, item.stop)]
         scheduler = fam.new_scheduler()
-        image = np.asarray(frames[0]).reshape(r.height, r.width, 3) if frames else None
-        mask = np.asarray(frames[1]).reshape(r.height, r.width) if len(frames) > 1 else None
-        dtype = next(iter(cond.positive.values())).dtype
-        prepared = fam.prepare(r.task, scheduler, r.num_inference_steps, r.strength, r.width,
-                               r.height, generators, dtype, image, mask)
-        if prepared.cond is not None:
-            cond.positive.update(prepared.cond.positive)
-            if cond.negative is not None:
-                cond.negative.update(prepared.cond.negative)
-        return Unit(item, scheduler, generators, prepared, cond, cond.negative is not None,
+        prepared = fam.prepare(r.task_spec, scheduler, r.num_inference_steps, r.strength, r.width,
+                               r.height, generators(r, item.start, item.stop), encoded,
+                               input_arrays(r, frames))
+        return Unit(item, scheduler, prepared, prepared.negative is not None,
                     partial_steps(r.partial_images, len(prepared.timesteps)), start,
                     self.count_tokens(r.prompt))
 
     def cancel(self, request_ids: list[str]) -> None:
         """Drop these requests at the next step."""
-        held = {u.item.request.request_id for u in self.units}
+        held = {_request_id(u) for u in self.units}
         self._cancelled.update(rid for rid in request_ids if rid in held)
 
     # -- one step --------------------------------------------------------------------------
@@ -153,8 +152,10 @@ class StepEngine:
             return out
         start = self.clock()
         with self.family.torch.inference_mode():
-            self._denoise(out)
-            self._previews(out)
+            out.samples = self.samples
+            for unit, noise in self._each(self.units, self._predict, "the denoiser forward", out):
+                self._advance(unit, noise, out)
+            self._partials(out)
             self._retire(out)
         out.seconds = self.clock() - start
         return out
@@ -162,32 +163,31 @@ class StepEngine:
     def _drop_cancelled(self, out: StepOutput) -> None:
         if not self._cancelled:
             return
-        keep = []
-        for u in self.units:
-            if u.item.request.request_id in self._cancelled:
-                out.finished.append(Outcome(u.item, None, CANCELLED, self.clock() - u.admitted_at))
-            else:
-                keep.append(u)
-        self.units, self._cancelled = keep, set()
+        for u in [u for u in self.units if _request_id(u) in self._cancelled]:
+            self._remove(u, out, Outcome.cancelled(u.item, self.clock() - u.admitted_at))
+        self._cancelled = set()
 
-    def _denoise(self, out: StepOutput) -> None:
-        units = self.units
-        out.images = sum(u.size for u in units)
-        try:
-            predictions = self._predict(units)
-        except Exception as error:  # noqa: BLE001 - find the request that causes it
-            log.warning("batched step failed (%s); retrying each request alone", error)
-            predictions = []
-            for u in list(units):
-                try:
-                    predictions.extend(self._predict([u]))
-                except Exception as own:  # noqa: BLE001 - only this request fails
-                    self.units.remove(u)
-                    out.finished.append(Outcome(u.item, None, describe(own),
-                                                self.clock() - u.admitted_at))
-            units = self.units
-        for u, noise in zip(units, predictions):
-            self._advance(u, noise)
+    def _each(self, units: list[Unit], run: Callable[[list[Unit]], list], what: str,
+              out: StepOutput) -> list[tuple[Unit, Any]]:
+        """``run`` over ``units`` (one result each), isolating failures: a unit whose request
+        causes an error leaves the running set as failed; the others get their results."""
+        done = []
+        for unit, result in isolate(units, run, _request_id, what):
+            if isinstance(result, Exception):
+                self._fail(unit, out, result, what)
+            else:
+                done.append((unit, result))
+        return done
+
+    def _fail(self, unit: Unit, out: StepOutput, error: Exception, what: str) -> None:
+        log.warning("%s failed for %s: %s: %s", what, _request_id(unit), type(error).__name__, error)
+        self._remove(unit, out, Outcome.failed(unit.item, describe(error),
+                                               self.clock() - unit.admitted_at))
+
+    def _remove(self, unit: Unit, out: StepOutput, outcome: Outcome) -> None:
+        if unit in self.units:
+            self.units.remove(unit)
+            out.finished.append(outcome)
 
     def _predict(self, units: list[Unit]) -> list[Any]:
         """One denoiser forward for ``units``; each unit's noise prediction, guidance applied."""
@@ -195,78 +195,62 @@ class StepEngine:
         inputs, timesteps, guidance, conds = [], [], [], []
         for u in units:
             t = u.prepared.timesteps[u.step]
-            x = torch.cat([u.latents] * 2) if u.cfg else u.latents
+            x = torch.cat([u.prepared.latents] * 2) if u.cfg else u.prepared.latents
             if not fam.flow_matching:
                 x = u.scheduler.scale_model_input(x, t)
             inputs.append(x)
             timesteps.append(t.expand(x.shape[0]) if t.dim() == 0 else t.repeat(x.shape[0]))
-            guidance.append(torch.full((x.shape[0],), u.item.request.guidance_scale,
+            guidance.append(torch.full((x.shape[0],), u.request.guidance_scale,
                                        dtype=torch.float32, device=x.device))
-            conds.append(u.cond)
-        cond = {key: torch.cat([part for c in conds for part in (
-            (c.negative[key], c.positive[key]) if c.negative else (c.positive[key],))])
-            for key in conds[0].positive}
-        r = units[0].item.request  # every unit of a running set has the same size
-        output = fam.forward(torch.cat(inputs), torch.cat(timesteps), cond, torch.cat(guidance),
-                             r.width, r.height)
-        predictions, offset = [], 0
-        for u, x in zip(units, inputs):
-            part, offset = output[offset:offset + x.shape[0]], offset + x.shape[0]
+            conds.extend((u.prepared.negative, u.prepared.positive) if u.cfg else (u.prepared.positive,))
+        r = units[0].request  # every unit of a running set has the same size
+        output = fam.forward(torch.cat(inputs), torch.cat(timesteps), type(conds[0]).cat(conds),
+                             torch.cat(guidance), r.width, r.height)
+        predictions = []
+        for u, part in zip(units, chunks(output, [u.rows for u in units])):
             if u.cfg:
-                uncond, text = part.chunk(2)
-                part = uncond + u.item.request.guidance_scale * (text - uncond)
+                part = fam.guide(*part.chunk(2), u.request.guidance_scale)
             predictions.append(part)
         return predictions
 
-    def _advance(self, u: Unit, noise) -> None:
-        p = u.prepared
-        t = p.timesteps[u.step]
-        p.latents = u.scheduler.step(noise, t, p.latents, **p.step_kwargs, return_dict=False)[0]
-        if p.blend is not None:  # inpainting: outside the mask, the input at this noise level
-            b = p.blend
-            proper = b["image_latents"]
-            if u.step < len(p.timesteps) - 1:
-                proper = self.family.renoise(u.scheduler, proper, b["noise"], p.timesteps[u.step + 1])
-            p.latents = (1 - b["mask"]) * proper + b["mask"] * p.latents
+    def _advance(self, u: Unit, noise, out: StepOutput) -> None:
+        """The unit's own scheduler step (and inpainting blend); an error fails its request only."""
+        p, fam = u.prepared, self.family
+        try:
+            t = p.timesteps[u.step]
+            latents = fam.denoise_step(u.scheduler, noise, t, p.latents, p.step_kwargs)
+            if p.blend is not None:
+                last = u.step == len(p.timesteps) - 1
+                latents = fam.blend(u.scheduler, p.blend, latents,
+                                    None if last else p.timesteps[u.step + 1])
+        except Exception as error:  # noqa: BLE001 - only this request fails
+            self._fail(u, out, error, "the scheduler step")
+            return
+        p.latents = latents
         u.step += 1
 
-    def _previews(self, out: StepOutput) -> None:
-        due = [u for u in self.units if u.step in u.partial_at and not u.finished]
-        for units, pixels in self._decode(due):
-            offset = 0
-            for u in units:
-                r, index = u.item.request, u.partial_at[u.step]
-                out.previews.extend(Preview(r.request_id, u.item.start + j, index, pixels[offset + j])
-                                    for j in range(u.size))
-                offset += u.size
+    def _decode(self, units: list[Unit]) -> list[Any]:
+        """Pixels of each unit's latents: one VAE call per task among them (they share a size)."""
+        by_unit: dict[int, Any] = {}
+        for group in group_by(units, lambda u: u.request.task).values():
+            r = group[0].request
+            pixels = self.family.decode(self.family.torch.cat([u.prepared.latents for u in group]),
+                                        r.width, r.height, r.task_spec)
+            by_unit.update(zip(map(id, group), chunks(pixels, [u.samples for u in group])))
+        return [by_unit[id(u)] for u in units]
 
-    def _decode(self, units: list[Unit]):
-        """Pixels of ``units``' latents: one VAE call per task among them (they share a size).
-        Yields (units, pixels); raises what decoding raises."""
-        tasks: dict[str, list[Unit]] = {}
-        for u in units:
-            tasks.setdefault(u.item.request.task, []).append(u)
-        for task, group in tasks.items():
-            r = group[0].item.request
-            latents = self.family.torch.cat([u.latents for u in group])
-            yield group, self.family.decode(latents, r.width, r.height, task)
+    def _partials(self, out: StepOutput) -> None:
+        due = [u for u in self.units if u.step in u.partial_at and not u.finished]
+        for u, pixels in self._each(due, self._decode, "a preview decode", out):
+            out.partials.extend(PartialImage(_request_id(u), u.item.start + j, u.partial_at[u.step],
+                                             pixels[j]) for j in range(u.samples))
 
     def _retire(self, out: StepOutput) -> None:
         done = [u for u in self.units if u.finished]
         if not done:
             return
-        self.units = [u for u in self.units if not u.finished]
-        try:
-            decoded = list(self._decode(done))
-        except Exception as error:  # noqa: BLE001 - these requests fail, the rest go on
-            log.exception("decoding failed")
-            out.finished.extend(Outcome(u.item, None, describe(error), self.clock() - u.admitted_at)
-                                for u in done)
-            return
+        decoded = self._each(done, self._decode, "decoding", out)
         now = self.clock()
-        for units, pixels in decoded:
-            offset = 0
-            for u in units:
-                out.finished.append(Outcome(u.item, pixels[offset:offset + u.size], None,
-                                            now - u.admitted_at, u.prompt_tokens))
-                offset += u.size
+        for u, pixels in decoded:
+            self.units.remove(u)
+            out.finished.append(Outcome.made(u.item, pixels, now - u.admitted_at, u.prompt_tokens))

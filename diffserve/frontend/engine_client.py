@@ -1,32 +1,49 @@
 """The frontend's end of the ZMQ link to the engine (the scheduler and its executors).
 
 One long-lived socket per direction (the frontend binds both), one queue per request, and a
-single reader task that routes every message to its request: previews as they come, then one
-final answer.
+single reader task that routes every message to its request. Two kinds of sender share the
+incoming socket: the executors send pixels (each request's images and previews) straight here,
+and the scheduler sends each request's final header (done, or failed). The two are not ordered
+with respect to each other, so a request is answered once both its header and all of its images
+have come; images that do not follow their header within :data:`IMAGES_GRACE_S` were lost with
+their executor and the request is answered 500.
+
+If the reader itself fails, every waiting request is answered 503, the client stops accepting
+work, and the host is told (``diffserve serve`` then exits non-zero for its supervisor).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import zmq
 import zmq.asyncio
 
-from diffserve.errors import APIError, engine_error, unavailable
+from diffserve.errors import APIError, engine_error, internal_error, unavailable
 from diffserve.protocol import (
     Abort,
     EngineStatus,
     ImageRequest,
+    ItemImages,
     Kind,
     ModelInfo,
     Partial,
+    ProtocolError,
     RequestDone,
     decode,
     encode,
 )
+
+log = logging.getLogger(__name__)
+
+# An executor sends a request's images before it tells the scheduler they are made, but the two
+# travel on different sockets. Only a process killed between the two sends loses images whose
+# header still arrives; this bounds the wait for them.
+IMAGES_GRACE_S = 10.0
 
 
 class StartupError(RuntimeError):
@@ -34,7 +51,7 @@ class StartupError(RuntimeError):
 
 
 @dataclass
-class Preview:
+class PartialEvent:
     """A partial image of one of the request's images."""
 
     partial: Partial
@@ -42,31 +59,43 @@ class Preview:
 
 
 @dataclass
-class Done:
+class DoneEvent:
     done: RequestDone
-    frames: list[Any]
+    frames: list[Any]  # the request's images, in index order
+
+
+@dataclass
+class _Pending:
+    """A request in flight: its event queue and the images that came for it so far."""
+
+    n: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    images: dict[int, Any] = field(default_factory=dict)
+    done: RequestDone | None = None
+    grace: asyncio.TimerHandle | None = None
 
 
 class Submission:
-    """One request in flight: its events in order (previews, then one Done), or its error."""
+    """One request in flight: its events in order (partial images, then one DoneEvent), or its
+    error."""
 
     def __init__(self, client: "EngineClient", request_id: str, queue: asyncio.Queue) -> None:
         self._client, self.request_id, self._queue = client, request_id, queue
         self.answered = False
 
-    async def next(self) -> Preview | Done:
+    async def next(self) -> PartialEvent | DoneEvent:
         """The next event; raises the engine's error for the request. Cancelling it is safe."""
         event = await self._queue.get()
         if isinstance(event, Exception):
             self.answered = True
             raise event
-        if isinstance(event, Done):
+        if isinstance(event, DoneEvent):
             self.answered = True
         return event
 
     def close(self) -> None:
         """Done with it: if no answer came (the caller went away), the engine drops the work."""
-        if self._client._pending.pop(self.request_id, None) is not None and not self.answered:
+        if self._client._forget(self.request_id) and not self.answered:
             self._client._abort(self.request_id)
 
 
@@ -85,8 +114,9 @@ class EngineClient:
         self.status = EngineStatus([])
         self.draining = False  # stopping: refuse new work, finish what was accepted
         self.stopped_reason: str | None = None
-        self._pending: dict[str, asyncio.Queue] = {}
+        self._pending: dict[str, _Pending] = {}
         self._reader: asyncio.Task | None = None
+        self._on_failure: Callable[[str], None] = lambda reason: None
 
     @property
     def ready(self) -> bool:
@@ -118,35 +148,43 @@ class EngineClient:
             elif scheduler_sentinel in events:
                 raise StartupError("the scheduler process exited during start-up")
 
-    async def start(self) -> None:
+    async def start(self, on_failure: Callable[[str], None] = lambda reason: None) -> None:
+        """Start reading the engine's messages; ``on_failure(reason)`` is called if reading fails."""
+        self._on_failure = on_failure
         self._out = zmq.asyncio.Socket.from_socket(self._out)
         self._in = zmq.asyncio.Socket.from_socket(self._in)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
-    async def submit(self, request: ImageRequest, frames: list[Any] = ()) -> "Submission":
-        """Send a request; read its previews and answer from the returned submission, and
+    async def submit(self, request: ImageRequest, frames: list[Any] = ()) -> Submission:
+        """Send a request; read its partial images and answer from the returned submission, and
         close it when done with it (closing early tells the engine to drop the work)."""
         if self.stopped_reason:
             raise unavailable(self.stopped_reason)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._pending[request.request_id] = queue
+        pending = _Pending(request.n)
+        self._pending[request.request_id] = pending
         try:
-            await self._out.send_multipart(encode(Kind.GENERATE, request, frames), copy=False)
+            await self._out.send_multipart(encode(Kind.SUBMIT, request, frames), copy=False)
         except BaseException:
-            self._pending.pop(request.request_id, None)
+            self._forget(request.request_id)
             raise
-        return Submission(self, request.request_id, queue)
+        return Submission(self, request.request_id, pending.queue)
 
-    async def generate(self, request: ImageRequest, frames: list[Any] = ()) -> Done:
-        """Send a request and wait for its one final answer (previews are not asked for)."""
+    async def generate(self, request: ImageRequest, frames: list[Any] = ()) -> DoneEvent:
+        """Send a request and wait for its one final answer (partial images are not asked for)."""
         submission = await self.submit(request, frames)
         try:
             while True:
                 event = await submission.next()
-                if isinstance(event, Done):
+                if isinstance(event, DoneEvent):
                     return event
         finally:
             submission.close()
+
+    def _forget(self, request_id: str) -> bool:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None and pending.grace is not None:
+            pending.grace.cancel()
+        return pending is not None
 
     def _abort(self, request_id: str) -> None:
         """Tell the scheduler to drop a request, without awaiting: this runs while the caller's
@@ -158,10 +196,10 @@ class EngineClient:
             asyncio.get_running_loop().create_task(self._out.send_multipart(frames))
 
     def fail_all(self, error: APIError) -> None:
+        """Answer every waiting request with ``error`` and accept no more work."""
         self.stopped_reason = error.message
-        for queue in self._pending.values():
-            queue.put_nowait(error)
-        self._pending.clear()
+        for request_id in list(self._pending):
+            self._finish(request_id, error)
 
     async def drain(self) -> None:
         """Stopping: what waits is sent to the executors without waiting for company."""
@@ -169,24 +207,75 @@ class EngineClient:
         await self._out.send_multipart(encode(Kind.DRAIN))
 
     async def _read(self) -> None:
-        while True:
-            frames = await self._in.recv_multipart(copy=False)
-            kind, msg, buffers = decode(frames)
-            if kind is Kind.REQUEST_DONE:
-                self._route(msg.request_id, Done(msg, buffers))
-            elif kind is Kind.PARTIAL:
-                self._route(msg.request_id, Preview(msg, buffers[0]))
-            elif kind is Kind.REQUEST_FAILED:
-                self._route(msg.request_id, engine_error(msg.status, msg.message, msg.type, msg.code))
-            elif kind is Kind.ENGINE_STATUS:
-                self.status = msg
-            elif kind is Kind.FATAL:
-                self.fail_all(unavailable(f"the engine stopped: {msg.message}"))
+        try:
+            while True:
+                frames = await self._in.recv_multipart(copy=False)
+                try:
+                    kind, msg, buffers = decode(frames)
+                except ProtocolError as error:
+                    log.error("dropped a malformed message from the engine: %s", error)
+                    continue
+                self._dispatch(kind, msg, buffers)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - nothing could be answered any more
+            log.exception("the engine client's reader failed")
+            reason = f"the frontend stopped reading the engine's answers ({type(error).__name__}: {error})"
+            self.fail_all(unavailable(f"The server failed: {reason}; it is stopping.",
+                                      "engine_failed"))
+            self._on_failure(reason)
 
-    def _route(self, request_id: str, event: Any) -> None:
-        queue = self._pending.get(request_id)
-        if queue is not None:
-            queue.put_nowait(event)
+    def _dispatch(self, kind: Kind, msg: Any, buffers: list[Any]) -> None:
+        if kind is Kind.IMAGES:
+            self._images(msg, buffers)
+        elif kind is Kind.PARTIAL:
+            pending = self._pending.get(msg.request_id)
+            if pending is not None and len(buffers) == 1:
+                pending.queue.put_nowait(PartialEvent(msg, buffers[0]))
+        elif kind is Kind.REQUEST_DONE:
+            pending = self._pending.get(msg.request_id)
+            if pending is not None:
+                pending.done = msg
+                if not self._complete(msg.request_id, pending):
+                    pending.grace = asyncio.get_running_loop().call_later(
+                        IMAGES_GRACE_S, self._images_lost, msg.request_id)
+        elif kind is Kind.REQUEST_FAILED:
+            self._finish(msg.request_id, engine_error(msg.status, msg.message, msg.type, msg.code))
+        elif kind is Kind.ENGINE_STATUS:
+            self.status = msg
+        elif kind is Kind.FATAL:
+            self.fail_all(unavailable(f"the engine stopped: {msg.message}"))
+
+    def _images(self, msg: ItemImages, buffers: list[Any]) -> None:
+        pending = self._pending.get(msg.request_id)
+        if pending is None:
+            return  # answered or abandoned meanwhile
+        if len(buffers) != msg.stop - msg.start or not 0 <= msg.start < msg.stop <= pending.n:
+            log.error("dropped malformed images %d..%d (%d frames) of %s", msg.start, msg.stop,
+                      len(buffers), msg.request_id)
+            return
+        pending.images.update(zip(range(msg.start, msg.stop), buffers))
+        self._complete(msg.request_id, pending)
+
+    def _complete(self, request_id: str, pending: _Pending) -> bool:
+        """Answer the request if its header and all of its images are here."""
+        if pending.done is None or len(pending.images) < pending.n:
+            return False
+        self._finish(request_id, DoneEvent(pending.done, [pending.images[i] for i in range(pending.n)]))
+        return True
+
+    def _images_lost(self, request_id: str) -> None:
+        log.error("the images of %s did not arrive within %g s of its answer", request_id,
+                  IMAGES_GRACE_S)
+        self._finish(request_id, internal_error("The images of this request were lost between "
+                                                "the executor and the frontend."))
+
+    def _finish(self, request_id: str, event: Any) -> None:
+        """The request's one final event; a late message for it finds nothing and is dropped."""
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            self._forget(request_id)
+            pending.queue.put_nowait(event)
 
     def send_shutdown(self) -> None:
         try:

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SEED_MAX = 2**32 - 1
+SEED_MAX = 2**32 - 1  # image i of a request uses (seed + i) modulo 2**32
 MAX_PARTIAL_IMAGES = 3
 
-Quality = Literal["auto", "low", "medium", "high", "standard", "hd"]
+Quality = Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"]
 
 
 class ImageOptions(BaseModel):
@@ -25,7 +25,8 @@ class ImageOptions(BaseModel):
     output_compression: int | None = Field(None, ge=0, le=100,
                                            description="JPEG/WebP quality, PNG effort, 0-100.")
     user: str | None = Field(None, max_length=256)
-    quality: Quality = Field("auto", description="Accepted for compatibility; reported back.")
+    quality: Quality = Field("auto", description="Accepted for compatibility; the server runs "
+                             "the request's own steps and guidance.")
     background: Literal["auto", "opaque"] = Field(
         "auto", description="Accepted for compatibility; images are always opaque.")
     stream: bool = Field(False, description="Answer with Server-Sent Events.")
@@ -33,7 +34,7 @@ class ImageOptions(BaseModel):
                                 description="Streamed previews per image (stream only).")
     # Extensions (the openai client sends them through extra_body).
     seed: int | None = Field(None, ge=0, le=SEED_MAX,
-                             description="Seed of image 0; image i uses seed+i.")
+                             description="Seed of image 0; image i uses seed+i, modulo 2**32.")
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0, le=100)
@@ -76,7 +77,6 @@ class ImagesResponse(BaseModel):
     data: list[ImageData]
     output_format: str
     size: str
-    quality: str
     background: str
     usage: Usage
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import orjson
 
-GENERATION, EDIT = "image_generation", "image_edit"
+# The event name prefix of each endpoint's stream.
+GENERATIONS, EDITS = "image_generation", "image_edit"
 
 
 def event(name: str, data: dict[str, Any]) -> bytes:

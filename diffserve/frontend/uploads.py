@@ -37,15 +37,15 @@ class EditForm:
     mask: bytes | None
 
 
-async def read_limited(stream, limit: int, declared: str | None) -> bytes:
-    """The whole body, refused with 413 as soon as it exceeds ``limit``."""
+async def read_limited(stream, limit: int, declared: str | None, flag: str) -> bytes:
+    """The whole body, refused with 413 (naming ``flag``) as soon as it exceeds ``limit``."""
     if declared and declared.isdigit() and int(declared) > limit:
-        raise body_too_large(limit, "--max-upload-bytes")
+        raise body_too_large(limit, flag)
     chunks, size = [], 0
     async for chunk in stream:
         size += len(chunk)
         if size > limit:
-            raise body_too_large(limit, "--max-upload-bytes")
+            raise body_too_large(limit, flag)
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -8,8 +8,9 @@ import secrets
 
 from diffserve.config import ServerConfig
 from diffserve.errors import invalid_request, model_not_found
-from diffserve.frontend.schemas import SEED_MAX, ImageOptions
-from diffserve.protocol import GENERATE, INPAINT, ImageRequest, ModelInfo
+from diffserve.frontend.schemas import ImageOptions
+from diffserve.protocol import SEED_MODULUS, ImageRequest, ModelInfo
+from diffserve.tasks import Task
 
 _SIZE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
 
@@ -37,14 +38,15 @@ def parse_size(size: str | None, info: ModelInfo, config: ServerConfig) -> tuple
 
 
 def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
-                      config: ServerConfig, task: str = GENERATE) -> ImageRequest:
+                      config: ServerConfig, task: Task) -> ImageRequest:
     if body.model is not None and body.model != info.name:
         raise model_not_found(body.model, info.name)
-    if task not in info.tasks:
-        raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) cannot edit images: "
-                              f"it has no {'inpainting' if task == INPAINT else 'image-to-image'} "
-                              f"pipeline in diffusers (it supports: {', '.join(info.tasks)})",
-                              "mask" if task == INPAINT else "image", "unsupported_task")
+    if task.name not in info.tasks:
+        raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) cannot do "
+                              f"{task.name} ({task.description}): diffusers has no such pipeline "
+                              f"for it (it supports: {', '.join(info.tasks)})",
+                              task.inputs[-1].param if task.inputs else None,
+                              "unsupported_task")
     if body.response_format == "url":
         raise invalid_request("response_format 'url' is not supported by this server; use "
                               "'b64_json'", "response_format", "unsupported_value")
@@ -69,14 +71,14 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
                               f"(--max-inference-steps, and the model's noise schedule)",
                               "num_inference_steps", "invalid_value")
     strength = getattr(body, "strength", 1.0)
-    if task != GENERATE and int(steps * strength) < 1:
+    if task.from_image and int(steps * strength) < 1:
         raise invalid_request(f"strength={strength:g} with num_inference_steps={steps} leaves no "
                               "denoising step; raise either", "strength", "invalid_value")
     width, height = parse_size(body.size, info, config)
     guidance = info.default_guidance_scale if body.guidance_scale is None else body.guidance_scale
-    seed = body.seed if body.seed is not None else secrets.randbelow(SEED_MAX - 1024)
+    seed = body.seed if body.seed is not None else secrets.randbelow(SEED_MODULUS)
     return ImageRequest(
-        request_id=request_id, model=info.name, width=width, height=height, task=task,
+        request_id=request_id, model=info.name, width=width, height=height, task=task.name,
         num_inference_steps=steps, guidance_scale=float(guidance), strength=float(strength),
         prompt=body.prompt, negative_prompt=body.negative_prompt or "", seed=seed, n=body.n,
         # Previews exist only in a stream; without one they would be decoded for nothing.

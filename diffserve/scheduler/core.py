@@ -13,6 +13,9 @@ answered) and, while it holds any, their signature. Placement:
   rules as a batch. When the head fits no executor, nothing is admitted anywhere: the running
   sets drain until one can take it, so the head never starves.
 - Among the executors that can take the head, the least loaded one gets it.
+
+A request with more images than fit is split into parts, which may run on several executors;
+its answer waits for every part, and when one part fails, the others are cancelled.
 """
 
 from __future__ import annotations
@@ -21,11 +24,16 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import logging
+
 from diffserve.protocol import (
+    CANCELLED,
+    FINISHED,
     REQUEST_MODE,
     STEP_MODE,
     Cancel,
     ImageRequest,
+    ItemResult,
     ItemsDone,
     RequestDone,
     RequestFailed,
@@ -33,6 +41,8 @@ from diffserve.protocol import (
     WorkItem,
 )
 from diffserve.scheduler.batcher import Batcher, Slice
+
+log = logging.getLogger(__name__)
 
 # Why a batch (request mode) or an admission (step mode) left the queue.
 FULL, DELAY, EXECUTOR_FREE, DRAIN, JOIN = "full", "delay", "executor_free", "drain", "join"
@@ -45,7 +55,7 @@ class _Tracked:
     frames: list[Any]  # input pixels (edits), forwarded with every item of the request
     enqueued_at: float
     first_dispatch_at: float | None = None
-    images: dict[int, Any] = field(default_factory=dict)  # index -> raw frame
+    made: int = 0  # images finished (their pixels went to the frontend)
     execution_s: float = 0.0  # pipeline time of the items that made its images, summed
     prompt_tokens: int = 0
 
@@ -55,12 +65,17 @@ class ExecutorSlot:
     index: int
     ready: bool = False
     items: dict[tuple[str, int], WorkItem] = field(default_factory=dict)
-    images: int = 0
+    samples: int = 0  # images its items hold
     signature: tuple | None = None
     free_since: float = 0.0  # when it last had nothing to do
 
     def holds(self, request_id: str) -> bool:
         return any(key[0] == request_id for key in self.items)
+
+    def take(self, key: tuple[str, int]) -> WorkItem:
+        item = self.items.pop(key)
+        self.samples -= item.samples
+        return item
 
 
 @dataclass(frozen=True)
@@ -76,10 +91,9 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class Finished:
-    """A final answer for the frontend: ``done`` with its frames, or ``failed``."""
+    """A final answer for the frontend: ``done`` or ``failed``."""
 
     done: RequestDone | None = None
-    frames: list[Any] = field(default_factory=list)
     failed: RequestFailed | None = None
     execution_s: float | None = None  # with ``done``: time of the calls that made its images
 
@@ -101,7 +115,13 @@ class SchedulerCore:
         self.requests: dict[str, _Tracked] = {}
         self.draining = False
         self._work_ids = itertools.count(1)
+        self._cancels: list[tuple[int, Cancel]] = []
 
+    def take_cancels(self) -> list[tuple[int, Cancel]]:
+        """Cancels decided since the last call, each for the executor that holds the work: the
+        parts of requests that were aborted or failed elsewhere."""
+        cancels, self._cancels = self._cancels, []
+        return cancels
     @property
     def mode(self) -> str:
         return self.batcher.mode
@@ -147,14 +167,19 @@ class SchedulerCore:
         self.batcher.add(request, now)
         return None
 
-    def abort(self, request_id: str) -> tuple[bool, list[tuple[int, Cancel]]]:
-        """Forget a request whose caller has gone. Returns whether it was known, and a cancel for
-        each executor holding some of its images (whatever they send back for it is dropped)."""
+    def abort(self, request_id: str) -> bool:
+        """Forget a request whose caller has gone; whether it was known. Each executor holding
+        some of its images gets a cancel (:meth:`take_cancels`); what they send back for it is
+        dropped."""
+        return self._forget(request_id)
+
+    def _forget(self, request_id: str) -> bool:
         self.batcher.abort(request_id)
         if self.requests.pop(request_id, None) is None:
-            return False, []
-        return True, [(slot.index, Cancel([request_id])) for slot in self.slots
-                      if slot.holds(request_id)]
+            return False
+        self._cancels.extend((slot.index, Cancel([request_id])) for slot in self.slots
+                             if slot.holds(request_id))
+        return True
 
     def start_drain(self) -> None:
         """The server is stopping: nothing waits for company any more."""
@@ -165,9 +190,9 @@ class SchedulerCore:
     def _place(self, signature: tuple) -> ExecutorSlot | None:
         """The least-loaded ready executor that can take a head with ``signature``."""
         candidates = [slot for slot in self.slots if slot.ready and (
-            slot.images == 0 or (self.mode == STEP_MODE and slot.signature == signature
-                                 and slot.images < self.max_batch_size))]
-        return min(candidates, key=lambda s: s.images, default=None)
+            slot.samples == 0 or (self.mode == STEP_MODE and slot.signature == signature
+                                  and slot.samples < self.max_batch_size))]
+        return min(candidates, key=lambda s: s.samples, default=None)
 
     def time_until_dispatch(self, now: float) -> float | None:
         """Seconds until :meth:`dispatch` has something to send; None if only an event can change
@@ -178,7 +203,7 @@ class SchedulerCore:
         slot = self._place(head[0])
         if slot is None:
             return None
-        if slot.images or self.draining:
+        if slot.samples or self.draining:
             return 0.0
         return self.batcher.time_until_ready(now)
 
@@ -190,8 +215,8 @@ class SchedulerCore:
             slot = self._place(signature)
             if slot is None:
                 break
-            if slot.images:  # a running set with room takes company at its next step
-                slices, reason = self.batcher.take(signature, self.max_batch_size - slot.images), JOIN
+            if slot.samples:  # a running set with room takes company at its next step
+                slices, reason = self.batcher.take(signature, self.max_batch_size - slot.samples), JOIN
             else:
                 wait = self.batcher.time_until_ready(now)
                 if wait > 0 and not self.draining:
@@ -213,54 +238,60 @@ class SchedulerCore:
             items.append(item)
             frames.extend(tracked.frames)
             slot.items[item.key] = item
-            slot.images += item.size
+            slot.samples += item.samples
         slot.signature = slices[0].request.signature(self.mode)
         return Dispatch(slot.index, Work(next(self._work_ids), items), frames, reason, queue_times)
 
     # -- results ---------------------------------------------------------------------------
 
-    def complete(self, executor: int, done: ItemsDone, frames: list[Any], now: float) -> list[Finished]:
-        """Take finished items from an executor; returns the requests now fully answered."""
+    def complete(self, executor: int, done: ItemsDone, now: float) -> list[Finished]:
+        """Take the results of items an executor ended; returns the requests now fully
+        answered. A result that does not match what the executor holds is a protocol violation:
+        logged, and its request answered 500, so that it is never left without an answer."""
         slot = self.slots[executor]
-        expected = sum(r.stop - r.start for r in done.items if r.error is None)
-        if len(frames) != expected:
-            # Nothing in this message can be trusted to line up: fail what it names.
-            return self._release(slot, [(r.request_id, r.start) for r in done.items], now,
-                                 500, "the executor returned a malformed result")
         finished: list[Finished] = []
-        offset = 0
         for result in done.items:
-            count = result.stop - result.start if result.error is None else 0
-            item_frames, offset = frames[offset:offset + count], offset + count
-            item = slot.items.pop((result.request_id, result.start), None)
+            key = (result.request_id, result.start)
+            item = slot.items.get(key)
             if item is None or item.stop != result.stop:
-                continue  # not held here (written off already)
-            slot.images -= item.size
+                finished.extend(self._violation(slot, key, result, executor))
+                continue
+            slot.take(key)
             tracked = self.requests.get(result.request_id)
             if tracked is None:
-                continue  # aborted meanwhile: its images are dropped
-            if result.error is not None:
-                finished.extend(self._fail(result.request_id, 500, result.error))
+                continue  # aborted or failed meanwhile: its images are dropped
+            if result.status != FINISHED:
+                # A part cancelled without its request being aborted can only mean the executor
+                # gave up on it (e.g. shutting down): the request fails either way.
+                message = result.error or ("cancelled" if result.status == CANCELLED else "failed")
+                finished.extend(self._fail(result.request_id, 500, message))
                 continue
+            tracked.made += item.samples
             tracked.execution_s += result.execution_s
             tracked.prompt_tokens = max(tracked.prompt_tokens, result.prompt_tokens)
-            tracked.images.update(zip(range(item.start, item.stop), item_frames))
-            if len(tracked.images) == tracked.request.n:
+            if tracked.made == tracked.request.n:
                 finished.append(self._done(tracked))
         self._settle(slot, now)
         return finished
 
+    def _violation(self, slot: ExecutorSlot, key: tuple[str, int], result: ItemResult,
+                   executor: int) -> list[Finished]:
+        log.error("executor %d answered images %d..%d of %s, which it does not hold as such; "
+                  "failing the request", executor, result.start, result.stop, result.request_id)
+        if key in slot.items:
+            slot.take(key)
+        return self._fail(result.request_id, 500, "the executor returned a result that does not "
+                          "match its work (an internal error)")
+
     def _done(self, tracked: _Tracked) -> Finished:
         r = tracked.request
         del self.requests[r.request_id]
-        return Finished(
-            done=RequestDone(r.request_id, r.width, r.height, [r.seed + i for i in range(r.n)],
-                             tracked.prompt_tokens),
-            frames=[tracked.images[i] for i in range(r.n)], execution_s=tracked.execution_s)
+        return Finished(done=RequestDone(r.request_id, [r.seed_of(i) for i in range(r.n)],
+                                         tracked.prompt_tokens), execution_s=tracked.execution_s)
 
     def _settle(self, slot: ExecutorSlot, now: float) -> None:
         if not slot.items:
-            slot.images, slot.signature, slot.free_since = 0, None, now
+            slot.samples, slot.signature, slot.free_since = 0, None, now
 
     # -- executors come and go -------------------------------------------------------------
 
@@ -278,9 +309,8 @@ class SchedulerCore:
                  message: str) -> list[Finished]:
         finished = []
         for key in keys:
-            item = slot.items.pop(key, None)
-            if item is not None:
-                slot.images -= item.size
+            if key in slot.items:
+                slot.take(key)
             finished.extend(self._fail(key[0], status, message))
         self._settle(slot, now)
         return finished
@@ -327,7 +357,7 @@ class SchedulerCore:
         """Answer every request still known (used when the scheduler must stop)."""
         for slot in self.slots:
             slot.items.clear()
-            slot.images, slot.signature = 0, None
+            slot.samples, slot.signature = 0, None
         finished = []
         for request_id in list(self.requests):
             finished.extend(self._fail(request_id, status, message))
@@ -335,8 +365,8 @@ class SchedulerCore:
 
     def _fail(self, request_id: str, status: int, message: str,
               code: str | None = None) -> list[Finished]:
-        self.batcher.abort(request_id)  # a split request may still have images waiting
-        if self.requests.pop(request_id, None) is None:
+        """Answer a request with an error; its other parts, waiting or running, are dropped."""
+        if not self._forget(request_id):
             return []
         return [Finished(failed=RequestFailed(request_id, status, message, code=code))]
 

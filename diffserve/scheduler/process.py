@@ -4,6 +4,7 @@ Sockets: PULL from the frontend, PUSH to it, and one ROUTER to every executor. E
 connects a DEALER whose identity names its slot and its start (``index:generation``), so every
 message to or from an executor is addressed: work, cancels and results always concern a named
 executor, and a message from a process that has since been replaced is recognised and dropped.
+Executors send pixels straight to the frontend; here only their result headers arrive.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from diffserve import processes
+from diffserve import metrics, processes
 from diffserve.config import ServerConfig
 from diffserve.executor.process import ExecutorSpec, run_executor
 from diffserve.protocol import EngineStatus, Fatal, Kind, ProtocolError, decode, encode
@@ -29,8 +30,9 @@ log = logging.getLogger(__name__)
 class SchedulerSpec:
     config: ServerConfig
     request_addr: str   # frontend -> scheduler (the frontend binds)
-    result_addr: str    # scheduler -> frontend (the frontend binds)
+    result_addr: str    # scheduler and executors -> frontend (the frontend binds)
     ipc_dir: str
+    metrics_dir: str
     parent_pid: int
 
 
@@ -49,18 +51,26 @@ def split_wait(wait_s: float | None) -> tuple[float, int | None]:
 
 def run_scheduler(spec: SchedulerSpec) -> None:
     processes.become("diffserve::scheduler", spec.parent_pid, spec.config.log_level)
-    SchedulerProc(spec).run()
+    metrics.record_to(spec.metrics_dir)
+    scheduler = SchedulerProc(spec)
+    try:
+        scheduler.run()
+    except BaseException:
+        # Say why, and take the executors down first: multiprocessing waits for a process's
+        # children before it reports its error, so with them alive this process would linger,
+        # and the frontend, which watches it, would never learn that it is gone.
+        log.exception("the scheduler failed; stopping its executors")
+        scheduler.supervisor.kill_all()
+        raise
 
 
 class SchedulerProc:
     def __init__(self, spec: SchedulerSpec) -> None:
-        from diffserve.metrics import metrics
-
         self.spec = spec
         c = self.config = spec.config
         self.core = SchedulerCore(c.dynamic_batch_max_size, c.dynamic_batch_delay_s,
                                   c.num_executors, c.max_queue_size, c.request_timeout_s)
-        self.metrics = metrics()
+        self.metrics = metrics.engine()
         self.metrics.max_queue_size.set(c.max_queue_size)
         for index in range(c.num_executors):
             self.metrics.declare_executor(index)
@@ -82,12 +92,9 @@ class SchedulerProc:
         return sock
 
     def _start_executor(self, index: int, device: str, identity: bytes):
-        c = self.config
         spec = ExecutorSpec(
-            model=c.model, served_name=c.model_name, index=index, device=device, dtype=c.dtype,
-            torch_threads=c.executor_threads(os.cpu_count() or 1), batching_mode=c.batching_mode,
-            address=self.executor_addr, identity=identity, parent_pid=os.getpid(),
-            log_level=c.log_level)
+            self.config, index, device, self.config.executor_threads(os.cpu_count() or 1),
+            self.executor_addr, identity, self.spec.result_addr, self.spec.metrics_dir, os.getpid())
         return processes.start(run_executor, spec, f"diffserve::executor-{index}")
 
     # -- the loop --------------------------------------------------------------------------
@@ -136,16 +143,14 @@ class SchedulerProc:
             except ProtocolError as error:
                 log.error("dropped a malformed message from the frontend: %s", error)
                 continue
-            if kind is Kind.GENERATE:
+            if kind is Kind.SUBMIT:
                 rejected = self.core.add(msg, buffers, now)
                 if rejected:
                     self._answer([rejected])
             elif kind is Kind.ABORT:
-                known, cancels = self.core.abort(msg.request_id)
-                if known:
+                if self.core.abort(msg.request_id):
                     self.metrics.requests_cancelled_total.inc()
-                for index, cancel in cancels:
-                    self._send_executor(index, encode(Kind.CANCEL, cancel))
+                self._send_cancels()
             elif kind is Kind.DRAIN:
                 self.core.start_drain()
             elif kind is Kind.SHUTDOWN:
@@ -167,10 +172,7 @@ class SchedulerProc:
                 log.error("executor %d sent a malformed message: %s", index, error)
                 continue
             if kind is Kind.ITEMS_DONE:
-                self._answer(self.core.complete(index, msg, buffers, now))
-            elif kind is Kind.PARTIAL:
-                if self.core.is_live(msg.request_id):
-                    self.to_frontend.send_multipart(encode(Kind.PARTIAL, msg, buffers), copy=False)
+                self._answer(self.core.complete(index, msg, now))
             elif kind is Kind.READY:
                 self._executor_loaded(index, msg, now)
             elif kind is Kind.FATAL:
@@ -203,11 +205,9 @@ class SchedulerProc:
         self._drain_executors()  # its last words (a result, or why it could not load)
         if self.stopping or self.supervisor.executors[index].state == FAILED:
             return
-        from diffserve.metrics import process_died
-
         pid = self.supervisor.executors[index].process.pid
         death = self.supervisor.died(index, restart=self.announced)
-        process_died(pid)
+        metrics.process_died(pid)
         self.metrics.executor_ready.labels(executor=str(index)).set(0)
         # Not-ready first, so that a client told of the failure already finds /health updated.
         self._publish_status()
@@ -227,10 +227,14 @@ class SchedulerProc:
             label = str(d.executor)
             self._send_executor(d.executor, encode(Kind.WORK, d.work, d.frames))
             self.metrics.batch_size.labels(executor=label).observe(
-                sum(item.size for item in d.work.items))
+                sum(item.samples for item in d.work.items))
             self.metrics.dispatches_total.labels(reason=d.reason, executor=label).inc()
             for q in d.queue_times_s:
                 self.metrics.queue_time_seconds.observe(q)
+
+    def _send_cancels(self) -> None:
+        for index, cancel in self.core.take_cancels():
+            self._send_executor(index, encode(Kind.CANCEL, cancel))
 
     def _send_executor(self, index: int, frames: list) -> None:
         try:
@@ -241,11 +245,11 @@ class SchedulerProc:
     def _answer(self, finished: list[Finished]) -> None:
         for f in finished:
             if f.done is not None:
-                self.to_frontend.send_multipart(encode(Kind.REQUEST_DONE, f.done, f.frames),
-                                                copy=False)
+                self.to_frontend.send_multipart(encode(Kind.REQUEST_DONE, f.done))
                 self.metrics.request_execution_seconds.observe(f.execution_s)
             else:
                 self.to_frontend.send_multipart(encode(Kind.REQUEST_FAILED, f.failed))
+        self._send_cancels()  # the other parts of a request that failed
 
     def _publish_status(self) -> None:
         self.to_frontend.send_multipart(encode(Kind.ENGINE_STATUS,

@@ -114,6 +114,13 @@ class ExecutorSupervisor:
                               ex.process.pid if ex.process is not None else None, ex.restarts)
                 for ex in self.executors]
 
+    def kill_all(self) -> None:
+        """Stop every executor at once (the scheduler is failing)."""
+        for ex in self.executors:
+            if ex.process is not None:
+                processes.stop(ex.process, timeout=1.0)
+            ex.state = STOPPED
+
     def stop_all(self, ask: Callable[[int], None], timeout_s: float = 5.0) -> None:
         """``ask(index)`` sends an executor its shutdown message; then each gets ``timeout_s``
         before it is terminated."""

@@ -6,19 +6,19 @@ from __future__ import annotations
 import pytest
 
 from diffserve.executor.families import family_for
-from diffserve.executor.loading import edit_pipelines, load_model, model_info, supported_tasks
+from diffserve.executor.loading import load_model, model_info, task_pipelines
 from diffserve.executor.request_runner import RequestRunner
 from diffserve.protocol import REQUEST_MODE, Work, WorkItem
 from helpers import make_request
 from reference import max_diff, sample_image, solo
 
 
-def runner_for(model: str):
+def runner_for(model: str, **callbacks):
     loaded = load_model(model, torch_threads=1)
-    edits = edit_pipelines(loaded.pipe)
+    pipelines = task_pipelines(loaded.pipe)
     family_cls = family_for(loaded.pipeline_class)
-    family = family_cls(loaded.pipe, edits, loaded.call_kwargs) if family_cls else None
-    return loaded, edits, RequestRunner(loaded, edits, family)
+    family = family_cls(loaded.pipe, pipelines, loaded.call_kwargs) if family_cls else None
+    return loaded, pipelines, RequestRunner(loaded, pipelines, family, **callbacks)
 
 
 @pytest.fixture(scope="module", params=["tiny-sd", "tiny-flux"])
@@ -33,11 +33,11 @@ def work(*requests, frames=None):
 
 def test_model_info(loaded_runner):
     model, loaded, edits, _ = loaded_runner
-    info = model_info(loaded, model, REQUEST_MODE, None, supported_tasks(edits))
+    info = model_info(loaded, model, REQUEST_MODE, None, list(edits))
     assert (info.width, info.height) == (64, 64)
     assert info.spatial_stride == (16 if model == "tiny-flux" else 8) and info.default_steps == 4
     assert info.device == "cpu" and info.dtype == "float32"
-    assert info.tasks == ["generate", "edit", "inpaint"]
+    assert info.tasks == ["generate", "image-to-image", "inpaint"]
 
 
 def test_batched_requests_equal_their_solo_runs(loaded_runner):
@@ -57,7 +57,8 @@ def test_batched_edits_equal_their_solo_edits(loaded_runner):
     model, loaded, edits, runner = loaded_runner
     image, mask = sample_image(64)
     other, _ = sample_image(64, seed=1)
-    for task, frames in (("edit", [[image], [other]]), ("inpaint", [[image, mask], [other, mask]])):
+    for task, frames in (("image-to-image", [[image], [other]]),
+                         ("inpaint", [[image, mask], [other, mask]])):
         requests = [make_request(request_id=f"{task}-{i}", model=model, task=task, strength=0.7,
                                  steps=6, seed=5 + i, prompt=f"edit number {i}") for i in range(2)]
         outcomes = runner.execute(*work(*requests, frames=frames))
@@ -69,8 +70,8 @@ def test_batched_edits_equal_their_solo_edits(loaded_runner):
 def test_a_failing_batch_is_retried_per_request_so_only_the_culprit_fails(loaded_runner):
     model, loaded, edits, runner = loaded_runner
     image, _ = sample_image(64)
-    good = make_request(request_id="good", model=model, task="edit", strength=0.5, seed=1)
-    broken = make_request(request_id="broken", model=model, task="edit", strength=0.5)
+    good = make_request(request_id="good", model=model, task="image-to-image", strength=0.5, seed=1)
+    broken = make_request(request_id="broken", model=model, task="image-to-image", strength=0.5)
     outcomes = runner.execute(*work(good, broken, frames=[[image], [b"\x00" * 10]]))
     assert [o.item.request.request_id for o in outcomes if o.error] == ["broken"]
     (ok,) = [o for o in outcomes if not o.error]
@@ -78,14 +79,43 @@ def test_a_failing_batch_is_retried_per_request_so_only_the_culprit_fails(loaded
 
 
 def test_previews_in_request_mode():
-    _, _, runner = runner_for("tiny-sd")
     seen = []
-    runner.emit_preview = seen.append
+    _, _, runner = runner_for("tiny-sd", emit_partial=seen.append)
     r = make_request(request_id="p", steps=6, partial_images=2, n=2)
     quiet = make_request(request_id="q", steps=6)
     (out, _) = runner.execute(*work(r, quiet))
     assert [(p.request_id, p.index, p.partial_index) for p in seen] == [
         ("p", 0, 0), ("p", 1, 0), ("p", 0, 1), ("p", 1, 1)]
+
+
+def test_a_request_retried_alone_streams_each_preview_once():
+    """The batched call fails after its previews were sent (here: its final decode of both
+    images at once fails, as running out of memory would); each request then runs alone, and
+    the previews it already streamed are not sent again."""
+    seen = []
+    loaded, pipelines, runner = runner_for("tiny-sd", emit_partial=seen.append)
+    vae, decode = loaded.pipe.vae, loaded.pipe.vae.decode
+    calls = []
+
+    def decode_one_at_a_time(latents, *args, **kwargs):
+        calls.append(latents.shape[0])
+        if len(calls) == 3:  # the two batched previews went through; the final decode fails
+            raise RuntimeError("out of memory")
+        return decode(latents, *args, **kwargs)
+
+    vae.decode = decode_one_at_a_time
+    try:
+        requests = [make_request(request_id=rid, steps=6, partial_images=2, seed=i)
+                    for i, rid in enumerate(("x", "y"))]
+        outcomes = runner.execute(*work(*requests))
+    finally:
+        vae.decode = decode
+    assert [o.error for o in outcomes] == [None, None]
+    assert calls[:3] == [2, 2, 2]  # the batched call's previews, then its failed final decode
+    sent = [(p.request_id, p.index, p.partial_index) for p in seen]
+    assert sorted(sent) == [("x", 0, 0), ("x", 0, 1), ("y", 0, 0), ("y", 0, 1)]
+    for r, o in zip(requests, outcomes):
+        assert max_diff(o.images, solo(loaded, pipelines, r)) <= 2
 
 
 def test_mixed_negative_prompts_on_sdxl_equal_their_solo_runs():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diffserve.executor.families import family_for
-from diffserve.executor.loading import edit_pipelines, load_model
+from diffserve.executor.loading import task_pipelines, load_model
 from diffserve.executor.results import partial_steps
 from diffserve.executor.step_engine import StepEngine
 from diffserve.protocol import WorkItem
@@ -24,9 +24,9 @@ def engine_for(model: str, scheduler: str | None = None, **config):
     if scheduler:
         cls = getattr(diffusers, scheduler)
         loaded.pipe.scheduler = cls.from_config(loaded.pipe.scheduler.config, **config)
-    edits = edit_pipelines(loaded.pipe)
-    family = family_for(loaded.pipeline_class)(loaded.pipe, edits, loaded.call_kwargs)
-    return loaded, edits, StepEngine(family)
+    pipelines = task_pipelines(loaded.pipe)
+    family = family_for(loaded.pipeline_class)(loaded.pipe, pipelines, loaded.call_kwargs)
+    return loaded, pipelines, StepEngine(family)
 
 
 def run(engine: StepEngine, plan: dict[int, list[tuple]], limit: int = 200):
@@ -62,8 +62,8 @@ def test_staggered_mixed_requests_equal_their_solo_pipeline_runs(family):
         0: [(req("a", prompt="a red circle", seed=1, steps=8, guidance=5.0), [])],
         2: [(req("b", prompt="a blue square", seed=2, steps=5, guidance=3.0,
                  negative_prompt="blurry", n=2), []),
-            (req("edit", task="edit", prompt="make it green", seed=3, steps=8, guidance=4.0,
-                 strength=0.6), [image])],
+            (req("edit", task="image-to-image", prompt="make it green", seed=3, steps=8,
+                 guidance=4.0, strength=0.6), [image])],
         4: [(req("c", prompt="no guidance", seed=4, steps=3, guidance=1.0), []),
             (req("inpaint", task="inpaint", prompt="fill", seed=5, steps=6, guidance=6.0,
                  strength=1.0, negative_prompt="dark"), [image, mask])],
@@ -110,9 +110,8 @@ def test_a_cancelled_request_leaves_at_the_next_step_and_the_rest_are_unchanged(
     engine.step()
     engine.cancel(["go", "not-here"])
     out = engine.step()
-    assert [(o.item.request.request_id, o.error) for o in out.finished] == [
-        ("go", "cancelled: the client went away")]
-    assert engine.images == 1 and out.images == 1  # that step's forward carried only "stay"
+    assert [(o.item.request.request_id, o.status) for o in out.finished] == [("go", "cancelled")]
+    assert engine.samples == 1 and out.samples == 1  # that step's forward carried only "stay"
     images, _ = run(engine, {})
     assert max_diff(images["stay"], solo(loaded, edits, stay)) <= 2
 
@@ -128,7 +127,7 @@ def test_previews_are_intermediate_decodes_at_evenly_spaced_steps():
     previews, final = [], None
     while engine:
         out = engine.step()
-        previews += out.previews
+        previews += out.partials
         final = out.finished or final
     assert [(p.index, p.partial_index) for p in previews] == [
         (0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
@@ -139,7 +138,7 @@ def test_previews_are_intermediate_decodes_at_evenly_spaced_steps():
 def test_a_request_that_cannot_be_admitted_fails_alone():
     loaded, edits, engine = engine_for("tiny-sd")
     good = make_request(request_id="good", seed=3)
-    broken = make_request(request_id="broken", task="edit", strength=0.5)
+    broken = make_request(request_id="broken", task="image-to-image", strength=0.5)
     failed = engine.admit([WorkItem(good, 0, 1), WorkItem(broken, 0, 1)],
                           [[], [b"not an image of 64x64 pixels"]])
     assert [f.item.request.request_id for f in failed] == ["broken"]
@@ -153,12 +152,12 @@ def test_a_request_whose_forward_fails_is_isolated_and_the_others_go_on():
     bad = make_request(request_id="bad", prompt="poison", steps=3)
     engine.admit([WorkItem(good, 0, 1), WorkItem(bad, 0, 1)], [[], []])
     (poisoned,) = [u for u in engine.units if u.item.request.request_id == "bad"]
-    marker = poisoned.cond.positive["encoder_hidden_states"][0]
+    marker = poisoned.prepared.positive.prompt_embeds[0]
     forward = engine.family.forward
 
     def failing_forward(latents, timesteps, cond, guidance, width, height):
         # Any forward that carries the poisoned request's rows raises, as a kernel error would.
-        if any(torch.equal(row, marker) for row in cond["encoder_hidden_states"]):
+        if any(torch.equal(row, marker) for row in cond.prompt_embeds):
             raise RuntimeError("this request breaks the denoiser")
         return forward(latents, timesteps, cond, guidance, width, height)
 
@@ -169,3 +168,90 @@ def test_a_request_whose_forward_fails_is_isolated_and_the_others_go_on():
     engine.family.forward = forward
     images, _ = run(engine, {})
     assert max_diff(images["good"], solo(loaded, edits, good)) <= 2
+
+
+class Fault:
+    """A test hook on a family method: raises whenever a call concerns the culprit request, as a
+    kernel or scheduler error would. ``concerns(culprit_unit, args)`` tells."""
+
+    def __init__(self, engine: StepEngine, method: str, culprit: str, concerns) -> None:
+        self.engine, self.method, self.culprit, self.concerns = engine, method, culprit, concerns
+        self.real = getattr(engine.family, method)
+        self.raised = 0
+        setattr(engine.family, method, self)
+
+    def __call__(self, *args, **kwargs):
+        for unit in self.engine.units:
+            if unit.request.request_id == self.culprit and self.concerns(unit, args):
+                self.raised += 1
+                raise RuntimeError(f"injected fault in {self.method}")
+        return self.real(*args, **kwargs)
+
+    def remove(self) -> None:
+        setattr(self.engine.family, self.method, self.real)
+
+
+def _carries_latents(unit, args) -> bool:
+    """A decode whose latents include the unit's rows."""
+    latents = unit.prepared.latents
+    return any(torch.equal(row, latents[0]) for row in args[0])
+
+
+CONCERNS = {
+    "denoise_step": lambda unit, args: args[0] is unit.scheduler,
+    "blend": lambda unit, args: args[1] is unit.prepared.blend,
+    "decode": _carries_latents,
+}
+
+
+@pytest.mark.parametrize("stage, method", [
+    ("the scheduler step", "denoise_step"),
+    ("the inpainting blend", "blend"),
+    ("a preview decode", "decode"),
+    ("the retirement decode", "decode"),
+])
+def test_a_fault_in_any_per_request_stage_fails_only_that_request(stage, method):
+    """Each per-request stage of a step, faulted for one request in a running set of several:
+    only that request fails (500 at the server), the step itself never raises, and the others'
+    images equal their solo pipeline runs."""
+    loaded, pipelines, engine = engine_for("tiny-sd")
+    image, mask = sample_image(64)
+    culprit_task = "inpaint" if method == "blend" else "generate"
+    culprit = make_request(request_id="culprit", task=culprit_task, seed=9, steps=4, strength=1.0,
+                           partial_images=1 if stage == "a preview decode" else 0)
+    others = [make_request(request_id="a", seed=1, steps=4, partial_images=1),
+              make_request(request_id="b", seed=2, steps=6, negative_prompt="dark", n=2),
+              make_request(request_id="c", task="inpaint", seed=3, steps=4, strength=0.75)]
+    frames = {"culprit": [image, mask] if culprit_task == "inpaint" else [], "c": [image, mask]}
+    requests = [culprit, *others]
+    assert not engine.admit([WorkItem(r, 0, r.n) for r in requests],
+                            [frames.get(r.request_id, []) for r in requests])
+    # A preview fault fires at the preview step (2 of 4); a retirement fault at the end.
+    fault_from = {"a preview decode": 1, "the retirement decode": 3}.get(stage, 0)
+    results, fault = {}, None
+    for step in range(10):
+        if step == fault_from:
+            fault = Fault(engine, method, "culprit", CONCERNS[method])
+        out = engine.step()  # never raises
+        results.update({o.item.request.request_id: o for o in out.finished})
+        if not engine:
+            break
+    fault.remove()
+    assert fault.raised >= 1, f"the fault in {stage} never fired"
+    assert results["culprit"].status == "failed" and "injected fault" in results["culprit"].error
+    for r in others:
+        outcome = results[r.request_id]
+        assert outcome.status == "finished", (stage, r.request_id, outcome.error)
+        assert max_diff(outcome.images, solo(loaded, pipelines, r, *frames.get(r.request_id, []))) <= 2
+
+
+def test_flux_keeps_position_ids_for_a_bounded_number_of_sizes():
+    from diffserve.executor.families.flux import IMAGE_IDS_CACHED
+
+    _, _, engine = engine_for("tiny-flux")
+    family = engine.family
+    first = family._latent_ids(64, 64)
+    for side in range(16, 16 * 40, 16):  # sizes are the clients' choice
+        family._latent_ids(side, 32)
+    assert len(family._image_ids) == IMAGE_IDS_CACHED
+    assert torch.equal(family._latent_ids(64, 64), first)  # evicted ids are made again, the same

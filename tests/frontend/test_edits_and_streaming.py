@@ -12,8 +12,8 @@ import openai
 import pytest
 from PIL import Image
 
-from diffserve.executor.loading import edit_pipelines, load_model
-from diffserve.models.shapes import data
+from diffserve.executor.loading import task_pipelines, load_model
+from tools.shapes import data
 from helpers import make_request
 from reference import max_diff, solo
 from server import Server, assert_openai_error, decode, metric, wait_for_metric
@@ -53,7 +53,7 @@ def server():
 @pytest.fixture(scope="module")
 def shapes():
     loaded = load_model("shapes", torch_threads=1)
-    return loaded, edit_pipelines(loaded.pipe)
+    return loaded, task_pipelines(loaded.pipe)
 
 
 def edit(server, prompt="a green square on a yellow background", image=None, mask=None,
@@ -68,7 +68,7 @@ def edit(server, prompt="a green square on a yellow background", image=None, mas
 
 def test_models_lists_the_tasks(server):
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
-    assert card["tasks"] == ["generate", "edit", "inpaint"]
+    assert card["tasks"] == ["generate", "image-to-image", "inpaint"]
     assert card["batching_mode"] == "step" and card["partial_images"] is True
 
 
@@ -103,7 +103,7 @@ def test_concurrent_edits_share_forwards_and_equal_their_solo_edits(server, shap
     assert carried / forwards > 1.5, "edits did not share denoising forwards"
     loaded, edits = shapes
     for job, r in zip(jobs + [inpaint], responses + [inpainted]):
-        task = "inpaint" if job is inpaint else "edit"
+        task = "inpaint" if job is inpaint else "image-to-image"
         request = make_request(model="shapes", width=SIZE, height=SIZE, task=task,
                                prompt=job["prompt"], seed=job["seed"], strength=job["strength"],
                                steps=job.get("num_inference_steps", 20), guidance=4.0)
@@ -177,15 +177,20 @@ def test_a_streamed_request_ends_with_the_image_of_the_plain_one(server, endpoin
     assert max_diff(decode(partial[-1]["b64_json"]), decode(completed[-1]["b64_json"])) > 0
 
 
-def test_the_official_sdk_edits_and_streams_unchanged(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    result = client.images.edit(image=("in.png", png(INPUT), "image/png"),
+def test_the_official_sdk_in_strict_mode_generates_edits_and_streams_unchanged(server):
+    """The SDK that pip resolves today, validating every answer against its own types."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
+                           _strict_response_validation=True)
+    made = client.images.generate(prompt="a red circle on a blue background", n=2,
+                                  extra_body={"seed": 3})
+    assert [d.model_extra["seed"] for d in made.data] == [3, 4] and made.quality is None
+    result = client.images.edit(image=("in.png", png(INPUT), "image/png"), quality="auto",
                                 prompt="a green circle on a blue background", n=2,
                                 extra_body={"seed": 7, "strength": 0.6})
     assert [d.model_extra["seed"] for d in result.data] == [7, 8]
     assert decode(result.data[0].b64_json).shape == (SIZE, SIZE, 3)
     events = list(client.images.generate(prompt="a red circle on a blue background", stream=True,
-                                         partial_images=2, extra_body={"seed": 1}))
+                                         partial_images=2, quality="medium", extra_body={"seed": 1}))
     assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + [
         "image_generation.completed"]
     events = list(client.images.edit(image=("in.png", png(INPUT), "image/png"), stream=True,
@@ -283,7 +288,7 @@ def test_the_image_is_fitted_to_the_requested_size(server):
     assert decode(r.json()["data"][0]["b64_json"]).shape == (SIZE, SIZE, 3)
 
 
-def test_a_model_without_edit_pipelines_answers_400():
+def test_a_model_without_task_pipelines_answers_400():
     with Server("--model", "tiny-hunyuandit") as srv:
         card = httpx.get(srv.url + "/v1/models").json()["data"][0]
         assert card["tasks"] == ["generate"] and card["batching_mode"] == "request"

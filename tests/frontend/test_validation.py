@@ -1,22 +1,24 @@
 """Model- and config-aware request checks, in place."""
 
 import pytest
+from pydantic import ValidationError
 
 from diffserve.config import ServerConfig
 from diffserve.errors import APIError
 from diffserve.frontend.schemas import ImageGenerationRequest
 from diffserve.frontend.validation import to_engine_request
 from diffserve.protocol import ModelInfo
+from diffserve.tasks import GENERATE, TASKS
 
 INFO = ModelInfo(name="tiny-sd", pipeline_class="StableDiffusionPipeline", width=64, height=64,
                  spatial_stride=8, default_steps=4, max_steps=999, default_guidance_scale=5.0,
                  supports_negative_prompt=True, device="cpu", dtype="float32",
-                 batching_mode="step", tasks=["generate", "edit"], partial_images=True)
+                 batching_mode="step", tasks=["generate", "image-to-image"], partial_images=True)
 
 
 def convert(config=None, info=INFO, **fields):
     body = ImageGenerationRequest(**{"prompt": "a cat", **fields})
-    return to_engine_request(body, "rid", info, config or ServerConfig())
+    return to_engine_request(body, "rid", info, config or ServerConfig(), GENERATE)
 
 
 def test_defaults_come_from_the_model():
@@ -28,6 +30,13 @@ def test_defaults_come_from_the_model():
 def test_server_draws_a_seed_when_none_is_given():
     seeds = {convert().seed for _ in range(20)}
     assert len(seeds) > 1
+
+
+def test_the_largest_seed_is_accepted_and_its_images_wrap():
+    r = convert(seed=2**32 - 1, n=3)
+    assert [r.seed_of(i) for i in range(3)] == [2**32 - 1, 0, 1]
+    with pytest.raises(ValidationError, match="seed"):  # the route turns it into a 400 naming it
+        convert(seed=2**32)
 
 
 @pytest.mark.parametrize("fields, param, status", [
@@ -69,25 +78,25 @@ def test_negative_prompt_refused_when_the_pipeline_takes_none():
     assert error.value.param == "negative_prompt"
 
 
-def edit(info=INFO, task="edit", **fields):
+def edit(info=INFO, task="image-to-image", **fields):
     from diffserve.frontend.schemas import ImageEditForm
 
     body = ImageEditForm.model_validate({"prompt": "make it blue", **fields})
-    return to_engine_request(body, "rid", info, ServerConfig(), task)
+    return to_engine_request(body, "rid", info, ServerConfig(), TASKS[task])
 
 
 def test_form_fields_arrive_as_strings_and_are_converted():
     r = edit(n="2", strength="0.5", seed="9", num_inference_steps="10", stream="true",
              partial_images="2", guidance_scale="3.5")
     assert (r.task, r.n, r.strength, r.seed, r.num_inference_steps, r.partial_images) == (
-        "edit", 2, 0.5, 9, 10, 2)
+        "image-to-image", 2, 0.5, 9, 10, 2)
 
 
 def test_an_edit_the_model_cannot_do_is_a_clear_400():
     with pytest.raises(APIError) as error:
         edit(task="inpaint")
     assert error.value.status == 400 and error.value.code == "unsupported_task"
-    assert "inpainting" in error.value.message
+    assert error.value.param == "mask" and "inpaint" in error.value.message
 
 
 def test_strength_that_leaves_no_step_is_refused():

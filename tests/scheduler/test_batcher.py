@@ -179,7 +179,7 @@ def test_step_mode_groups_requests_that_differ_in_steps_guidance_and_task():
     b = Batcher(max_batch_size=8, max_delay_s=0.0, mode=STEP_MODE)
     b.add(make_request(request_id="a", steps=4, guidance=5.0), now=0.0)
     b.add(make_request(request_id="b", steps=30, guidance=1.0, negative_prompt="x"), now=0.0)
-    b.add(make_request(request_id="c", task="edit", strength=0.5), now=0.0)
+    b.add(make_request(request_id="c", task="image-to-image", strength=0.5), now=0.0)
     b.add(make_request(request_id="d", width=128), now=0.0)  # another shape: never together
     assert ids(b.next_batch(0.0)) == [("a", 0, 1), ("b", 0, 1), ("c", 0, 1)]
     assert ids(b.next_batch(0.0)) == [("d", 0, 1)]

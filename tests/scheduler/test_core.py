@@ -2,7 +2,7 @@
 
 import pytest
 
-from diffserve.protocol import REQUEST_MODE, STEP_MODE, ItemResult, ItemsDone
+from diffserve.protocol import CANCELLED, FAILED, FINISHED, REQUEST_MODE, STEP_MODE, ItemResult, ItemsDone
 from diffserve.scheduler.core import DELAY, DRAIN, EXECUTOR_FREE, FULL, JOIN, SchedulerCore
 from helpers import make_request
 
@@ -14,22 +14,20 @@ def core(max_size=4, delay=0.0, executors=1, mode=REQUEST_MODE, **kw):
     return c
 
 
-def run(c, d, errors=None, drop=(), only=None, now=1.0, seconds=0.1):
-    """Answer dispatch ``d`` like an executor: one frame per image, named after it. ``only``:
-    answer just these request ids (a step engine retiring part of its set)."""
+def run(c, d, errors=None, only=None, now=1.0, seconds=0.1, status=None):
+    """Answer dispatch ``d`` like an executor. ``only``: answer just these request ids (a step
+    engine retiring part of its set)."""
     errors = errors or {}
-    results, frames = [], []
+    results = []
     for item in d.work.items:
         rid = item.request.request_id
         if only is not None and rid not in only:
             continue
         if rid in errors:
-            results.append(ItemResult(rid, item.start, item.stop, seconds, errors[rid]))
+            results.append(ItemResult(rid, item.start, item.stop, FAILED, seconds, errors[rid]))
             continue
-        results.append(ItemResult(rid, item.start, item.stop, seconds, None, 7))
-        frames += [f"{rid}:{i}".encode() for i in range(item.start, item.stop)
-                   if (rid, i) not in drop]
-    return c.complete(d.executor, ItemsDone(64, 64, results), frames, now)
+        results.append(ItemResult(rid, item.start, item.stop, status or FINISHED, seconds, None, 7))
+    return c.complete(d.executor, ItemsDone(results), now)
 
 
 def taken(dispatches):
@@ -59,7 +57,6 @@ def test_a_split_request_is_answered_once_with_all_images_in_order():
     assert len(answers) == 1
     done = answers[0].done
     assert done.request_id == "big" and done.seeds == [100, 101, 102, 103, 104]
-    assert answers[0].frames == [f"big:{i}".encode() for i in range(5)]
     assert answers[0].execution_s == pytest.approx(0.3)  # three calls of 0.1 s made its images
     assert done.prompt_tokens == 7
     assert not c.requests
@@ -77,7 +74,7 @@ def test_edit_input_frames_travel_with_every_item():
 
 def test_an_edit_without_its_frames_is_refused():
     c = core()
-    refused = c.add(make_request(request_id="e", task="edit"), [], 0.0)
+    refused = c.add(make_request(request_id="e", task="image-to-image"), [], 0.0)
     assert refused.failed.status == 400 and "e" not in c.requests
 
 
@@ -122,21 +119,55 @@ def test_abort_while_running_discards_its_images_and_cancels_at_its_executor():
     c.add(make_request(request_id="gone"), [], 0.0)
     c.add(make_request(request_id="stays"), [], 0.0)
     first, second = c.dispatch(0.0)
-    known, cancels = c.abort(first.work.items[0].request.request_id)
-    assert known and [(i, cancel.request_ids) for i, cancel in cancels] == [(first.executor, ["gone"])]
-    assert c.abort("gone") == (False, [])
-    assert run(c, first) == []
+    assert c.abort(first.work.items[0].request.request_id)
+    assert [(i, cancel.request_ids) for i, cancel in c.take_cancels()] == [(first.executor, ["gone"])]
+    assert not c.abort("gone") and c.take_cancels() == []
+    assert run(c, first, status=CANCELLED) == []
     assert [a.request_id for a in run(c, second)] == ["stays"]
 
 
-def test_malformed_result_fails_every_member():
-    c = core()
-    c.add(make_request(request_id="a"), [], 0.0)
+@pytest.mark.parametrize("executors", [1, 2])
+def test_when_one_part_of_a_split_request_fails_its_other_parts_are_cancelled(executors):
+    c = core(max_size=2, executors=executors, mode=STEP_MODE if executors == 1 else REQUEST_MODE)
+    c.add(make_request(request_id="big", n=6), [], 0.0)
+    dispatched = c.dispatch(0.0)  # one part per executor; the rest waits
+    assert c.take_cancels() == []
+    answers = run(c, dispatched[0], errors={"big": "boom"})
+    assert [(a.request_id, a.failed.status) for a in answers] == [("big", 500)]
+    # Every other executor holding a part is told to drop it; nothing of it is queued any more.
+    assert sorted(i for i, _ in c.take_cancels()) == [d.executor for d in dispatched[1:]]
+    assert "big" not in c.batcher
+    for d in dispatched[1:]:  # what they send back is dropped; their room is free again
+        assert run(c, d, status=CANCELLED) == []
+    assert all(slot.samples == 0 for slot in c.slots)
+
+
+def test_when_the_executor_of_one_part_dies_the_other_parts_are_cancelled():
+    c = core(max_size=2, executors=2)
+    c.add(make_request(request_id="big", n=4), [], 0.0)
+    on0, on1 = c.dispatch(0.0)
+    answers = c.executor_lost(0, "executor 0 died", 0.1)
+    assert [(a.request_id, a.failed.status) for a in answers] == [("big", 500)]
+    assert [(i, cancel.request_ids) for i, cancel in c.take_cancels()] == [(1, ["big"])]
+
+
+@pytest.mark.parametrize("wrong", ["stop", "start", "unknown request"])
+def test_a_result_that_does_not_match_its_work_is_answered_500_never_stranded(wrong):
+    c = core(max_size=4)
+    c.add(make_request(request_id="a", n=2), [], 0.0)
     c.add(make_request(request_id="b"), [], 0.0)
-    answers = run(c, c.dispatch(0.0)[0], drop={("b", 0)})
-    assert sorted(a.request_id for a in answers) == ["a", "b"]
-    assert all(a.failed and a.failed.status == 500 for a in answers)
-    assert c.slots[0].images == 0  # the executor is free again
+    (d,) = c.dispatch(0.0)
+    bad = {"stop": ItemResult("a", 0, 1, FINISHED, 0.1),
+           "start": ItemResult("a", 1, 2, FINISHED, 0.1),
+           "unknown request": ItemResult("zzz", 0, 1, FINISHED, 0.1)}[wrong]
+    answers = c.complete(0, ItemsDone([bad, ItemResult("b", 0, 1, FINISHED, 0.1)]), 1.0)
+    by_id = {a.request_id: a for a in answers}
+    assert by_id["b"].done is not None  # the well-formed result of the same message counts
+    if wrong != "unknown request":
+        assert by_id["a"].failed.status == 500  # answered, not left without a slot or a queue entry
+        assert not c.requests
+    else:
+        assert "a" in c.requests  # an answer for nobody touches no one else
 
 
 def test_duplicate_request_id_is_refused_without_touching_the_first():

@@ -1,10 +1,11 @@
 """What a pipeline family gives the step engine, built from the pipeline's own components.
 
 The step engine (:mod:`diffserve.executor.step_engine`) runs one loop for every family: admit,
-one batched denoiser forward, each request's own scheduler step, retire. A family supplies only
-what differs: how prompts are encoded, how a request's noise schedule and first latents are
-prepared (by the family's own text-to-image, image-to-image and inpainting pipelines), what the
-denoiser takes, and how latents become pixels.
+one batched denoiser forward, each request's own scheduler step, retire. :class:`Family` holds
+the steps every family takes in the same order (a request's schedule, its first latents for each
+task, the inpainting blend, decoding), and a family overrides only what differs: how prompts are
+encoded into its :class:`Conditioning`, what its denoiser takes, and the one call of its own
+pipeline's helper where each pipeline's signature differs.
 
 Preparation calls the pipelines' own helpers (``prepare_latents``, ``get_timesteps``,
 ``prepare_mask_latents``...) with the request's own scheduler swapped in for the duration of the
@@ -15,13 +16,14 @@ index): with the shared scheduler they would see another request's timesteps.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
-from diffserve.protocol import GENERATE
+from diffserve.tasks import Task
 
 
 @contextmanager
@@ -36,25 +38,78 @@ def scheduler_swapped(pipe, scheduler):
         object.__setattr__(pipe, "scheduler", saved)
 
 
+# How a Conditioning field combines across the rows of a forward (its field metadata):
+BATCHED = "batched"  # one row per image; rows are concatenated (the default)
+SHARED = "shared"    # the same value for every row (e.g. text position ids); taken once
+
+
+def shared(default: Any = None) -> Any:
+    return field(default=default, metadata={"rows": SHARED})
+
+
 @dataclass
 class Conditioning:
-    """Text conditioning of one request: tensors with one row per prompt (the request's prompt
-    and, with classifier-free guidance, its negative prompt)."""
+    """A request's conditioning as its family's denoiser takes it: batch-first tensors. A family
+    declares its own subclass; the engine only repeats, concatenates and slices rows, and the
+    family decides how (override :meth:`cat` where rows need padding)."""
 
-    positive: dict[str, Any]
-    negative: dict[str, Any] | None = None
+    def _fields(self, kind: str) -> list[str]:
+        """The fields combined as ``kind`` that are set (a family may fill some in later)."""
+        return [f.name for f in dataclasses.fields(self)
+                if f.metadata.get("rows", BATCHED) == kind and getattr(self, f.name) is not None]
+
+    def repeat(self, count: int) -> "Conditioning":
+        """Each row repeated ``count`` times in place (a request's prompt for each of its images)."""
+        return dataclasses.replace(self, **{name: getattr(self, name).repeat_interleave(count, dim=0)
+                                            for name in self._fields(BATCHED)})
+
+    def rows(self, start: int, stop: int) -> "Conditioning":
+        return dataclasses.replace(self, **{name: getattr(self, name)[start:stop]
+                                            for name in self._fields(BATCHED)})
+
+    @classmethod
+    def cat(cls, parts: list["Conditioning"]) -> "Conditioning":
+        import torch
+
+        first = parts[0]
+        return dataclasses.replace(first, **{name: torch.cat([getattr(p, name) for p in parts])
+                                             for name in first._fields(BATCHED)})
+
+    @property
+    def dtype(self):
+        return getattr(self, self._fields(BATCHED)[0]).dtype
+
+
+@dataclass
+class Encoded:
+    """Text conditioning of several prompts, one row each; ``negative`` with classifier-free
+    guidance."""
+
+    positive: Conditioning
+    negative: Conditioning | None = None
+
+
+@dataclass
+class Blend:
+    """Inpainting: outside ``mask`` every step puts back the input's latents at the noise level
+    of the next timestep."""
+
+    mask: Any
+    image_latents: Any
+    noise: Any
 
 
 @dataclass
 class Prepared:
-    """A request's starting point: its schedule, its first latents, and for inpainting what
-    each step blends back in outside the mask."""
+    """A request's starting point: its schedule, its first latents, and what conditions it (the
+    prompt's, plus anything the family adds per request, such as SDXL's size ids)."""
 
     timesteps: Any
     latents: Any
+    positive: Conditioning
+    negative: Conditioning | None
     step_kwargs: dict[str, Any] = field(default_factory=dict)
-    blend: dict[str, Any] | None = None  # inpainting: mask, image_latents, noise
-    cond: Conditioning | None = None  # per-request conditioning beyond the prompt (SDXL sizes)
+    blend: Blend | None = None
 
 
 class Family:
@@ -63,13 +118,16 @@ class Family:
     # Flow-matching families (SD3, Flux) neither scale the denoiser's input nor add noise the
     # DDPM way; the others' schedulers do both.
     flow_matching: ClassVar[bool] = False
+    # Whether the family's own text-to-image pipeline sets the scheduler's begin index to 0 (it
+    # decides the first step only for schedules whose first timestep repeats).
+    begins_at_index_zero: ClassVar[bool] = False
 
-    def __init__(self, pipe, edits: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
+    def __init__(self, pipe, pipelines: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
         import torch
 
         self.torch = torch
         self.pipe = pipe
-        self.edits = edits  # task -> pipeline built with from_pipe (shares every component)
+        self.pipelines = pipelines  # task name -> its pipeline (edits: built with from_pipe)
         self.call_kwargs = call_kwargs
         self.device = pipe._execution_device
         self.dtype = self.denoiser.dtype
@@ -83,31 +141,119 @@ class Family:
     def new_scheduler(self):
         return copy.deepcopy(self.pipe.scheduler)
 
-    def uses_cfg(self, guidance_scale: float) -> bool:
-        """Whether the family's own pipeline runs classifier-free guidance at this scale."""
+    @staticmethod
+    def uses_cfg(guidance_scale: float, negative_prompt: str) -> bool:
+        """Whether the family's own pipeline runs classifier-free guidance for these settings."""
         return guidance_scale > 1
 
-    def encode(self, prompts: list[str], negatives: list[str] | None, cfg: bool) -> Conditioning:
+    def encode(self, prompts: list[str], negatives: list[str] | None, cfg: bool) -> Encoded:
         """One call of the pipeline's ``encode_prompt`` for several prompts. ``negatives`` is None
         where the pipeline would get no negative prompt (which some families treat differently
         from an empty one)."""
         raise NotImplementedError
 
-    def prepare(self, task: str, scheduler, steps: int, strength: float, width: int, height: int,
-                generators: list, cond_dtype, image=None, mask=None) -> Prepared:
+    def prepare(self, task: Task, scheduler, steps: int, strength: float, width: int, height: int,
+                generators: list, encoded: Encoded, inputs: dict[str, np.ndarray]) -> Prepared:
+        """A request's schedule and first latents, in the order of the family's own pipelines:
+        generation starts from noise; image-to-image from the input image noised to the first
+        timestep ``strength`` leaves; inpainting also keeps what each step blends back in."""
+        k, dtype = len(generators), encoded.positive.dtype
+        positive, negative = self.request_conditioning(task, width, height, encoded)
+        if not task.from_image:
+            timesteps = self.schedule(scheduler, steps, width, height)
+            if self.begins_at_index_zero:
+                scheduler.set_begin_index(0)
+            with scheduler_swapped(self.pipe, scheduler):
+                latents = self.noise_latents(k, width, height, dtype, generators)
+                return Prepared(timesteps, latents, positive, negative,
+                                self.step_kwargs(self.pipe, generators))
+        pipe = self.pipelines[task.name]
+        init = self.image_tensor(pipe, inputs["image"], width, height).repeat(k, 1, 1, 1)
+        with scheduler_swapped(pipe, scheduler):
+            timesteps = self.edit_schedule(pipe, scheduler, steps, strength, width, height)
+            start = timesteps[:1].repeat(k)
+            step_kwargs = self.step_kwargs(pipe, generators)
+            if not task.masked:
+                latents = self.image_latents(pipe, init, start, k, width, height, dtype, generators)
+                return Prepared(timesteps, latents, positive, negative, step_kwargs)
+            latents, noise, image_latents = self.inpaint_latents(
+                pipe, init, start, strength == 1.0, k, width, height, dtype, generators)
+            condition = self.mask_tensor(pipe, inputs["mask_image"], width, height).repeat(k, 1, 1, 1)
+            mask = self.mask_latents(pipe, condition, init * (condition < 0.5), k, width, height,
+                                     dtype, generators)
+            return Prepared(timesteps, latents, positive, negative, step_kwargs,
+                            Blend(mask, image_latents, noise))
+
+    def request_conditioning(self, task: Task, width: int, height: int,
+                             encoded: Encoded) -> tuple[Conditioning, Conditioning | None]:
+        """The prompt's conditioning plus what the family adds per request (SDXL: size ids)."""
+        return encoded.positive, encoded.negative
+
+    # The one call of the family's pipeline helper for each start; signatures differ per family.
+
+    def noise_latents(self, k: int, width: int, height: int, dtype, generators: list):
         raise NotImplementedError
+
+    def image_latents(self, pipe, init, start, k: int, width: int, height: int, dtype,
+                      generators: list):
+        raise NotImplementedError
+
+    def inpaint_latents(self, pipe, init, start, full_strength: bool, k: int, width: int,
+                        height: int, dtype, generators: list):
+        """(latents, noise, image_latents) of an inpainting request."""
+        raise NotImplementedError
+
+    def mask_latents(self, pipe, condition, masked_image, k: int, width: int, height: int, dtype,
+                     generators: list):
+        raise NotImplementedError
+
+    def step_kwargs(self, pipe, generators: list) -> dict[str, Any]:
+        """Extra keywords of every scheduler step (eta and the generators, where it takes them)."""
+        prepare = getattr(pipe, "prepare_extra_step_kwargs", None)
+        return prepare(generators, 0.0) if prepare else {}
+
+    def schedule(self, scheduler, steps: int, width: int, height: int):
+        """A request's whole noise schedule, set on its own scheduler as the family's
+        text-to-image pipeline sets it (families with shifted schedules override this)."""
+        from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
+
+        return retrieve_timesteps(scheduler, steps, self.device)[0]
+
+    def edit_schedule(self, pipe, scheduler, steps: int, strength: float, width: int, height: int):
+        """An edit's schedule: the whole one, cut by ``strength`` by the edit pipeline's own
+        ``get_timesteps`` (which also sets the scheduler's begin index). Call it with the
+        request's scheduler swapped into ``pipe``."""
+        self.schedule(scheduler, steps, width, height)
+        timesteps, remaining = pipe.get_timesteps(steps, strength, self.device)
+        if remaining < 1:
+            raise ValueError(f"strength {strength} leaves no denoising step of {steps}")
+        return timesteps
 
     # -- per step --------------------------------------------------------------------------
 
-    def forward(self, latents, timesteps, cond: dict[str, Any], guidance, width: int,
+    def forward(self, latents, timesteps, cond: Conditioning, guidance, width: int,
                 height: int) -> Any:
         """One denoiser forward over stacked rows: ``timesteps`` and ``guidance`` have one
         value per row, ``cond`` one row per row of ``latents``; every row has this size."""
         raise NotImplementedError
 
+    def guide(self, uncond, cond, scale: float):
+        """Classifier-free guidance of one request's rows."""
+        return uncond + scale * (cond - uncond)
+
+    def denoise_step(self, scheduler, prediction, timestep, latents, step_kwargs: dict[str, Any]):
+        """A request's own scheduler step from ``timestep``: its next latents."""
+        return scheduler.step(prediction, timestep, latents, **step_kwargs, return_dict=False)[0]
+
+    def blend(self, scheduler, blend: Blend, latents, next_timestep):
+        """Inpainting: outside the mask, the input at the noise level of ``next_timestep`` (None
+        after the last step: the input itself)."""
+        proper = blend.image_latents
+        if next_timestep is not None:
+            proper = self.renoise(scheduler, proper, blend.noise, next_timestep)
+        return (1 - blend.mask) * proper + blend.mask * latents
+
     def renoise(self, scheduler, image_latents, noise, timestep) -> Any:
-        """Inpainting: the input's latents at the noise level of ``timestep``, which each step
-        blends back in outside the mask."""
         t = self.torch.tensor([timestep])
         if self.flow_matching:
             return scheduler.scale_noise(image_latents, t, noise)
@@ -115,53 +261,43 @@ class Family:
 
     # -- at the end ------------------------------------------------------------------------
 
-    def decode(self, latents, width: int, height: int, task: str = GENERATE) -> np.ndarray:
+    def decode(self, latents, width: int, height: int, task: Task) -> np.ndarray:
         """Latents of finished samples to uint8 pixels (k, height, width, 3), as the pipeline of
         ``task`` decodes them."""
-        raise NotImplementedError
+        latents = self.vae_latents(self.unpack(latents, width, height), task)
+        return self.postprocess(self.vae_decode(latents))
 
-    # -- shared helpers --------------------------------------------------------------------
+    def unpack(self, latents, width: int, height: int):
+        """Latents as the VAE takes them (families that pack latents into tokens unpack here)."""
+        return latents
 
-    def _postprocess(self, image) -> np.ndarray:
+    def vae_latents(self, latents, task: Task):
+        """The denoiser's latents in the VAE's own scale."""
+        return latents / self.pipe.vae.config.scaling_factor
+
+    def vae_decode(self, latents):
+        return self.pipe.vae.decode(latents, return_dict=False)[0]
+
+    def postprocess(self, image) -> np.ndarray:
         pixels = self.pipe.image_processor.postprocess(
             image, output_type="np", do_denormalize=[True] * image.shape[0])
         return to_uint8(pixels)
 
-    def _image_tensor(self, pipe, image, width: int, height: int):
+    # -- shared helpers --------------------------------------------------------------------
+
+    def image_tensor(self, pipe, image: np.ndarray, width: int, height: int):
         """An input frame (uint8, height x width x 3) as the pipeline would preprocess it."""
         from PIL import Image
 
-        return pipe.image_processor.preprocess(Image.fromarray(image), height=height, width=width)
+        tensor = pipe.image_processor.preprocess(Image.fromarray(image), height=height, width=width)
+        return tensor.to(dtype=self.torch.float32)
 
-    def _mask_tensor(self, pipe, mask, width: int, height: int):
+    def mask_tensor(self, pipe, mask: np.ndarray, width: int, height: int):
         from PIL import Image
 
         return pipe.mask_processor.preprocess(Image.fromarray(mask), height=height, width=width)
-
-    def _schedule(self, scheduler, steps: int, width: int, height: int):
-        """A request's whole noise schedule, set on its own scheduler as the family's
-        text-to-image pipeline sets it (families with shifted schedules override this)."""
-        from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
-
-        return retrieve_timesteps(scheduler, steps, self.device)[0]
-
-    def _edit_schedule(self, pipe, scheduler, steps: int, strength: float, width: int,
-                       height: int):
-        """An edit's schedule: the whole one, cut by ``strength`` by the edit pipeline's own
-        ``get_timesteps`` (which also sets the scheduler's begin index). Call it with the
-        request's scheduler swapped into ``pipe``."""
-        self._schedule(scheduler, steps, width, height)
-        timesteps, remaining = pipe.get_timesteps(steps, strength, self.device)
-        if remaining < 1:
-            raise ValueError(f"strength {strength} leaves no denoising step of {steps}")
-        return timesteps
 
 
 def to_uint8(pixels) -> np.ndarray:
     """Float pixels in [0, 1] (k, H, W, 3) to contiguous uint8, the one rounding rule everywhere."""
     return np.ascontiguousarray((np.clip(np.asarray(pixels), 0.0, 1.0) * 255.0).round().astype(np.uint8))
-
-
-def rows(tensor, count: int):
-    """``tensor``'s single row repeated ``count`` times (a request's prompt for each of its images)."""
-    return tensor.repeat(count, *([1] * (tensor.dim() - 1)))

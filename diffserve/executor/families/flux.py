@@ -3,31 +3,45 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
-from diffserve.executor.families.base import Conditioning, Family, Prepared, scheduler_swapped
-from diffserve.protocol import EDIT, GENERATE
+from diffserve.executor.families.base import Conditioning, Encoded, Family, shared
+
+# Position ids of the image tokens, per size: cheap to make, but kept for the sizes in use
+# (sizes are the clients' choice, so the cache is bounded).
+IMAGE_IDS_CACHED = 8
+
+
+@dataclass
+class FluxConditioning(Conditioning):
+    prompt_embeds: Any
+    pooled_projections: Any
+    text_ids: Any = shared()  # the text tokens' position ids: the same for every prompt
 
 
 class Flux(Family):
     name = "flux"
     pipelines = ("FluxPipeline",)
     flow_matching = True
+    begins_at_index_zero = True
 
-    def __init__(self, pipe, edits, call_kwargs) -> None:
-        super().__init__(pipe, edits, call_kwargs)
-        self._text_ids = None
-        self._image_ids: dict[tuple[int, int], object] = {}
+    def __init__(self, pipe, pipelines, call_kwargs) -> None:
+        super().__init__(pipe, pipelines, call_kwargs)
+        self._image_ids: OrderedDict[tuple[int, int], Any] = OrderedDict()
 
-    def uses_cfg(self, guidance_scale: float) -> bool:
+    @staticmethod
+    def uses_cfg(guidance_scale, negative_prompt):
         return False  # guidance is an input of the transformer; negative prompts are not used
 
     def encode(self, prompts, negatives, cfg):
         positive, pooled, text_ids = self.pipe.encode_prompt(
             prompts, None, device=self.device, num_images_per_prompt=1,
             max_sequence_length=self.call_kwargs.get("max_sequence_length", 512))
-        self._text_ids = text_ids  # the same for every prompt of this model
-        return Conditioning({"encoder_hidden_states": positive, "pooled_projections": pooled})
+        return Encoded(FluxConditioning(positive, pooled, text_ids))
 
     def _latent_ids(self, width: int, height: int):
         key = (width, height)
@@ -37,6 +51,9 @@ class Flux(Family):
             lat_w = 2 * (width // (pipe.vae_scale_factor * 2))
             self._image_ids[key] = pipe._prepare_latent_image_ids(
                 1, lat_h // 2, lat_w // 2, self.device, self.dtype)
+            while len(self._image_ids) > IMAGE_IDS_CACHED:
+                self._image_ids.popitem(last=False)
+        self._image_ids.move_to_end(key)
         return self._image_ids[key]
 
     def forward(self, latents, timesteps, cond, guidance, width, height):
@@ -44,16 +61,17 @@ class Flux(Family):
         return transformer(
             hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000,
             guidance=guidance if transformer.config.guidance_embeds else None,
-            txt_ids=self._text_ids, img_ids=self._latent_ids(width, height), return_dict=False,
-            **cond)[0]
+            encoder_hidden_states=cond.prompt_embeds, pooled_projections=cond.pooled_projections,
+            txt_ids=cond.text_ids, img_ids=self._latent_ids(width, height), return_dict=False)[0]
 
-    def decode(self, latents, width, height, task=GENERATE):
-        pipe, vae = self.pipe, self.pipe.vae
-        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
-        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-        return self._postprocess(vae.decode(latents, return_dict=False)[0])
+    def unpack(self, latents, width, height):
+        return self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
 
-    def _schedule(self, scheduler, steps: int, width: int, height: int):
+    def vae_latents(self, latents, task):
+        config = self.pipe.vae.config
+        return latents / config.scaling_factor + config.shift_factor
+
+    def schedule(self, scheduler, steps, width, height):
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
         config = scheduler.config
@@ -65,31 +83,26 @@ class Flux(Family):
                              config.get("max_shift", 1.15))
         return retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)[0]
 
-    def prepare(self, task, scheduler, steps, strength, width, height, generators, cond_dtype,
-                image=None, mask=None):
-        k = len(generators)
-        channels = self.pipe.transformer.config.in_channels // 4
-        if task == GENERATE:
-            latents, _ = self.pipe.prepare_latents(k, channels, height, width, cond_dtype,
-                                                   self.device, generators)
-            timesteps = self._schedule(scheduler, steps, width, height)
-            scheduler.set_begin_index(0)
-            return Prepared(timesteps, latents)
-        pipe = self.edits[task]
-        init = self._image_tensor(pipe, image, width, height).to(dtype=self.torch.float32)
-        init = init.repeat(k, 1, 1, 1)
-        with scheduler_swapped(pipe, scheduler):
-            timesteps = self._edit_schedule(pipe, scheduler, steps, strength, width, height)
-            start = timesteps[:1].repeat(k)
-            if task == EDIT:
-                latents, _ = pipe.prepare_latents(init, start, k, channels, height, width,
-                                                  cond_dtype, self.device, generators)
-                return Prepared(timesteps, latents)
-            latents, noise, image_latents, _ = pipe.prepare_latents(
-                init, start, k, channels, height, width, cond_dtype, self.device, generators)
-            condition = self._mask_tensor(pipe, mask, width, height).repeat(k, 1, 1, 1)
-            mask_latents, _ = pipe.prepare_mask_latents(
-                condition, init * (condition < 0.5), k, channels, 1, height, width, cond_dtype,
-                self.device, generators)
-            return Prepared(timesteps, latents, blend={"mask": mask_latents,
-                                                       "image_latents": image_latents, "noise": noise})
+    @property
+    def _channels(self) -> int:
+        return self.pipe.transformer.config.in_channels // 4
+
+    def noise_latents(self, k, width, height, dtype, generators):
+        latents, _ = self.pipe.prepare_latents(k, self._channels, height, width, dtype,
+                                               self.device, generators)
+        return latents
+
+    def image_latents(self, pipe, init, start, k, width, height, dtype, generators):
+        latents, _ = pipe.prepare_latents(init, start, k, self._channels, height, width, dtype,
+                                          self.device, generators)
+        return latents
+
+    def inpaint_latents(self, pipe, init, start, full_strength, k, width, height, dtype, generators):
+        latents, noise, image_latents, _ = pipe.prepare_latents(
+            init, start, k, self._channels, height, width, dtype, self.device, generators)
+        return latents, noise, image_latents
+
+    def mask_latents(self, pipe, condition, masked_image, k, width, height, dtype, generators):
+        mask, _ = pipe.prepare_mask_latents(condition, masked_image, k, self._channels, 1, height,
+                                            width, dtype, self.device, generators)
+        return mask

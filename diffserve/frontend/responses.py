@@ -1,0 +1,98 @@
+"""Answering an accepted image request: its images encoded, as one JSON body or as a stream of
+Server-Sent Events (see :mod:`diffserve.frontend.streaming` for the events)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor
+from typing import Awaitable, Callable
+
+import orjson
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from diffserve.errors import APIError
+from diffserve.frontend import streaming
+from diffserve.frontend.encode import encode_images
+from diffserve.frontend.engine_client import DoneEvent, Submission
+from diffserve.frontend.schemas import ImageOptions
+from diffserve.frontend.usage import usage
+from diffserve.protocol import ImageRequest
+
+# What the stream events say of quality: the server runs the request's own settings (steps,
+# guidance) and has no quality levels, which the API calls "auto". JSON answers leave the field
+# out (the API's images response admits no "auto" there).
+STREAMED_QUALITY = "auto"
+
+
+class OrjsonResponse(JSONResponse):
+    """Large base64 payloads: orjson serialises them several times faster than json."""
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content)
+
+
+class ImageAnswer:
+    """One accepted request's answer; ``events`` names its stream events (see streaming)."""
+
+    def __init__(self, request: ImageRequest, body: ImageOptions, events: str, created: float,
+                 spatial_stride: int, pool: Executor) -> None:
+        self.request, self.body, self.events = request, body, events
+        self.created = int(created)
+        self.stride, self.pool = spatial_stride, pool
+        self.size = f"{request.width}x{request.height}"
+
+    def _encode(self, frames: list) -> Awaitable[list[str]]:
+        r, b = self.request, self.body
+        return encode_images(self.pool, frames, r.width, r.height, b.output_format,
+                             b.output_compression)
+
+    def _usage(self, text_tokens: int, images: int) -> dict:
+        return usage(self.request, self.stride, text_tokens, images)
+
+    async def json(self, done: DoneEvent) -> OrjsonResponse:
+        encoded = await self._encode(done.frames)
+        return OrjsonResponse({
+            "created": self.created,
+            "data": [{"b64_json": b64, "seed": seed} for b64, seed in zip(encoded, done.done.seeds)],
+            "output_format": self.body.output_format, "size": self.size, "background": "opaque",
+            "usage": self._usage(done.done.prompt_tokens, self.request.n),
+        })
+
+    def stream(self, first, submission: Submission,
+               next_event: Callable[[], Awaitable], finished: Callable[[str], None]) -> StreamingResponse:
+        """The events from ``first`` on; ``next_event()`` awaits the next one or gives None if
+        the client left. ``finished(outcome)`` is called once, when the stream ends."""
+        common = {"created_at": self.created, "size": self.size, "quality": STREAMED_QUALITY,
+                  "background": "opaque", "output_format": self.body.output_format}
+        n = self.request.n
+
+        async def events():
+            outcome = "cancelled"
+            try:
+                event = first
+                while True:
+                    if isinstance(event, DoneEvent):
+                        encoded = await self._encode(event.frames)
+                        tokens = event.done.prompt_tokens
+                        for i, (b64, seed) in enumerate(zip(encoded, event.done.seeds)):
+                            yield streaming.completed(self.events, common, b64, self._usage(tokens, 1),
+                                                      i, n, seed)
+                        outcome = "success"
+                        return
+                    (b64,) = await self._encode([event.frame])
+                    yield streaming.partial_image(self.events, common, b64,
+                                                  event.partial.partial_index, event.partial.index, n)
+                    event = await next_event()
+                    if event is None:
+                        return
+            except APIError as error:
+                outcome = error.outcome
+                yield streaming.error(error.body())
+            except asyncio.CancelledError:
+                raise
+            finally:
+                submission.close()  # the client left: the engine drops the work
+                finished(outcome)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=None)

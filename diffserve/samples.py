@@ -1,0 +1,99 @@
+"""A request's samples and the rows they take in a batch: the bookkeeping both engines share.
+
+- :func:`chunks`: consecutive runs of a stacked batch (tensor, array or list), one per member;
+- :func:`split_inputs` / :func:`input_arrays`: the input frames each work item carries, as arrays;
+- :func:`generators`: one generator per image, so each image depends on its own seed only;
+- :func:`group_by`: members grouped by a key, in first-seen order (e.g. with or without a
+  negative prompt);
+- :func:`isolate`: run a batch, and where it raises, run each group alone, so that only the
+  request that causes an error fails.
+
+Torch is imported only where a function needs it: the scheduler process uses this module too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Hashable, Iterable, Sequence, TypeVar
+
+from diffserve.protocol import ImageRequest, ProtocolError, WorkItem
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def chunks(stacked: Any, sizes: Iterable[int]) -> list[Any]:
+    """``stacked`` cut into consecutive runs of ``sizes`` rows; the sizes must add up to its
+    length (a batch that does not line up with its members is a bug, not a rounding matter)."""
+    parts, offset = [], 0
+    for size in sizes:
+        parts.append(stacked[offset:offset + size])
+        offset += size
+    if offset != len(stacked):
+        raise ValueError(f"a batch of {len(stacked)} rows does not split into parts of {offset}")
+    return parts
+
+
+def split_inputs(items: Sequence[WorkItem], frames: list[Any]) -> list[list[Any]]:
+    """The input frames of each item, which follow a work message's header item after item."""
+    counts = [item.request.input_frames for item in items]
+    if sum(counts) != len(frames):
+        raise ProtocolError(f"work carries {len(frames)} input frames, its items {sum(counts)}")
+    return chunks(frames, counts)
+
+
+def input_arrays(request: ImageRequest, frames: list[Any]) -> dict[str, Any]:
+    """A request's input frames as uint8 arrays, by the pipeline keyword of each input."""
+    import numpy as np
+
+    inputs = request.task_spec.inputs
+    if len(frames) != len(inputs):
+        raise ProtocolError(f"a {request.task} request carries {len(inputs)} input frames, "
+                            f"not {len(frames)}")
+    return {spec.name: np.asarray(frame, np.uint8).reshape(spec.shape(request.width, request.height))
+            for spec, frame in zip(inputs, frames)}
+
+
+def generators(request: ImageRequest, start: int, stop: int) -> list:
+    """One CPU generator per image ``start``..``stop-1``, seeded as the API promises (image i:
+    seed + i). CPU generators draw the same noise on every device."""
+    import torch
+
+    return [torch.Generator("cpu").manual_seed(request.seed_of(i)) for i in range(start, stop)]
+
+
+def group_by(members: Iterable[T], key: Callable[[T], Hashable]) -> dict[Hashable, list[T]]:
+    groups: dict[Hashable, list[T]] = {}
+    for member in members:
+        groups.setdefault(key(member), []).append(member)
+    return groups
+
+
+def isolate(members: list[T], run: Callable[[list[T]], list[R]], group: Callable[[T], Hashable],
+            what: str) -> list[tuple[T, R | Exception]]:
+    """``run`` once over ``members`` (one result per member); if it raises, once per group of
+    members, so an error costs only the group that causes it. ``run`` must have no effect that
+    a retry would repeat. Returns each member with its result or the error of its group."""
+    try:
+        results = run(members)
+    except Exception as batch_error:  # noqa: BLE001 - find the culprit below
+        if len(group_by(members, group)) == 1:
+            return [(m, batch_error) for m in members]
+        log.warning("%s failed for a batch (%s: %s); retrying each request alone", what,
+                    type(batch_error).__name__, batch_error)
+        found: list[tuple[T, R | Exception]] = []
+        for part in group_by(members, group).values():
+            try:
+                found.extend(zip(part, checked(run(part), part)))
+            except Exception as error:  # noqa: BLE001 - only this group fails
+                found.extend((m, error) for m in part)
+        return found
+    return list(zip(members, checked(results, members)))
+
+
+def checked(results: list[R], members: list) -> list[R]:
+    if len(results) != len(members):
+        raise RuntimeError(f"{len(results)} results for {len(members)} members")
+    return results

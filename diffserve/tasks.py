@@ -1,0 +1,66 @@
+"""What a request asks the engine to do, declared once.
+
+A task says which diffusers pipeline runs it (the loaded one, or one built from its components by
+a diffusers auto-pipeline), which input images travel with it (raw pixel frames after the
+request's header, in this order), and how its denoising starts. Validation, loading, both engines
+and the families read this table; a new task is an entry here plus what its family does
+differently, never a chain of ``if task == ...`` across the code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Input:
+    """An input image: the pipeline keyword it is passed as, its pixel channels (a frame is
+    uint8, height x width x channels; a single channel is sent as height x width), and the API
+    field it is uploaded in."""
+
+    name: str
+    channels: int
+    param: str
+
+    def shape(self, width: int, height: int) -> tuple[int, ...]:
+        return (height, width, self.channels) if self.channels > 1 else (height, width)
+
+
+IMAGE = Input("image", 3, "image")
+MASK = Input("mask_image", 1, "mask")
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    inputs: tuple[Input, ...] = ()
+    # The diffusers auto-pipeline that builds this task's pipeline from the loaded one's components
+    # (no second copy of the weights); None: the loaded pipeline itself.
+    auto_pipeline: str | None = None
+    description: str = ""
+
+    @property
+    def from_image(self) -> bool:
+        """Denoising starts from the input image noised to ``strength``, not from pure noise."""
+        return IMAGE in self.inputs
+
+    @property
+    def masked(self) -> bool:
+        """Outside the mask, every step puts the input image back at the current noise level."""
+        return MASK in self.inputs
+
+
+GENERATE = Task("generate", description="text to image")
+IMAGE_TO_IMAGE = Task("image-to-image", (IMAGE,), "AutoPipelineForImage2Image",
+                      "an input image redrawn to the prompt")
+INPAINT = Task("inpaint", (IMAGE, MASK), "AutoPipelineForInpainting",
+               "the masked part of an input image redrawn to the prompt")
+
+TASKS: dict[str, Task] = {task.name: task for task in (GENERATE, IMAGE_TO_IMAGE, INPAINT)}
+
+
+def task_named(name: str) -> Task:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}") from None
