@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     bound_openmp_spin()  # as the executor does, before torch loads
     import torch
 
+    from diffserve.config import ServerConfig
     from diffserve.executor.families import family_for
     from diffserve.executor.loading import load_model, model_info, task_pipelines
     from diffserve.executor.request_runner import RequestRunner
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     family = fam_cls(loaded.pipe, pipelines, loaded.call_kwargs) if fam_cls else None
     if args.batching_mode == "step" and family is None:
         p.error(f"step mode does not support {loaded.pipeline_class}; use --batching-mode request")
-    info = model_info(loaded, args.model, args.batching_mode, fam_cls, list(pipelines))
+    info = model_info(loaded, ServerConfig(model=args.model), args.batching_mode, fam_cls,
+                      list(pipelines))
     width, height = (int(v) for v in args.size.lower().split("x")) if args.size else (info.width, info.height)
     steps = args.steps or info.default_steps
     prompts = [ln.strip() for ln in PROMPTS.read_text().splitlines() if ln.strip() and not ln.startswith("#")]

@@ -44,6 +44,10 @@ class BenchConfig:
     size: str | None = None
     steps: int | None = None
     mixed_steps: list[int] | None = None
+    # Sizes to mix: in turn, or drawn with --size-weights (seeded); latency is reported per size.
+    sizes: list[str] | None = None
+    size_weights: list[float] | None = None
+    models: list[str] | None = None  # `model` of request i: models[i % len] (e.g. LoRA adapters)
     n: int = 1
     seed: int = 0
     warmup: int = 2  # per base URL
@@ -66,9 +70,18 @@ def build_payloads(cfg: BenchConfig, count: int, rng: random.Random) -> list[dic
     for i, prompt in enumerate(prompts[:count]):
         body = {"prompt": prompt, "n": cfg.n, "seed": seed_base + i * cfg.n,  # n seeds from there
                 "num_inference_steps": rng.choice(cfg.mixed_steps) if cfg.mixed_steps else cfg.steps,
-                "size": cfg.size, "output_format": cfg.output_format}
+                "size": _size(cfg, i, rng), "output_format": cfg.output_format,
+                "model": cfg.models[i % len(cfg.models)] if cfg.models else None}
         bodies.append({**{k: v for k, v in body.items() if v is not None}, **cfg.extra_body})
     return bodies
+
+
+def _size(cfg: BenchConfig, i: int, rng: random.Random) -> str | None:
+    if not cfg.sizes:
+        return cfg.size
+    if cfg.size_weights:
+        return rng.choices(cfg.sizes, cfg.size_weights)[0]
+    return cfg.sizes[i % len(cfg.sizes)]
 
 
 async def send(client: aiohttp.ClientSession, url: str, body: dict) -> dict:
@@ -136,12 +149,14 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     latency = percentiles([o["latency_s"] for _, o in ok])
     by_steps = {str(k): percentiles([o["latency_s"] for b, o in ok if b.get("num_inference_steps") == k])
                 for k in sorted(set(cfg.mixed_steps or []))}
+    by_size = {size: percentiles([o["latency_s"] for b, o in ok if b.get("size") == size])
+               for size in dict.fromkeys(cfg.sizes or [])}
     images = sum(o["images"] for _, o in ok)
     config = {**asdict(cfg), "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate}
     return {"label": cfg.label, "base_urls": urls, "config": config, "duration_s": duration,
             "completed": len(ok), "failed": len(outcomes) - len(ok), "images": images,
             "requests_per_s": len(ok) / duration, "images_per_s": images / duration,
-            "latency_s": latency, "latency_by_steps_s": by_steps,
+            "latency_s": latency, "latency_by_steps_s": by_steps, "latency_by_size_s": by_size,
             "latencies_s": [round(o["latency_s"], 6) for _, o in ok], "errors": errors,
             "server_metrics": server_metrics.delta(before, after, duration, latency["mean"])}
 
@@ -158,6 +173,8 @@ def format_report(r: dict) -> str:
             ("Latency mean/p50/p90/p99 (ms)", " / ".join(ms(lat[k]) for k in ("mean", "p50", "p90", "p99")))]
     rows += [(f"  {steps} steps: mean/p50/p99 (ms)", " / ".join(ms(v[k]) for k in ("mean", "p50", "p99"))
               + f" ({v['count'] or 0} requests)") for steps, v in r["latency_by_steps_s"].items()]
+    rows += [(f"  {size}: mean/p50/p99 (ms)", " / ".join(ms(v[k]) for k in ("mean", "p50", "p99"))
+              + f" ({v['count'] or 0} requests)") for size, v in r.get("latency_by_size_s", {}).items()]
     if sm:
         rows += [("Server: mode, executors", f"{sm['batching_mode']}, {sm['executors']:.0f}"),
                  ("Server: dispatches", f"{sm['dispatches']:.0f} (" + ", ".join(
@@ -191,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the server's).")
     p.add_argument("--mixed-steps", type=lambda t: [int(v) for v in t.split(",")], default=None,
                    help="Comma-separated step counts; each request draws one (seeded).")
+    p.add_argument("--sizes", type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
+                   default=None, help='Sizes to mix, e.g. "32x32,48x48": in turn, or drawn with '
+                   "--size-weights; latency is reported per size.")
+    p.add_argument("--size-weights", type=lambda t: [float(v) for v in t.split(",")], default=None,
+                   help='Draw --sizes with these weights (seeded), e.g. "9,1".')
+    p.add_argument("--models", type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
+                   default=None, help="`model` of request i is the (i mod count)-th of these "
+                   "(e.g. LoRA adapters served as models).")
     p.add_argument("--n", type=int, default=1, help="Images per request.")
     p.add_argument("--seed", type=int, default=0, help="Seeds prompts, arrivals, step draws, images.")
     p.add_argument("--warmup", type=int, default=2, help="Untimed requests per base URL first.")

@@ -11,6 +11,21 @@ one server (or one set of servers) at a time, loaded by bench_serving (see docs/
 - ``overhead``: what the server itself costs, in each mode: saturated img/s and p99 (closed loop
   at ``--concurrency``) and the idle overhead at concurrency 1 (a request's latency beyond its
   time in the engine and the batching delay).
+- ``sizes``: two sizes (``--sizes``), Poisson arrivals at ``--sizes-load`` percent of request
+  mode's saturated rate with the sizes alternating (seeded), in request mode, in step mode as it
+  was before several running sets (``--before-tree``, a checkout of that commit) and in step
+  mode now: each size's p50 and p99; each size's arrivals alone (same rate); one size only at the
+  full rate (images per forward); a 90/10 mix with the rare size's arrivals alone; and the
+  saturated throughput with mixed sizes.
+- ``lora``: requests spread evenly over k distinct LoRA adapters (``--lora-counts``, 0 = none),
+  random adapters of each rank in ``--lora-ranks`` written offline (``tools/loras.py``). Step
+  mode: saturated img/s (closed loop at ``--concurrency``) for every k, and p99 under Poisson
+  arrivals at ``--lora-load`` percent of the saturated rate without adapters, with none and with
+  the most adapters; request mode (one stack per call) saturated with the most adapters.
+- ``rollout``: ``POST /v1/rollouts`` on a flow-matching model: ``--rollout-prompts`` prompts x
+  ``--rollout-n`` samples sent as one request per prompt (step mode, request mode) and as single
+  requests of one sample each (step mode), all at once: samples/s and the time to the last sample
+  of a group.
 
 ``--tree DIR`` runs the diffserve servers from another checkout of the project (e.g. a git
 worktree of an earlier commit), so that a change is measured against what it replaced with the
@@ -37,8 +52,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # tools/
 
 from bench_serving import BenchConfig, run_benchmark  # noqa: E402
+from figures import TREE, judge, median, ms, ratio  # noqa: E402
+from traffic import lora, rollout, sizes  # noqa: E402
 
 from diffserve.config import DEFAULT_MODEL  # noqa: E402
 from diffserve.launcher import LaunchError, ServerProcess, free_port  # noqa: E402
@@ -51,21 +69,17 @@ TARGETS = {  # scenario -> (figure, comparison, bound)
               (f"short mean ms (mixed), {STEP_OVER_REQUEST}", "<=", 0.5),
               ("idle overhead ms, step", "<=", 5.0), ("idle overhead ms, request", "<=", 5.0)],
     "scale": [], "baseline": [], "overhead": [],
+    "sizes": [*((f"p99 {i}, mixed / alone", "<=", 1.6) for i in ("size 1", "size 2")),
+              *((f"p50 {i}, step / request", "<=", 0.85) for i in ("size 1", "size 2")),
+              ("images per forward, mixed / uniform", ">=", 0.8),
+              ("p99 rare size (90/10), mixed / alone", "<=", 2.0),
+              ("saturated img/s mixed, step / request", ">=", 0.95)],
+    "rollout": [("samples/s, groups / singles, step", ">=", 1.3),
+                ("samples/s, groups, step / request", ">=", 1.0)],
+    "lora": [("saturated img/s, 16 adapters / none, rank 8", ">=", 0.8),
+             ("saturated img/s, 16 adapters, step/request, rank 8", ">=", 2.0),
+             ("p99 @70%, 16 adapters / none, rank 8", "<=", 1.3)],
 }
-
-
-def median(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def judge(value: float | None, op: str, bound: float) -> bool | None:
-    """True (met), False (missed) or None (not measured)."""
-    return None if value is None else (value >= bound if op == ">=" else value <= bound)
 
 
 def summarize(rounds: list[dict[str, float | None]], targets: list[tuple[str, str, float]]) -> dict:
@@ -91,10 +105,6 @@ def format_table(summary: dict, targets: list[tuple[str, str, float]]) -> str:
     return "\n".join(rows)
 
 
-def ms(seconds: float | None) -> float | None:
-    return None if seconds is None else 1000 * seconds
-
-
 class Bench:
     """Starts servers for one round and runs bench_serving against them; keeps every result."""
 
@@ -108,7 +118,10 @@ class Bench:
         opts = {"--model": a.model, "--torch-threads": a.torch_threads, "--log-level": "warning",
                 "--dynamic-batch-max-size": a.max_batch_size, "--dynamic-batch-delay-ms": a.batch_delay_ms,
                 **({"--batching-mode": a.batching_mode} if a.batching_mode else {}), **overrides}
-        return [str(x) for pair in opts.items() for x in pair]
+        args = []
+        for flag, value in opts.items():  # a list is a flag that takes several values
+            args += [flag, *map(str, value if isinstance(value, (list, tuple)) else [value])]
+        return args
 
     @contextlib.contextmanager
     def servers(self, name: str, *configs: dict | None):
@@ -123,8 +136,10 @@ class Bench:
                 kwargs["env"] = {"OMP_NUM_THREADS": str(a.torch_threads or os.cpu_count())}
                 procs.append(ServerProcess(cmd, port, log, **kwargs))
             else:
-                if a.tree:  # that checkout's diffserve, not this one's
-                    kwargs["env"] = {"PYTHONPATH": str(Path(a.tree).resolve())}
+                overrides = dict(overrides)
+                tree = overrides.pop(TREE, None) or a.tree
+                if tree:  # that checkout's diffserve, not this one's
+                    kwargs["env"] = {"PYTHONPATH": str(Path(tree).resolve())}
                 procs.append(ServerProcess.diffserve(*self.serve_args(overrides), log_path=log, **kwargs))
         with contextlib.ExitStack() as stack:
             for proc in procs:
@@ -217,7 +232,8 @@ def baseline(b: Bench) -> dict[str, float | None]:
     return f
 
 
-SCENARIOS = {"modes": modes, "scale": scale, "baseline": baseline, "overhead": overhead}
+SCENARIOS = {"modes": modes, "scale": scale, "baseline": baseline, "overhead": overhead,
+             "lora": lora, "sizes": sizes, "rollout": rollout}
 
 
 def plot(summary: dict, loads: list[int], path: Path, title: str) -> bool:
@@ -255,6 +271,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-steps", type=ints, default=[8, 32], help="modes: step counts to mix.")
     p.add_argument("--idle-requests", type=int, default=32, help="modes: requests at concurrency 1.")
     p.add_argument("--warmup", type=int, default=4, help="Untimed requests per server per measurement.")
+    p.add_argument("--sizes", type=lambda t: [v.strip() for v in t.split(",")], default=None,
+                   help='sizes: the two sizes to mix, e.g. "32x32,48x48" (required).')
+    p.add_argument("--sizes-load", type=int, default=60, help="sizes: %% of request mode's saturation.")
+    p.add_argument("--before-tree", default=None, help="sizes: a checkout of step mode as it was "
+                   "before several running sets, measured beside.")
+    p.add_argument("--lora-counts", type=ints, default=[0, 1, 4, 16], help="lora: distinct adapters.")
+    p.add_argument("--lora-ranks", type=ints, default=[8, 64], help="lora: adapter ranks.")
+    p.add_argument("--lora-load", type=int, default=70, help="lora: %% of saturation for the p99.")
+    p.add_argument("--rollout-prompts", type=int, default=4, help="rollout: prompts (groups).")
+    p.add_argument("--rollout-n", type=int, default=16, help="rollout: samples per prompt; also "
+                   "the servers' --max-n and --dynamic-batch-max-size.")
+    p.add_argument("--rollout-repeats", type=int, default=3, help="rollout: timed repeats per layout.")
     p.add_argument("--max-batch-size", type=int, default=8, help="--dynamic-batch-max-size.")
     p.add_argument("--batch-delay-ms", type=float, default=8.0, help="--dynamic-batch-delay-ms.")
     p.add_argument("--batching-mode", choices=("auto", "step", "request"), default=None,
@@ -273,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     from diffserve.models.registry import resolve_model, serving_defaults
 
     # Built once now, not by several servers at once; the steps a saturated request runs.
+    if args.scenario == "sizes" and len(args.sizes or []) != 2:
+        p.error("sizes needs --sizes with two sizes, e.g. 32x32,48x48")
     args.default_steps = int(serving_defaults(resolve_model(args.model)).get("num_inference_steps", 20))
     rounds, failed = [], False
     for index in range(args.rounds):

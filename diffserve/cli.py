@@ -1,5 +1,5 @@
-"""Command line: ``diffserve serve`` (flags generated from :class:`ServerConfig`) and
-``diffserve models``."""
+"""Command line: ``diffserve serve`` (flags generated from :class:`ServerConfig`),
+``diffserve models`` and ``diffserve calibrate``."""
 
 from __future__ import annotations
 
@@ -21,12 +21,20 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         extra = f" Bounds: {', '.join(bounds)}." if bounds else ""
         if meta.get("env"):
             extra += f" Env: {meta['env']}."
-        default = f.default if f.default != "" else "(unset)"
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default),
-            choices=meta.get("choices"), default=None, metavar=None if meta.get("choices") else
-            type(f.default).__name__.upper(),
-            help=f"{meta['help']} Default: {default}.{extra}")
+        default = f.default if f.default not in ("", ()) else "(unset)"
+        flag, kind = "--" + f.name.replace("_", "-"), type(f.default)
+        help_text = f"{meta['help']} Default: {default}.{extra}"
+        if kind is bool:  # a switch; unset stays None so the environment or default applies
+            parser.add_argument(flag, dest=f.name, action="store_const", const=True, default=None,
+                                help=help_text)
+        elif kind is tuple:
+            parser.add_argument(flag, dest=f.name, nargs="+", default=None,
+                                metavar=meta.get("metavar") or "VALUE", help=help_text)
+        else:
+            parser.add_argument(
+                flag, dest=f.name, type=kind, choices=meta.get("choices"), default=None,
+                metavar=None if meta.get("choices") else meta.get("metavar") or kind.__name__.upper(),
+                help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,10 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve a diffusion model over an OpenAI-style HTTP API.")
     _add_config_flags(serve)
     sub.add_parser("models", help="List the embedded models.")
+    sub.add_parser("calibrate", add_help=False,
+                   help="Measure step time against cost on a model and device; suggest "
+                   "--max-batch-cost and --max-running-cost (diffserve calibrate --help).")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:
+        from diffserve.calibrate import main as calibrate
+
+        return calibrate(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "models":
         from diffserve.config import DEFAULT_MODEL

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MODEL = "shapes"
+RESERVED_ADAPTER_NAME = "none"  # how the metrics name requests without an adapter
 
 
 class ConfigError(ValueError):
@@ -20,10 +21,12 @@ class ConfigError(ValueError):
 
 
 def option(default: Any, help: str, *, ge: float | None = None, le: float | None = None,
-           choices: tuple[str, ...] | None = None, env: str | None = None) -> Any:
-    """A config field with its help text and bounds kept beside the default."""
+           choices: tuple[str, ...] | None = None, env: str | None = None,
+           metavar: str | None = None) -> Any:
+    """A config field with its help text and bounds kept beside the default. A tuple default
+    makes a flag that takes several values; a bool default, a switch."""
     return field(default=default, metadata={"help": help, "ge": ge, "le": le,
-                                            "choices": choices, "env": env})
+                                            "choices": choices, "env": env, "metavar": metavar})
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,15 @@ class ServerConfig:
         8.0, "Longest a batch that is not full waits for more requests, counted from its oldest "
         "request's arrival. A full batch, or any batch once the executor frees up after the delay, "
         "goes at once.", ge=0, le=60_000)
+    max_batch_cost: float = option(
+        0.0, "Most cost one denoiser forward carries, in rows at the model's native size (an "
+        "image is one row, two with classifier-free guidance, times its pixels over the native "
+        "size's). 0 = --dynamic-batch-max-size native images at the model's default guidance. A "
+        "request whose single image costs more is refused (400); larger n is split.",
+        ge=0, le=1_000_000)
+    max_running_cost: float = option(
+        0.0, "Step mode: most cost an executor holds across its running sets (one per size). 0 = "
+        "twice --max-batch-cost.", ge=0, le=1_000_000)
     batching_mode: str = option(
         "auto", "How requests share the model. request: one batched pipeline call per batch, for "
         "any diffusers text-to-image pipeline. step: requests join and leave a running batch "
@@ -89,6 +101,22 @@ class ServerConfig:
                                 ge=0, le=1024)
     startup_timeout_s: float = option(600.0, "Longest wait for the model to load before giving up.",
                                       ge=1, le=86_400)
+    lora_modules: tuple[str, ...] = option(
+        (), "LoRA adapters to serve, each NAME=PATH: a .safetensors file or a directory as "
+        "diffusers' save_lora_weights writes it (kohya/A1111 layouts too, where diffusers converts "
+        "them). Clients pick one with model=NAME, or stack several with the loras field.",
+        metavar="NAME=PATH")
+    max_loras: int = option(8, "Most LoRA adapters resident in each executor; the least recently "
+                            "used one that no running request uses is unloaded for another.",
+                            ge=1, le=1024)
+    max_lora_rank: int = option(128, "Largest rank of a LoRA adapter (larger ones are refused).",
+                                ge=1, le=4096)
+    max_loras_per_request: int = option(4, "Most adapters one request may stack.", ge=1, le=64)
+    enable_lora_runtime_updates: bool = option(
+        False, "Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (API key required "
+        "where one is set; paths only inside --lora-dir).")
+    lora_dir: str = option("", "Directory that runtime-loaded adapters must lie in (symlinks "
+                           "resolved); required with --enable-lora-runtime-updates.")
     log_level: str = option("info", "Log level.",
                             choices=("debug", "info", "warning", "error", "critical"))
 
@@ -109,6 +137,16 @@ class ServerConfig:
                               f"--data-parallel-size={self.data_parallel_size}")
         if listed and not all(listed):
             raise ConfigError(f"--devices={self.devices!r} has an empty entry")
+        adapters = self.lora_adapters  # checks each NAME=PATH
+        if self.model_name in adapters:
+            raise ConfigError(f"--lora-modules names an adapter {self.model_name!r}, the served "
+                              "model's own name")
+        if self.max_loras < self.max_loras_per_request:
+            raise ConfigError(f"--max-loras={self.max_loras} is below --max-loras-per-request="
+                              f"{self.max_loras_per_request}: a request's adapters must fit at once")
+        if self.enable_lora_runtime_updates and not self.lora_dir:
+            raise ConfigError("--enable-lora-runtime-updates needs --lora-dir, the one directory "
+                              "runtime-loaded adapters may come from")
 
     def __repr__(self) -> str:  # keep the API key out of logs
         shown = dataclasses.replace(self, api_key="***") if self.api_key else self
@@ -118,6 +156,22 @@ class ServerConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """--lora-modules as name -> path, in the order given."""
+        adapters: dict[str, str] = {}
+        for entry in self.lora_modules:
+            name, sep, path = entry.partition("=")
+            name, path = name.strip(), path.strip()
+            if not sep or not name or not path or any(c.isspace() for c in name):
+                raise ConfigError(f"--lora-modules entry {entry!r} is not NAME=PATH")
+            if name in adapters:
+                raise ConfigError(f"--lora-modules names {name!r} twice")
+            if name == RESERVED_ADAPTER_NAME:
+                raise ConfigError(f"--lora-modules: {name!r} is reserved (it stands for no adapter)")
+            adapters[name] = path
+        return adapters
 
     @property
     def device_list(self) -> list[str]:
@@ -149,16 +203,26 @@ class ServerConfig:
         for f in dataclasses.fields(cls):
             env = f.metadata.get("env")
             if values.get(f.name) is not None:
-                merged[f.name] = values[f.name]
+                value = values[f.name]
+                merged[f.name] = tuple(value) if isinstance(f.default, tuple) else value
             elif env and os.environ.get(env):
                 merged[f.name] = parse_value(f, os.environ[env])
         return cls(**merged)
 
 
 def parse_value(f: dataclasses.Field, text: str) -> Any:
-    """Convert a string to the field's type (the type of its default)."""
+    """Convert a string to the field's type (the type of its default): a switch from
+    true/false, several values from a whitespace- or comma-separated list."""
     kind = type(f.default)
+    flag = f"--{f.name.replace('_', '-')}"
+    if kind is bool:
+        lowered = text.strip().lower()
+        if lowered not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ConfigError(f"{flag}={text!r} is not true or false")
+        return lowered in ("1", "true", "yes", "on")
+    if kind is tuple:
+        return tuple(part for part in text.replace(",", " ").split() if part)
     try:
         return kind(text)
     except ValueError:
-        raise ConfigError(f"--{f.name.replace('_', '-')}={text!r} is not a valid {kind.__name__}") from None
+        raise ConfigError(f"{flag}={text!r} is not a valid {kind.__name__}") from None

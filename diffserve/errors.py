@@ -41,9 +41,11 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return APIError(message, param, code, 400, "invalid_request_error")
 
 
-def model_not_found(name: str, served: str) -> APIError:
-    return APIError(f"The model {name!r} does not exist; this server serves {served!r}.",
-                    "model", "model_not_found", 404, "invalid_request_error")
+def model_not_found(name: str, served: str, adapters=(), param: str = "model") -> APIError:
+    also = f" and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}" if adapters else ""
+    return APIError(f"The model {name!r} does not exist; this server serves {served!r}{also} "
+                    "(GET /v1/models lists them).", param, "model_not_found", 404,
+                    "invalid_request_error")
 
 
 def not_found(path: str) -> APIError:
@@ -65,6 +67,10 @@ def engine_error(status: int, message: str, type: str = "server_error",
     # 429 means "try again soon": the queue drains in about a batch time.
     headers = {"Retry-After": "1"} if status == 429 else None
     return APIError(message, None, code, status, type, headers)
+
+
+def forbidden(message: str, param: str | None = None) -> APIError:
+    return APIError(message, param, "permission_denied", 403, "invalid_request_error")
 
 
 def unauthorized() -> APIError:

@@ -17,11 +17,19 @@ import shutil
 import sys
 import tempfile
 
+from diffserve.config import RESERVED_ADAPTER_NAME as NO_ADAPTER  # requests without an adapter
+
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024)
+_COST_BUCKETS = (0.25, 0.5, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+# Distinct sizes the per-size step counter keeps apart.
+SIZE_LABELS = 16
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+# Distinct adapter names the per-adapter request counter keeps apart.
+LORA_LABELS = 64
 
 # The outcome of a request as the frontend counts it.
 OUTCOMES = ("success", "invalid", "rejected", "failed", "cancelled")
@@ -61,6 +69,19 @@ class FrontendMetrics:
         self.request_latency_seconds = Histogram(
             "diffserve_request_latency_seconds", "Time from accepting a request to answering it.",
             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.lora_requests_total = Counter(
+            "diffserve_lora_requests", "Accepted image requests by LoRA adapter (a request "
+            f"counts once for each adapter it stacks; past the first {LORA_LABELS} names, the "
+            "rest count as \"other\").", ["adapter"], registry=self.registry)
+        self._adapter_labels: set[str] = set()
+
+    def adapters_used(self, names) -> None:
+        """A request's adapters (none: it counts as adapter="none", the base model alone)."""
+        for name in list(names) or [NO_ADAPTER]:
+            if name not in self._adapter_labels and len(self._adapter_labels) >= LORA_LABELS:
+                name = "other"  # a bound on the series, whatever names come and go at run time
+            self._adapter_labels.add(name)
+            self.lora_requests_total.labels(adapter=name).inc()
 
     def finished(self, outcome: str, seconds: float) -> None:
         """One request's answer: the one place its outcome and latency are counted."""
@@ -138,6 +159,36 @@ class EngineMetrics:
             "diffserve_step_retirements", "Step mode: requests (or parts of one) that left the "
             "running set, by outcome: finished, cancelled, failed.", ["executor", "outcome"])
 
+        # Several sizes at once (step mode).
+        self.running_sets = Gauge(
+            "diffserve_running_sets", "Step mode: running sets the executor holds (one per size "
+            "in flight).", ex, multiprocess_mode="livemax")
+        self.forward_cost = Histogram(
+            "diffserve_forward_cost", "Step mode: cost one denoiser forward carried, in rows at "
+            "the model's native size (see --max-batch-cost).", ex, buckets=_COST_BUCKETS)
+        self.steps_total = Counter(
+            "diffserve_steps", "Step mode: denoising steps by the size of the set they advanced "
+            "(past 16 sizes, the rest count as \"other\").", ["executor", "size"])
+        self.set_waits_total = Counter(
+            "diffserve_set_waits", "Step mode: requests at the head of the queue that had to wait "
+            "because no executor had running-cost room for them (--max-running-cost).")
+
+        # LoRA adapters.
+        self.loras_resident = Gauge(
+            "diffserve_loras_resident", "LoRA adapter versions loaded in the executor (at most "
+            "--max-loras, beyond it only while every one is held by a running request).", ex,
+            multiprocess_mode="livemax")
+        self.lora_loads_total = Counter(
+            "diffserve_lora_loads", "LoRA adapters loaded into the executor (at start, at run "
+            "time, or again after an eviction).", ex)
+        self.lora_unloads_total = Counter(
+            "diffserve_lora_unloads", "LoRA adapters unloaded at run time.", ex)
+        self.lora_evictions_total = Counter(
+            "diffserve_lora_evictions", "LoRA adapters unloaded to make room (--max-loras).", ex)
+        self.lora_load_seconds = Histogram(
+            "diffserve_lora_load_seconds", "Time to load and check one LoRA adapter.", ex,
+            buckets=_LATENCY_BUCKETS)
+
     def declare_executor(self, index: int) -> None:
         """Create executor ``index``'s series at zero, so that dashboards and alert rules see
         them before the first event (a series that does not exist cannot be alerted on)."""
@@ -148,13 +199,18 @@ class EngineMetrics:
         for metric in (self.batch_size, self.batch_execution_seconds, self.executor_busy_seconds,
                        self.images_generated_total, self.partial_images_total,
                        self.batches_interrupted_total, self.executor_restarts_total,
-                       self.step_seconds, self.step_running_images, self.step_admissions_total):
+                       self.step_seconds, self.step_running_images, self.step_admissions_total,
+                       self.forward_cost,
+                       self.lora_loads_total, self.lora_unloads_total, self.lora_evictions_total,
+                       self.lora_load_seconds):
             metric.labels(executor=label)
         for reason in DISPATCH_REASONS:
             self.dispatches_total.labels(reason=reason, executor=label)
         for outcome in OUTCOMES:
             self.step_retirements_total.labels(executor=label, outcome=outcome)
         self.executor_ready.labels(executor=label).set(0)
+        self.running_sets.labels(executor=label).set(0)
+        self.loras_resident.labels(executor=label).set(0)
 
 
 _engine: EngineMetrics | None = None

@@ -6,39 +6,36 @@ into a header. Headers are decoded with validation against their dataclass: a ma
 fails loudly at the boundary (:class:`ProtocolError`), never deep inside the scheduler.
 
 :class:`ImageRequest` declares, per field, how the field takes part in batching (see
-:data:`ROLES`). Each batching mode says which roles it can vary per sample
-(:data:`VARIES_PER_SAMPLE`); the batch signature is every other field. So the signature follows
+:mod:`diffserve.roles`). Each batching mode says which roles it can vary per sample; the batch
+signature is every other field. So the signature follows
 the engine, and no list of field names exists anywhere.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any, Sequence
 
 import msgspec
 
+from diffserve.roles import (  # noqa: F401  (the roles are part of the protocol's vocabulary)
+    BOOKKEEPING,
+    CALL,
+    REQUEST_MODE,
+    ROLES,
+    SAMPLE,
+    SHAPE,
+    STEP_MODE,
+    VARIES_PER_SAMPLE,
+    bookkeeping,
+    call,
+    fields_with_role,
+    sample,
+    shape,
+    signature_fields,
+)
 from diffserve.tasks import GENERATE, Task, task_named
-
-# How a request field takes part in batching:
-SHAPE = "shape"              # fixes tensor shapes: equal for every sample of a forward, in any mode
-CALL = "call"                # one value per pipeline call; the step engine varies it per sample
-SAMPLE = "sample"            # may differ between the samples of one forward, in any mode
-BOOKKEEPING = "bookkeeping"  # identifies or tracks the request; never affects what is computed
-ROLES = (SHAPE, CALL, SAMPLE, BOOKKEEPING)
-
-REQUEST_MODE = "request"
-STEP_MODE = "step"
-# Which roles each batching mode can vary inside one batch (request mode) or one running set
-# (step mode). The step engine runs every sample on its own noise schedule, so CALL fields
-# (steps, guidance, strength, task) may differ there.
-VARIES_PER_SAMPLE: dict[str, frozenset[str]] = {
-    REQUEST_MODE: frozenset({SAMPLE}),
-    STEP_MODE: frozenset({SAMPLE, CALL}),
-}
 
 # Seeds are 32-bit, as the API accepts them; image i of a request uses (seed + i) modulo this.
 SEED_MODULUS = 2**32
@@ -46,46 +43,6 @@ SEED_MODULUS = 2**32
 # How a work item ended.
 FINISHED, FAILED, CANCELLED = "finished", "failed", "cancelled"
 OUTCOMES = (FINISHED, FAILED, CANCELLED)
-
-
-def _role(role: str, default: Any) -> Any:
-    return field(default=default, metadata={"batch": role})
-
-
-def shape(default: Any = dataclasses.MISSING) -> Any:
-    return _role(SHAPE, default)
-
-
-def call(default: Any = dataclasses.MISSING) -> Any:
-    return _role(CALL, default)
-
-
-def sample(default: Any = dataclasses.MISSING) -> Any:
-    return _role(SAMPLE, default)
-
-
-def bookkeeping(default: Any = dataclasses.MISSING) -> Any:
-    return _role(BOOKKEEPING, default)
-
-
-@cache
-def fields_with_role(cls: type, role: str) -> tuple[str, ...]:
-    names = []
-    for f in dataclasses.fields(cls):
-        declared = f.metadata.get("batch")
-        if declared not in ROLES:
-            raise TypeError(f"{cls.__name__}.{f.name} does not declare its batching role")
-        if declared == role:
-            names.append(f.name)
-    return tuple(names)
-
-
-@cache
-def signature_fields(cls: type, mode: str) -> tuple[str, ...]:
-    """The fields two requests must agree on to share a forward in ``mode``."""
-    varies = VARIES_PER_SAMPLE[mode] | {BOOKKEEPING}
-    return tuple(name for role in ROLES if role not in varies
-                 for name in fields_with_role(cls, role))
 
 
 @dataclass(frozen=True)
@@ -105,6 +62,15 @@ class ImageRequest:
     seed: int = sample(0)
     n: int = sample(1)
     partial_images: int = sample(0)  # streamed previews per image (0-3)
+    # LoRA adapters and their scales, in the order they apply. One stack per pipeline call in
+    # request mode; the step engine applies each row's own stack within one forward.
+    loras: tuple[tuple[str, float], ...] = call(())
+    # What one image costs a forward (see diffserve.costs), priced by the frontend.
+    cost: float = bookkeeping(1.0)
+    # Rollouts: the stochastic sampler's noise level (0: the deterministic sampler), and which
+    # tensors come back (diffserve.rollouts.RETURNABLE).
+    noise_level: float = call(0.0)
+    returns: tuple[str, ...] = sample(())
 
     def signature(self, mode: str) -> tuple:
         return tuple(getattr(self, name) for name in signature_fields(type(self), mode))
@@ -183,6 +149,24 @@ class ItemImages:
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name
+    shape: list[int]
+
+
+@dataclass(frozen=True)
+class ItemTensors:
+    """Executor to frontend: a rollout's tensors for images ``start``..``stop-1`` (each tensor's
+    first axis), one raw frame per tensor, sent before the item's result goes to the scheduler."""
+
+    request_id: str
+    start: int
+    stop: int
+    tensors: list[TensorSpec]
+
+
+@dataclass(frozen=True)
 class Partial:
     """Executor to frontend: a streamed preview, image ``index`` of a request after some of its
     steps. One frame."""
@@ -220,6 +204,41 @@ class ModelInfo:
     tasks: list[str]  # names in diffserve.tasks.TASKS
     partial_images: bool  # whether streamed previews are real intermediate decodes
     family: str | None = None  # the step engine's family, where it knows the pipeline
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters served at start
+    # Admission by cost (diffserve.costs): the bounds with their defaults resolved for this model.
+    max_batch_cost: float = 0.0
+    max_running_cost: float = 0.0
+
+
+@dataclass(frozen=True)
+class AdapterCommand:
+    """Frontend -> scheduler -> every executor: load (or replace) or unload a LoRA adapter."""
+
+    command_id: str
+    op: str  # LOAD or UNLOAD
+    name: str
+    path: str = ""
+
+
+LOAD, UNLOAD = "load", "unload"
+
+
+@dataclass(frozen=True)
+class AdapterResult:
+    """Executor -> scheduler -> frontend: how an AdapterCommand went (``status`` is the HTTP one:
+    400 for a file that is not a LoRA of this model, 404 for an unknown name)."""
+
+    command_id: str
+    status: int = 200
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class AdapterSync:
+    """Scheduler -> executor: every adapter the server serves now (name -> path), for an
+    executor that (re)started to catch up with runtime loads and unloads."""
+
+    adapters: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -295,6 +314,10 @@ class Kind(enum.IntEnum):
     PARTIAL = 12        # executor -> frontend: Partial + one frame
     DRAIN = 13          # frontend -> scheduler: Empty; stop waiting for company, the server stops
     IMAGES = 14         # executor -> frontend: ItemImages + one frame per image
+    ADAPTER = 15        # frontend -> scheduler -> executors: AdapterCommand
+    ADAPTER_DONE = 16   # executor -> scheduler -> frontend: AdapterResult
+    ADAPTER_SYNC = 17   # scheduler -> executor: AdapterSync
+    TENSORS = 18        # executor -> frontend: ItemTensors + one frame per tensor
 
 
 PAYLOADS: dict[Kind, type] = {
@@ -302,7 +325,8 @@ PAYLOADS: dict[Kind, type] = {
     Kind.REQUEST_DONE: RequestDone, Kind.REQUEST_FAILED: RequestFailed,
     Kind.ENGINE_STATUS: EngineStatus, Kind.WORK: Work, Kind.ITEMS_DONE: ItemsDone,
     Kind.SHUTDOWN: Empty, Kind.FATAL: Fatal, Kind.CANCEL: Cancel, Kind.PARTIAL: Partial,
-    Kind.DRAIN: Empty, Kind.IMAGES: ItemImages,
+    Kind.DRAIN: Empty, Kind.IMAGES: ItemImages, Kind.ADAPTER: AdapterCommand,
+    Kind.ADAPTER_DONE: AdapterResult, Kind.ADAPTER_SYNC: AdapterSync, Kind.TENSORS: ItemTensors,
 }
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -5,8 +5,8 @@
 - :func:`generators`: one generator per image, so each image depends on its own seed only;
 - :func:`group_by`: members grouped by a key, in first-seen order (e.g. with or without a
   negative prompt);
-- :func:`isolate`: run a batch, and where it raises, run each group alone, so that only the
-  request that causes an error fails.
+- :func:`isolate`: run a batch, and where it raises, run it again in halves, down to single
+  requests, so that only the request that causes an error fails.
 
 Torch is imported only where a function needs it: the scheduler process uses this module too.
 """
@@ -72,25 +72,28 @@ def group_by(members: Iterable[T], key: Callable[[T], Hashable]) -> dict[Hashabl
 
 
 def isolate(members: list[T], run: Callable[[list[T]], list[R]], group: Callable[[T], Hashable],
-            what: str) -> list[tuple[T, R | Exception]]:
-    """``run`` once over ``members`` (one result per member); if it raises, once per group of
-    members, so an error costs only the group that causes it. ``run`` must have no effect that
-    a retry would repeat. Returns each member with its result or the error of its group."""
+            what: str, on_error: Callable[[Exception], None] = lambda error: None,
+            _depth: int = 0) -> list[tuple[T, R | Exception]]:
+    """``run`` once over ``members`` (one result per member); if it raises, over each half of
+    their groups in turn, and so on down to single groups, so that an error costs only the
+    group that causes it while the rest keep running in as few calls as the error allows (an
+    out-of-memory error splits a batch until it fits). ``run`` must have no effect that a retry
+    would repeat; ``on_error`` sees each error before the retry (e.g. to free memory). Returns
+    each member with its result or the error of its group."""
     try:
-        results = run(members)
-    except Exception as batch_error:  # noqa: BLE001 - find the culprit below
-        if len(group_by(members, group)) == 1:
-            return [(m, batch_error) for m in members]
-        log.warning("%s failed for a batch (%s: %s); retrying each request alone", what,
-                    type(batch_error).__name__, batch_error)
-        found: list[tuple[T, R | Exception]] = []
-        for part in group_by(members, group).values():
-            try:
-                found.extend(zip(part, checked(run(part), part)))
-            except Exception as error:  # noqa: BLE001 - only this group fails
-                found.extend((m, error) for m in part)
-        return found
-    return list(zip(members, checked(results, members)))
+        return list(zip(members, checked(run(members), members)))
+    except Exception as error:  # noqa: BLE001 - find the culprit below
+        on_error(error)
+        groups = list(group_by(members, group).values())
+        if len(groups) == 1:
+            return [(m, error) for m in members]
+        if _depth == 0:
+            log.warning("%s failed for a batch of %d requests (%s: %s); splitting it to find "
+                        "the cause", what, len(groups), type(error).__name__, error)
+        half = len(groups) // 2
+        return [pair for part in (groups[:half], groups[half:])
+                for pair in isolate([m for g in part for m in g], run, group, what, on_error,
+                                    _depth + 1)]
 
 
 def checked(results: list[R], members: list) -> list[R]:

@@ -38,6 +38,10 @@ class Task:
     # (no second copy of the weights); None: the loaded pipeline itself.
     auto_pipeline: str | None = None
     description: str = ""
+    # Sampled as a stochastic process whose trajectory and per-step log-probabilities are
+    # returned (reinforcement learning); only for families with a flow-matching scheduler.
+    trajectory: bool = False
+    needs: str = "a pipeline for it in diffusers"  # what a model lacks when it cannot do the task
 
     @property
     def from_image(self) -> bool:
@@ -56,7 +60,12 @@ IMAGE_TO_IMAGE = Task("image-to-image", (IMAGE,), "AutoPipelineForImage2Image",
 INPAINT = Task("inpaint", (IMAGE, MASK), "AutoPipelineForInpainting",
                "the masked part of an input image redrawn to the prompt")
 
-TASKS: dict[str, Task] = {task.name: task for task in (GENERATE, IMAGE_TO_IMAGE, INPAINT)}
+ROLLOUT = Task("rollout", description="a sampled denoising trajectory with per-step "
+               "log-probabilities", trajectory=True,
+               needs="a flow-matching model the step engine knows (SD3, Flux, Qwen-Image) with "
+               "its flow-matching Euler scheduler")
+
+TASKS: dict[str, Task] = {task.name: task for task in (GENERATE, IMAGE_TO_IMAGE, INPAINT, ROLLOUT)}
 
 
 def task_named(name: str) -> Task:

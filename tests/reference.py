@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from diffserve.executor.families import family_for
 from diffserve.executor.families.base import to_uint8
 from diffserve.executor.loading import FORCED_KWARGS, LoadedModel
 from diffserve.protocol import ImageRequest
@@ -22,12 +23,14 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
     pipe = pipelines.get(request.task, loaded.pipe)
     accepts = set(inspect.signature(pipe.__call__).parameters)
     count = stop - start
-    kwargs = {k: v for k, v in loaded.call_kwargs.items() if k in accepts and k not in FORCED_KWARGS}
+    # The server's own keywords count (use_resolution_binning=False: the size asked for).
+    kwargs = {k: v for k, v in {**loaded.call_kwargs, **FORCED_KWARGS}.items() if k in accepts}
+    family = family_for(type(loaded.pipe).__name__)
     kwargs.update(prompt=[request.prompt] * count, output_type="np",
                   generator=[torch.Generator("cpu").manual_seed(request.seed_of(i))
                              for i in range(start, stop)],
                   num_inference_steps=request.num_inference_steps,
-                  guidance_scale=request.guidance_scale)
+                  **{family.guidance_kwarg if family else "guidance_scale": request.guidance_scale})
     if "height" in accepts:
         kwargs.update(height=request.height, width=request.width)
     if request.negative_prompt:
@@ -53,3 +56,14 @@ def sample_image(size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     mask = np.zeros((size, size), np.uint8)
     mask[:, size // 2:] = 255
     return image, mask
+
+
+def with_adapters(pipe, loras):
+    """``pipe`` (adapters loaded with load_lora_weights under their served names) set to apply
+    ``loras`` [(name, scale)] the plain diffusers way, or none of them."""
+    if loras:
+        pipe.enable_lora()
+        pipe.set_adapters([name for name, _ in loras], adapter_weights=[scale for _, scale in loras])
+    else:
+        pipe.disable_lora()
+    return pipe

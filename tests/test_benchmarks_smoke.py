@@ -19,7 +19,8 @@ from diffserve.launcher import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-TOOLS = ["bench_serving.py", "bench_offline.py", "compare.py", "naive_server.py", "bench_batcher.py", "queue_model.py"]
+TOOLS = ["bench_serving.py", "bench_offline.py", "compare.py", "naive_server.py", "bench_batcher.py",
+         "queue_model.py", "bench_lora_forward.py", "spike_padded_forward.py"]
 TINY = ["--model", "tiny-sd", "--steps", "1", "--num-requests", "4", "--warmup", "1", "--concurrency", "4",
         "--max-batch-size", "4", "--rounds", "1", "--startup-timeout", "120"]
 
@@ -176,3 +177,41 @@ def test_compare_baseline(env, tmp_path):
     assert runs["naive"]["server_metrics"] is None  # the baseline has no /metrics
     assert runs["naive"]["completed"] >= 1  # it may fail a request now and then (shared tokenizers)
     assert report["summary"]["medians"]["img/s, diffserve/naive"] > 0
+
+
+def test_compare_lora(env, tmp_path):
+    report = run_compare("lora", tmp_path, "--torch-threads", "1", "--lora-counts", "0,2",
+                         "--lora-ranks", "4", "--lora-load", "50", env=env)
+    medians = report["summary"]["medians"]
+    assert medians["saturated img/s, 2 adapters, step, rank 4"] > 0
+    assert medians["saturated img/s, 2 adapters / none, rank 4"] > 0
+    assert medians["p99 ms @50%, 2 adapters, rank 4"] > 0
+    runs = {run["label"]: run for run in report["rounds"][0]["runs"]}
+    assert runs["step k=2 rank 4 saturated"]["config"]["models"] == ["L0", "L1"]
+    assert all(run["failed"] == 0 for run in runs.values())
+
+
+def test_compare_sizes_against_an_earlier_checkout(env, tmp_path):
+    report = run_compare("sizes", tmp_path, "--torch-threads", "1", "--sizes", "64x64,32x32",
+                         "--before-tree", str(ROOT), "--sizes-load", "50", env=env)
+    medians = report["summary"]["medians"]
+    for figure in ("p99 ms size 1 (64x64), step", "p99 ms size 2 (32x32), step before",
+                   "p99 ms size 2 (32x32) alone", "p99 ms rare alone", "images per forward, uniform",
+                   "saturated img/s mixed, request"):
+        assert medians[figure] > 0, figure
+    labels = [run["label"] for run in report["rounds"][0]["runs"]]
+    assert labels[0] == "request saturated mixed" and "step before mixed @50%" in labels
+    assert set(report["summary"]["verdicts"]) == {t["figure"] for t in report["targets"]}
+
+
+def test_compare_rollout(env, tmp_path):
+    report = run_compare("rollout", tmp_path, "--model", "tiny-flux", "--torch-threads", "1",
+                         "--rollout-prompts", "2", "--rollout-n", "3", "--rollout-repeats", "1",
+                         env=env)
+    medians = report["summary"]["medians"]
+    for layout in ("groups, step", "singles, step", "groups, request"):
+        assert medians[f"samples/s, {layout}"] > 0
+        assert medians[f"last sample of a group ms, {layout}"] > 0
+    runs = {run["label"]: run for run in report["rounds"][0]["runs"]}
+    assert runs["singles, step"]["completed"] == 6 and runs["groups, request"]["failed"] == 0
+    assert set(report["summary"]["verdicts"]) == {t["figure"] for t in report["targets"]}

@@ -61,8 +61,10 @@ def test_the_readme_lists_every_flag_with_its_default():
     assert set(rows) == set(flags)
     for flag, f in flags.items():
         shown = rows[flag].strip()
-        if f.default == "":
+        if f.default in ("", ()):
             assert shown.startswith("unset") or shown.startswith("`--"), (flag, shown)
+        elif isinstance(f.default, bool):
+            assert shown.split()[0] == ("on" if f.default else "off"), (flag, shown)
         elif isinstance(f.default, str):
             assert shown.startswith(f"`{f.default}`"), (flag, shown)
         else:
@@ -80,3 +82,34 @@ def test_data_parallel_size_and_devices_agree():
         with pytest.raises(ConfigError, match="empty entry"):
             ServerConfig(devices=devices)
     assert ServerConfig(devices="cuda:0, cuda:1").executor_devices() == ["cuda:0", "cuda:1"]
+
+
+def test_lora_flags_parse_and_check_each_other():
+    from diffserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--lora-modules", "a=/x", "b=/y/z.safetensors",
+                                      "--enable-lora-runtime-updates", "--lora-dir", "/srv/loras"])
+    config = ServerConfig.from_mapping(vars(args))
+    assert config.lora_adapters == {"a": "/x", "b": "/y/z.safetensors"}
+    assert config.enable_lora_runtime_updates is True
+    assert ServerConfig.from_mapping(vars(build_parser().parse_args(["serve"]))).lora_modules == ()
+    for values, message in [
+        ({"lora_modules": ("nameonly",)}, "is not NAME=PATH"),
+        ({"lora_modules": ("a=/x", "a=/y")}, "names 'a' twice"),
+        ({"lora_modules": ("shapes=/x",)}, "the served model's own name"),
+        ({"max_loras": 2, "max_loras_per_request": 3}, "--max-loras=2"),
+        ({"enable_lora_runtime_updates": True}, "needs --lora-dir"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            ServerConfig(**values)
+
+
+def test_switches_and_lists_parse_from_text_as_ray_arguments_arrive():
+    from diffserve.config import parse_value
+
+    fields = {f.name: f for f in dataclasses.fields(ServerConfig)}
+    assert parse_value(fields["enable_lora_runtime_updates"], "true") is True
+    assert parse_value(fields["enable_lora_runtime_updates"], "0") is False
+    assert parse_value(fields["lora_modules"], "a=/x, b=/y") == ("a=/x", "b=/y")
+    with pytest.raises(ConfigError, match="not true or false"):
+        parse_value(fields["enable_lora_runtime_updates"], "maybe")

@@ -68,15 +68,16 @@ def test_a_departed_caller_frees_its_slot_and_the_others_are_unchanged(server):
 
 
 def test_an_executor_crash_mid_run_answers_every_running_request_at_once():
+    # Four guided 64x64 images cost 8: the running set fills the executor's cost budget.
     with Server("--batching-mode", "step", "--dynamic-batch-max-size", "4",
-                "--max-inference-steps", "1000") as srv:
+                "--max-running-cost", "8", "--max-inference-steps", "1000") as srv:
         (executor,) = pids_titled(srv.proc.pid, "diffserve::executor")
         with ThreadPoolExecutor(5) as pool:
             running = [pool.submit(post, srv, {"prompt": f"r{i}", "num_inference_steps": 600,
                                                "n": 2 if i == 0 else 1}) for i in range(3)]
             wait_for_metric(srv, "diffserve_num_requests_running", lambda v: v >= 3)
-            queued = pool.submit(post, srv, {"prompt": "queued", "num_inference_steps": 600,
-                                             "size": "128x64"})  # another shape: it waits
+            queued = pool.submit(post, srv, {"prompt": "queued", "num_inference_steps": 4,
+                                             "size": "128x64"})  # no room left: it waits
             wait_for_metric(srv, "diffserve_num_requests_waiting", lambda v: v >= 1)
             killed_at = time.monotonic()
             os.kill(executor, signal.SIGKILL)
@@ -98,3 +99,46 @@ def test_step_mode_on_a_family_it_does_not_know_refuses_to_start():
 def test_request_mode_is_kept_on_request():
     with Server("--batching-mode", "request") as srv:
         assert httpx.get(srv.url + "/v1/models").json()["data"][0]["batching_mode"] == "request"
+
+
+def test_two_sizes_are_in_flight_at_once_on_one_executor_and_exact():
+    loaded = load_model("tiny-sd", torch_threads=1)
+    bodies = [{"prompt": f"size {size} #{i}", "size": size, "seed": 20 + i,
+               "num_inference_steps": 120 if i < 2 else 6}
+              for i, size in enumerate(["64x64", "96x64", "64x64", "96x64"])]
+    with Server("--batching-mode", "step", "--dynamic-batch-max-size", "4",
+                "--dynamic-batch-delay-ms", "0", "--max-inference-steps", "1000") as srv:
+        with ThreadPoolExecutor(4) as pool:
+            first = pool.submit(post, srv, bodies[0])
+            wait_for_metric(srv, "diffserve_num_requests_running", lambda v: v >= 1)
+            rest = [pool.submit(post, srv, b) for b in bodies[1:]]
+            # Both sizes run on the one executor at once: two running sets.
+            assert wait_for_metric(srv, "diffserve_running_sets", lambda v: v >= 2) >= 2
+            responses = [first.result()] + [f.result() for f in rest]
+        text = httpx.get(srv.url + "/metrics").text
+    assert metric(text, "diffserve_dispatches_total", reason="new_set") >= 1
+    assert metric(text, "diffserve_steps_total", size="96x64") >= 120  # each size's own steps
+    assert metric(text, "diffserve_steps_total", size="64x64") >= 120
+    for body, r in zip(bodies, responses):
+        assert r.status_code == 200, r.text
+        w, h = (int(v) for v in body["size"].split("x"))
+        expected = solo(loaded, {}, make_request(prompt=body["prompt"], seed=body["seed"],
+                                                 steps=body["num_inference_steps"], width=w,
+                                                 height=h))[0]
+        assert max_diff(decode(r.json()["data"][0]["b64_json"]), expected) <= 2, body
+
+
+def test_a_request_over_the_forward_cost_bound_is_split_or_refused():
+    # tiny-sd runs guidance at 5.0 by default: a native 64x64 image costs 2 rows.
+    with Server("--batching-mode", "step", "--max-batch-cost", "4", "--max-running-cost",
+                "8") as srv:
+        split = post(srv, {"prompt": "three", "n": 3, "seed": 1})  # 2 per forward at most
+        assert split.status_code == 200 and len(split.json()["data"]) == 3
+        no_cfg = post(srv, {"prompt": "wide", "size": "128x64", "guidance_scale": 1.0})
+        assert no_cfg.status_code == 200  # 2 rows' worth without guidance: fits
+        refused = post(srv, {"prompt": "too big", "size": "128x128"})  # 4 x 2 = 8 > 4
+        error = assert_openai_error(refused, 400, param="size", code="invalid_size")
+        assert "--max-batch-cost" in error["message"] and "128x128" in error["message"]
+        text = httpx.get(srv.url + "/metrics").text
+        assert metric(text, "diffserve_forward_cost_count") >= 2
+        assert metric(text, "diffserve_forward_cost_sum") / metric(text, "diffserve_forward_cost_count") <= 4

@@ -9,6 +9,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from diffserve.config import ServerConfig
+from diffserve.costs import default_bounds, image_cost, uses_cfg
 from diffserve.models.registry import resolve_model, serving_defaults
 from diffserve.protocol import REQUEST_MODE, STEP_MODE, ModelInfo
 from diffserve.tasks import GENERATE, TASKS
@@ -100,9 +102,10 @@ def resolve_mode(requested: str, family: type | None, pipeline_class: str) -> st
     return STEP_MODE
 
 
-def model_info(loaded: LoadedModel, served_name: str, mode: str, family: type | None,
-               tasks: list[str]) -> ModelInfo:
-    """What the frontend validates against; ``family``: the step engine's family class, if any."""
+def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: type | None,
+               tasks: list[str], adapters: list[str] | None = None) -> ModelInfo:
+    """What the frontend validates against and the scheduler admits by; ``family``: the step
+    engine's family class, if any."""
     pipe, d = loaded.pipe, loaded.defaults
     call_defaults = {k: p.default for k, p in inspect.signature(pipe.__call__).parameters.items()}
     scale = int(getattr(pipe, "vae_scale_factor", 8) or 8)
@@ -112,29 +115,42 @@ def model_info(loaded: LoadedModel, served_name: str, mode: str, family: type | 
     native = int(sample) * scale
     # Transformer pipelines patchify latents 2x2, so their pixel sizes step by twice the VAE's.
     stride = d.get("spatial_stride") or scale * (2 if getattr(pipe, "transformer", None) else 1)
-    guidance = d.get("guidance_scale", call_defaults.get("guidance_scale"))
+    guidance = d.get("guidance_scale", call_defaults.get(
+        family.guidance_kwarg if family else "guidance_scale"))
     steps = d.get("num_inference_steps", call_defaults.get("num_inference_steps"))
     sched = getattr(getattr(pipe, "scheduler", None), "config", {})
     max_steps = int(sched.get("num_train_timesteps", 1000)) - int(sched.get("steps_offset", 0) or 0)
+    guidance = float(guidance if isinstance(guidance, (int, float)) else 5.0)
+    family_name = family.name if family else None
+    batch_cost, running_cost = default_bounds(
+        config.dynamic_batch_max_size, config.max_batch_cost, config.max_running_cost,
+        image_cost(1, 1, 1, 1, uses_cfg(family_name, guidance, "")))
     return ModelInfo(
-        name=served_name, pipeline_class=type(pipe).__name__,
+        name=config.model_name, pipeline_class=type(pipe).__name__,
         width=int(d.get("width", native)), height=int(d.get("height", native)),
         spatial_stride=int(stride),
         default_steps=int(steps if isinstance(steps, int) else 30), max_steps=max_steps,
-        default_guidance_scale=float(guidance if isinstance(guidance, (int, float)) else 5.0),
+        default_guidance_scale=guidance,
         supports_negative_prompt="negative_prompt" in loaded.accepts,
         device=loaded.device, dtype=loaded.dtype, batching_mode=mode, tasks=tasks,
-        partial_images=family is not None, family=family.name if family else None)
+        partial_images=family is not None, family=family_name, adapters=adapters or [],
+        max_batch_cost=batch_cost, max_running_cost=running_cost)
 
 
-def task_pipelines(pipe) -> dict[str, Any]:
-    """Task name -> the pipeline that runs it: the loaded one for generation, and for every task
-    that has an auto-pipeline, that pipeline of the loaded one's family, built from its own
+def task_pipelines(pipe, family: type | None = None) -> dict[str, Any]:
+    """Task name -> the pipeline that runs it: the loaded one for generation (and rollouts, where
+    the step engine's ``family`` samples with a flow-matching Euler scheduler), and for every
+    task that has an auto-pipeline, that pipeline of the loaded one's family, built from its own
     components (no second copy of the weights). A family without one lacks the task."""
     import diffusers
 
     found: dict[str, Any] = {GENERATE.name: pipe}
     for task in TASKS.values():
+        if task.trajectory:
+            if (family is not None and family.flow_matching
+                    and type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"):
+                found[task.name] = pipe
+            continue
         if task.auto_pipeline is None:
             continue
         try:

@@ -32,16 +32,14 @@ from diffserve import metrics, processes
 from diffserve.config import ServerConfig
 from diffserve.protocol import (
     CANCELLED,
+    LOAD,
     Fatal,
-    ItemImages,
-    ItemsDone,
     Kind,
-    Partial,
     ProtocolError,
     Work,
-    decode,
     encode,
 )
+from diffserve.executor.engine_io import EngineIO
 from diffserve.executor.results import Outcome
 from diffserve.samples import split_inputs
 
@@ -112,20 +110,22 @@ def build_loop(spec: ExecutorSpec, sock: zmq.Socket, pixels: zmq.Socket):
     loaded = load_model(c.model, spec.device, c.dtype, spec.torch_threads, spec.index)
     family_cls = family_for(loaded.pipeline_class)
     mode = resolve_mode(c.batching_mode, family_cls, loaded.pipeline_class)
-    pipelines = task_pipelines(loaded.pipe)
+    pipelines = task_pipelines(loaded.pipe, family_cls)
     family = family_cls(loaded.pipe, pipelines, loaded.call_kwargs) if family_cls else None
-    info = model_info(loaded, c.model_name, mode, family_cls, list(pipelines))
     count = token_counter(loaded.pipe)
     io = EngineIO(sock, pixels, spec.index)
+    adapters = load_adapters(loaded.pipe, c, io)
+    info = model_info(loaded, c, mode, family_cls, list(pipelines),
+                      list(adapters.current) if adapters else [])
     if mode == STEP_MODE:
         from diffserve.executor.step_engine import StepEngine
 
-        loop = StepLoop(StepEngine(family, count), io)
+        loop = StepLoop(StepEngine(family, count, adapters=adapters), io, adapters)
     else:
         from diffserve.executor.request_runner import RequestRunner
 
         loop = RequestLoop(lambda interrupt, emit: RequestRunner(
-            loaded, pipelines, family, count, interrupt, emit), io)
+            loaded, pipelines, family, count, interrupt, emit, adapters), io, adapters)
     log.info("loaded %s (%s) on %s/%s, native %dx%d, %s mode, tasks: %s", c.model,
              info.pipeline_class, info.device, info.dtype, info.width, info.height, mode,
              ", ".join(info.tasks))
@@ -133,77 +133,57 @@ def build_loop(spec: ExecutorSpec, sock: zmq.Socket, pixels: zmq.Socket):
     return loop
 
 
-class EngineIO:
-    """The executor's two sockets: messages from and headers to the scheduler, pixels to the
-    frontend."""
+def load_adapters(pipe, config: ServerConfig, io: "EngineIO"):
+    """The executor's LoRA adapters, the --lora-modules ones loaded and checked; None where the
+    server serves none (nothing of PEFT is then imported or hooked)."""
+    if not (config.lora_modules or config.enable_lora_runtime_updates):
+        return None
+    from diffserve.executor.adapters import AdapterError, AdapterStore
 
-    def __init__(self, sock: zmq.Socket, pixels: zmq.Socket, index: int) -> None:
-        self.sock, self.pixels = sock, pixels
-        self.label = str(index)
-        self.metrics = metrics.engine()
-
-    def receive(self, block: bool) -> tuple[Kind, Any, list[Any]] | None:
+    store = AdapterStore(pipe, config.max_loras, config.max_lora_rank, io.count_adapter_event)
+    for name, path in config.lora_adapters.items():
         try:
-            frames = self.sock.recv_multipart(0 if block else zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return None
-        try:
-            return decode(frames)
-        except ProtocolError as error:
-            log.error("dropped a malformed message from the scheduler: %s", error)
-            return None
+            store.add(name, path)
+        except AdapterError as error:
+            raise RuntimeError(f"LoRA adapter {name!r} (--lora-modules): {error}") from None
+    return store
 
-    def send_outcomes(self, outcomes) -> None:
-        """Each finished item's images to the frontend, then every item's result to the
-        scheduler (which answers the request once all of its images are made)."""
-        if not outcomes:
-            return
-        for o in outcomes:
-            if o.images is not None:
-                r = o.item.request
-                # Rows of a contiguous array: sent without a copy.
-                self.pixels.send_multipart(encode(Kind.IMAGES, ItemImages(
-                    r.request_id, o.item.start, o.item.stop, r.width, r.height), list(o.images)),
-                    copy=False)
-                self.metrics.images_generated_total.labels(executor=self.label).inc(len(o.images))
-        self.sock.send_multipart(encode(Kind.ITEMS_DONE, ItemsDone([o.result() for o in outcomes])))
 
-    def send_partial(self, partial) -> None:
-        image = partial.image
-        self.pixels.send_multipart(encode(Kind.PARTIAL, Partial(
-            partial.request_id, partial.index, partial.partial_index, image.shape[1],
-            image.shape[0]), [image]), copy=False)
-        self.metrics.partial_images_total.labels(executor=self.label).inc()
+def apply_adapter_message(adapters, io: EngineIO, kind: Kind, msg) -> None:
+    """A runtime load or unload (answered), or the server's whole adapter table (reconciled)."""
+    from diffserve.executor.adapters import AdapterError
 
-    # What the loops count.
+    if kind is Kind.ADAPTER_SYNC:
+        if adapters is not None:
+            for error in adapters.sync(msg.adapters):
+                log.error("could not catch up with a runtime adapter load: %s", error)
+            io.count_resident(adapters)
+        return
+    if adapters is None:
+        io.answer_adapter(msg.command_id, 400, "this server was started without LoRA adapters")
+        return
+    try:
+        adapters.add(msg.name, msg.path) if msg.op == LOAD else adapters.remove(msg.name)
+    except AdapterError as error:
+        io.answer_adapter(msg.command_id, error.status, str(error))
+    except Exception as error:  # noqa: BLE001 - the server keeps serving
+        log.exception("adapter %s of %r failed", msg.op, msg.name)
+        io.answer_adapter(msg.command_id, 500, f"{type(error).__name__}: {error}")
+    else:
+        io.answer_adapter(msg.command_id)
+    io.count_resident(adapters)
 
-    def count_call(self, seconds: float, interrupted: bool) -> None:
-        m, label = self.metrics, self.label
-        m.batch_execution_seconds.labels(executor=label).observe(seconds)
-        m.executor_busy_seconds.labels(executor=label).inc(seconds)
-        if interrupted:
-            m.batches_interrupted_total.labels(executor=label).inc()
 
-    def count_admission(self, seconds: float, admitted: int) -> None:
-        self.metrics.executor_busy_seconds.labels(executor=self.label).inc(seconds)
-        self.metrics.step_admissions_total.labels(executor=self.label).inc(admitted)
-
-    def count_step(self, out) -> None:
-        m, label = self.metrics, self.label
-        if out.samples:
-            m.step_seconds.labels(executor=label).observe(out.seconds)
-            m.step_running_images.labels(executor=label).observe(out.samples)
-        m.executor_busy_seconds.labels(executor=label).inc(out.seconds)
-        for o in out.finished:
-            m.step_retirements_total.labels(executor=label, outcome=o.status).inc()
+ADAPTER_KINDS = (Kind.ADAPTER, Kind.ADAPTER_SYNC)
 
 
 class RequestLoop:
     """One work message at a time, one pipeline call each."""
 
-    def __init__(self, make_runner, io: EngineIO) -> None:
+    def __init__(self, make_runner, io: EngineIO, adapters=None) -> None:
         """``make_runner(should_interrupt, emit_partial)`` builds the request runner."""
         self.io = io
+        self.adapters = adapters
         self.runner = make_runner(self._should_interrupt, io.send_partial)
         self.running: set[str] = set()
         self.cancelled: set[str] = set()  # only ids of requests running or waiting here
@@ -222,6 +202,8 @@ class RequestLoop:
                 self._cancel(msg.request_ids)
             elif kind is Kind.WORK:
                 self._execute(msg, frames)
+            elif kind in ADAPTER_KINDS:  # between calls: no call ever sees an adapter change
+                apply_adapter_message(self.adapters, self.io, kind, msg)
             else:
                 log.warning("executor ignored a %s message", kind.name)
 
@@ -245,6 +227,7 @@ class RequestLoop:
         self.io.count_call(time.perf_counter() - start,
                            bool(outcomes) and all(o.status == CANCELLED for o in outcomes))
         self.io.send_outcomes(outcomes)
+        self.io.count_resident(self.adapters)
 
     def _should_interrupt(self) -> bool:
         """Asked at every denoising step: take the cancels that came meanwhile (anything else
@@ -260,9 +243,10 @@ class RequestLoop:
 class StepLoop:
     """The running set: admit and drop between steps, one step at a time."""
 
-    def __init__(self, engine, io: EngineIO) -> None:
+    def __init__(self, engine, io: EngineIO, adapters=None) -> None:
         self.engine = engine
         self.io = io
+        self.adapters = adapters
         self.stopping = False
 
     def run(self) -> None:
@@ -277,6 +261,11 @@ class StepLoop:
                     self.engine.cancel(msg.request_ids)
                 elif kind is Kind.WORK:
                     work.append((msg, frames))
+                elif kind in ADAPTER_KINDS:  # between steps, before the work that came after
+                    if work:
+                        self._admit(work)
+                        work = []
+                    apply_adapter_message(self.adapters, self.io, kind, msg)
                 message = self.io.receive(block=False)
             if self.stopping:
                 break
@@ -288,6 +277,8 @@ class StepLoop:
                     self.io.send_partial(partial)
                 self.io.send_outcomes(out.finished)
                 self.io.count_step(out)
+                if out.finished:
+                    self.io.count_resident(self.adapters)
 
     def _admit(self, work: list[tuple[Work, list[Any]]]) -> None:
         items, inputs, malformed = [], [], []

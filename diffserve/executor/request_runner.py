@@ -12,10 +12,12 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import numpy as np
 
+from diffserve.executor.adapters import AdapterStore
 from diffserve.executor.families.base import Family, to_uint8
 from diffserve.executor.loading import LoadedModel
 from diffserve.executor.results import Outcome, PartialImage, describe, partial_steps
@@ -35,11 +37,12 @@ class RequestRunner:
     def __init__(self, loaded: LoadedModel, pipelines: dict[str, Any], family: Family | None,
                  count_tokens: Callable[[str], int] = lambda p: 0,
                  should_interrupt: Callable[[], bool] = lambda: False,
-                 emit_partial: Callable[[PartialImage], None] = lambda partial: None) -> None:
+                 emit_partial: Callable[[PartialImage], None] = lambda partial: None,
+                 adapters: AdapterStore | None = None) -> None:
         """``pipelines``: task name -> pipeline (the loaded one for generation). ``family`` only
         decodes previews (None: no previews). ``should_interrupt`` is asked at every denoising
         step whether every caller of the running call has gone; ``emit_partial`` sends a preview
-        at once."""
+        at once. ``adapters``: the LoRA adapters (a call applies its requests' one stack)."""
         import torch
 
         self.torch = torch
@@ -51,9 +54,12 @@ class RequestRunner:
         self.count_tokens = count_tokens
         self.should_interrupt = should_interrupt
         self.emit_partial = emit_partial
-        # Pipelines that encode a missing negative prompt as zeros, not as "": a call must not
-        # mix requests with and without one, or those without would change.
-        self.split_negatives = bool(getattr(loaded.pipe.config, "force_zeros_for_empty_prompt", False))
+        self.adapters = adapters
+        # Pipelines that encode a missing negative prompt as zeros, not as "", or that guide only
+        # with one: a call must not mix requests with and without one, or those without change.
+        self.split_negatives = bool(getattr(loaded.pipe.config, "force_zeros_for_empty_prompt", False)
+                                    or (family and family.negative_enables_cfg))
+        self.guidance_kwarg = family.guidance_kwarg if family else "guidance_scale"
         self._interrupted = False
         self._sent: set[tuple[str, int, int]] = set()  # previews streamed during this batch
 
@@ -63,6 +69,8 @@ class RequestRunner:
         again."""
         start = time.perf_counter()
         self._interrupted, self._sent = False, set()
+        if work.items[0].request.task_spec.trajectory:
+            return self._rollouts(work, inputs, start)
         pairs = list(zip(work.items, inputs))
         results = isolate(pairs, self._call_all, lambda pair: pair[0].request.request_id,
                           f"batch {work.work_id}")
@@ -72,6 +80,24 @@ class RequestRunner:
         return [Outcome.failed(item, describe(images), elapsed) if isinstance(images, Exception)
                 else Outcome.made(item, images, elapsed, self.count_tokens(item.request.prompt))
                 for (item, _), images in results]
+
+    def _rollouts(self, work: Work, inputs: list[list[Any]], start: float) -> list[Outcome]:
+        """Rollouts record every step of a stochastic sampler, which no pipeline call does: the
+        batch runs through the step engine, all of it in each forward, until it is done."""
+        from diffserve.executor.step_engine import StepEngine
+
+        if self.family is None:
+            raise ValueError("rollouts need a family the step engine knows")
+        engine = StepEngine(self.family, self.count_tokens, adapters=self.adapters)
+        outcomes = engine.admit(work.items, inputs)
+        while engine:
+            if self.should_interrupt():
+                engine.cancel([item.request.request_id for item in work.items])
+            outcomes += engine.step().finished
+        elapsed = time.perf_counter() - start
+        for o in outcomes:
+            o.execution_s = elapsed
+        return outcomes
 
     def _call_all(self, pairs: list[Pair]) -> list[np.ndarray]:
         """Each pair's images, in as few pipeline calls as the pipeline allows."""
@@ -99,8 +125,8 @@ class RequestRunner:
             num_inference_steps=first.num_inference_steps, output_type="np")
         if "height" in accepts:
             kwargs.update(height=first.height, width=first.width)
-        if "guidance_scale" in accepts:
-            kwargs["guidance_scale"] = first.guidance_scale
+        if self.guidance_kwarg in accepts:
+            kwargs[self.guidance_kwarg] = first.guidance_scale
         if "negative_prompt" in accepts and any(item.request.negative_prompt for item, _ in samples):
             kwargs["negative_prompt"] = [item.request.negative_prompt for item, _ in samples]
         if first.task_spec.inputs:
@@ -111,10 +137,28 @@ class RequestRunner:
                                      zip(arrays, pairs) for _ in range(item.samples)]
         if "callback_on_step_end" in accepts:
             kwargs["callback_on_step_end"] = self._step_callback(samples)
-        with self.torch.inference_mode():
+        with self.torch.inference_mode(), self._adapters(first.loras):
             images = to_uint8(pipe(**kwargs).images)
         check_output(images, len(samples), first.width, first.height, type(pipe).__name__)
         return chunks(images, [item.samples for item, _ in pairs])
+
+    @contextmanager
+    def _adapters(self, loras):
+        """Every row of the call (the text encoders' too) with the batch's one adapter stack,
+        in the versions current now, held for the call."""
+        if not loras:
+            yield
+            return
+        if self.adapters is None:
+            raise ValueError("this server serves no LoRA adapters")
+        stack = self.adapters.acquire(loras)
+        if stack is None:  # nothing is held between calls, so the budget always has room
+            raise RuntimeError(f"adapters {[n for n, _ in loras]} do not fit --max-loras")
+        try:
+            with self.adapters.rows.uniform(stack):
+                yield
+        finally:
+            self.adapters.release(stack)
 
     def _step_callback(self, samples: list[tuple[WorkItem, int]]):
         wanted = any(item.request.partial_images for item, _ in samples) and self.family is not None

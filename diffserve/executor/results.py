@@ -24,10 +24,12 @@ class Outcome:
     error: str | None
     execution_s: float
     prompt_tokens: int = 0
+    tensors: dict | None = None  # rollouts: the answer's tensors (diffserve.rollouts)
 
     @classmethod
-    def made(cls, item: WorkItem, images, execution_s: float, prompt_tokens: int = 0) -> "Outcome":
-        return cls(item, FINISHED, images, None, execution_s, prompt_tokens)
+    def made(cls, item: WorkItem, images, execution_s: float, prompt_tokens: int = 0,
+             tensors: dict | None = None) -> "Outcome":
+        return cls(item, FINISHED, images, None, execution_s, prompt_tokens, tensors)
 
     @classmethod
     def failed(cls, item: WorkItem, error: str, execution_s: float) -> "Outcome":

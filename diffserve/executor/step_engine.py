@@ -1,15 +1,24 @@
 """The step engine: a running set of requests that join and leave between denoising steps.
 
-One :meth:`StepEngine.step` is: drop what was cancelled, one batched denoiser forward that carries
-every running sample at its own timestep (with its own guidance scale and negative prompt), each
-request's own scheduler step, streamed previews that are due, and the retirement (VAE decode) of
-every request whose schedule has ended. :meth:`StepEngine.admit` adds requests between two steps:
+The engine holds one running set per signature that must match within one forward (the size):
+requests of different sizes run at once, each set advancing in turn. One :meth:`StepEngine.step`
+is: drop what was cancelled, pick the set to advance (:mod:`diffserve.executor.fairness`), one
+batched denoiser forward that carries every sample of that set at its own timestep (with its own
+guidance scale and negative prompt), each request's own scheduler step, streamed previews that
+are due, and the retirement (VAE decode) of every request whose schedule has ended. :meth:`StepEngine.admit` adds requests between two steps:
 their prompts are encoded together and each gets its own copy of the noise scheduler and its own
 generators, so a request's images depend on nothing but its own fields.
 
 Every stage fails only the requests that cause an error: a batched stage that raises (the forward,
-a decode) is run again request by request, and a request's own scheduler step or inpainting blend
-fails that request alone. The engine itself never raises out of a step.
+a decode) is run again in halves down to single requests (an out-of-memory forward splits until
+it fits), and a request's own scheduler step or inpainting blend fails that request alone. The
+engine itself never raises out of a step.
+
+LoRA adapters never split the running set: each request holds its own stack of adapter versions
+from admission to retirement, its prompt is encoded with that stack, and every row of a forward
+gets only its own request's adapters at its own scales (:mod:`diffserve.executor.adapters`). A
+request whose adapters cannot all be resident yet (every slot is held by running requests) waits
+inside the engine and is admitted at a later step.
 
 No sockets here: the executor process (:mod:`diffserve.executor.process`) feeds it work and sends
 what it returns. It needs torch and a family (:mod:`diffserve.executor.families`), nothing else.
@@ -19,12 +28,16 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from diffserve.executor.adapters import AdapterStore
+from diffserve.executor.fairness import Progress, next_set
+from diffserve.executor.rollout import Trajectory
 from diffserve.executor.families.base import Encoded, Family, Prepared
 from diffserve.executor.results import Outcome, PartialImage, describe, partial_steps
-from diffserve.protocol import WorkItem
+from diffserve.protocol import STEP_MODE, WorkItem
 from diffserve.samples import chunks, generators, group_by, input_arrays, isolate
 
 log = logging.getLogger(__name__)
@@ -42,10 +55,25 @@ class Unit:
     admitted_at: float
     prompt_tokens: int = 0
     step: int = 0
+    adapters: tuple = ()  # its LoRA stack, in the versions it holds until it leaves
+    progress: Progress | None = None  # its time in the executor, for the choice of set
+    trajectory: Trajectory | None = None  # rollouts: the stochastic sampler's record
+
+    def __post_init__(self) -> None:
+        self.progress = self.progress or Progress(self.admitted_at)
 
     @property
     def request(self):
         return self.item.request
+
+    @property
+    def signature(self) -> tuple:
+        """What must match within one forward: the running set it belongs to."""
+        return self.request.signature(STEP_MODE)
+
+    @property
+    def cost(self) -> float:
+        return self.samples * self.request.cost
 
     @property
     def finished(self) -> bool:
@@ -66,6 +94,9 @@ class StepOutput:
     finished: list[Outcome] = field(default_factory=list)
     partials: list[PartialImage] = field(default_factory=list)
     samples: int = 0  # samples the forward carried
+    cost: float = 0.0  # and their cost (diffserve.costs)
+    signature: tuple | None = None  # of the running set it advanced
+    sets: int = 0  # running sets held after the step
     seconds: float = 0.0
 
 
@@ -75,19 +106,25 @@ def _request_id(unit: Unit) -> str:
 
 class StepEngine:
     def __init__(self, family: Family, count_tokens: Callable[[str], int] = lambda p: 0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 adapters: AdapterStore | None = None) -> None:
         self.family = family
         self.count_tokens = count_tokens
         self.clock = clock
+        self.adapters = adapters
         self.units: list[Unit] = []
+        self.deferred: list[tuple[WorkItem, list[Any]]] = []  # waiting for adapter slots
         self._cancelled: set[str] = set()
 
     @property
     def samples(self) -> int:
         return sum(u.samples for u in self.units)
 
+    def running_sets(self) -> dict[tuple, list[Unit]]:
+        return group_by(self.units, lambda u: u.signature)
+
     def __bool__(self) -> bool:
-        return bool(self.units)
+        return bool(self.units or self.deferred)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -96,51 +133,92 @@ class StepEngine:
         items that could not be admitted, as failures."""
         start = self.clock()
         failed: list[Outcome] = []
+        ready, stacks = [], []
+        for item, frames in zip(items, inputs):
+            try:
+                stack = self._acquire(item)
+            except Exception as error:  # noqa: BLE001 - only this request fails
+                failed.append(Outcome.failed(item, describe(error), self.clock() - start))
+                continue
+            if stack is None:
+                self.deferred.append((item, frames))
+            else:
+                ready.append((item, frames))
+                stacks.append(stack)
+        if not ready:
+            return failed
         with self.family.torch.inference_mode():
             try:
-                encoded = self._encode(items)
+                encoded = self._encode([item for item, _ in ready], stacks)
             except Exception as error:  # noqa: BLE001 - reported to each caller
                 log.exception("prompt encoding failed")
-                return [Outcome.failed(item, describe(error), self.clock() - start) for item in items]
-            for item, frames, enc in zip(items, inputs, encoded):
+                for (item, _), stack in zip(ready, stacks):
+                    self._release(stack)
+                    failed.append(Outcome.failed(item, describe(error), self.clock() - start))
+                return failed
+            for (item, frames), enc, stack in zip(ready, encoded, stacks):
                 try:
-                    self.units.append(self._unit(item, frames, enc, start))
+                    self.units.append(self._unit(item, frames, enc, start, stack))
                 except Exception as error:  # noqa: BLE001 - only this request fails
                     log.warning("could not admit %s: %s", item.request.request_id, error)
+                    self._release(stack)
                     failed.append(Outcome.failed(item, describe(error), self.clock() - start))
         return failed
 
-    def _encode(self, items: list[WorkItem]) -> list[Encoded]:
+    def _acquire(self, item: WorkItem):
+        """The item's adapter stack (held from now on), () without adapters, None to wait."""
+        loras = item.request.loras
+        if not loras:
+            return ()
+        if self.adapters is None:
+            raise ValueError("this server serves no LoRA adapters")
+        return self.adapters.acquire(loras)
+
+    def _release(self, stack) -> None:
+        if stack:
+            self.adapters.release(stack)
+
+    def _rows(self, stacks: list):
+        """A context in which row i of every adapted call gets ``stacks[i]``."""
+        if self.adapters is None or not any(stacks):
+            return nullcontext()
+        return self.adapters.rows.rows(stacks)
+
+    def _encode(self, items: list[WorkItem], stacks: list) -> list[Encoded]:
         """Every item's text conditioning (one row per image), in one encoder call per group:
         the requests with a negative prompt, and the rest (which some families encode
-        differently)."""
+        differently). Each prompt row is encoded with its own request's adapters."""
         fam = self.family
         cfg = [fam.uses_cfg(i.request.guidance_scale, i.request.negative_prompt) for i in items]
         negative = lambda i: cfg[i] and bool(items[i].request.negative_prompt)  # noqa: E731
         encoded: list[Encoded | None] = [None] * len(items)
         for with_negative, group in group_by(range(len(items)), negative).items():
-            both = fam.encode([items[i].request.prompt for i in group],
-                              [items[i].request.negative_prompt for i in group] if with_negative
-                              else None, any(cfg[i] for i in group))
+            with self._rows([stacks[i] for i in group]):
+                both = fam.encode([items[i].request.prompt for i in group],
+                                  [items[i].request.negative_prompt for i in group] if with_negative
+                                  else None, any(cfg[i] for i in group))
             for row, i in enumerate(group):
                 k = items[i].samples
                 encoded[i] = Encoded(both.positive.rows(row, row + 1).repeat(k),
                                      both.negative.rows(row, row + 1).repeat(k) if cfg[i] else None)
         return encoded
 
-    def _unit(self, item: WorkItem, frames: list[Any], encoded: Encoded, start: float) -> Unit:
+    def _unit(self, item: WorkItem, frames: list[Any], encoded: Encoded, start: float,
+              stack: tuple) -> Unit:
         fam, r = self.family, item.request
         scheduler = fam.new_scheduler()
+        gens = generators(r, item.start, item.stop)
         prepared = fam.prepare(r.task_spec, scheduler, r.num_inference_steps, r.strength, r.width,
-                               r.height, generators(r, item.start, item.stop), encoded,
-                               input_arrays(r, frames))
+                               r.height, gens, encoded, input_arrays(r, frames))
+        # A rollout's noise comes from the same generators, after its first latents'.
+        trajectory = Trajectory(r.noise_level, gens) if r.task_spec.trajectory else None
         return Unit(item, scheduler, prepared, prepared.negative is not None,
                     partial_steps(r.partial_images, len(prepared.timesteps)), start,
-                    self.count_tokens(r.prompt))
+                    self.count_tokens(r.prompt), adapters=stack, trajectory=trajectory)
 
     def cancel(self, request_ids: list[str]) -> None:
         """Drop these requests at the next step."""
-        held = {_request_id(u) for u in self.units}
+        held = {_request_id(u) for u in self.units} | {i.request.request_id for i, _ in self.deferred}
         self._cancelled.update(rid for rid in request_ids if rid in held)
 
     # -- one step --------------------------------------------------------------------------
@@ -148,16 +226,26 @@ class StepEngine:
     def step(self) -> StepOutput:
         out = StepOutput()
         self._drop_cancelled(out)
+        if self.deferred:  # adapter slots may have been freed by the last retirements
+            waiting, self.deferred = self.deferred, []
+            out.finished += self.admit([i for i, _ in waiting], [f for _, f in waiting])
         if not self.units:
             return out
         start = self.clock()
+        sets = self.running_sets()
+        out.signature = next_set({sig: [u.progress for u in units] for sig, units in sets.items()},
+                                 start)
+        units = sets[out.signature]
         with self.family.torch.inference_mode():
-            out.samples = self.samples
-            for unit, noise in self._each(self.units, self._predict, "the denoiser forward", out):
+            out.samples, out.cost = sum(u.samples for u in units), sum(u.cost for u in units)
+            for unit, noise in self._each(units, self._predict, "the denoiser forward", out):
                 self._advance(unit, noise, out)
-            self._partials(out)
-            self._retire(out)
+            self._partials(units, out)
+            self._retire(units, out)
         out.seconds = self.clock() - start
+        for unit in units:
+            unit.progress.stepped(out.seconds)
+        out.sets = len(self.running_sets())
         return out
 
     def _drop_cancelled(self, out: StepOutput) -> None:
@@ -165,6 +253,9 @@ class StepEngine:
             return
         for u in [u for u in self.units if _request_id(u) in self._cancelled]:
             self._remove(u, out, Outcome.cancelled(u.item, self.clock() - u.admitted_at))
+        for item, frames in [d for d in self.deferred if d[0].request.request_id in self._cancelled]:
+            self.deferred.remove((item, frames))
+            out.finished.append(Outcome.cancelled(item, 0.0))
         self._cancelled = set()
 
     def _each(self, units: list[Unit], run: Callable[[list[Unit]], list], what: str,
@@ -172,12 +263,18 @@ class StepEngine:
         """``run`` over ``units`` (one result each), isolating failures: a unit whose request
         causes an error leaves the running set as failed; the others get their results."""
         done = []
-        for unit, result in isolate(units, run, _request_id, what):
+        for unit, result in isolate(units, run, _request_id, what, self._free_memory):
             if isinstance(result, Exception):
                 self._fail(unit, out, result, what)
             else:
                 done.append((unit, result))
         return done
+
+    def _free_memory(self, error: Exception) -> None:
+        """Before a failed batch is run again in parts: give back what the failed try held."""
+        torch = self.family.torch
+        if isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _fail(self, unit: Unit, out: StepOutput, error: Exception, what: str) -> None:
         log.warning("%s failed for %s: %s: %s", what, _request_id(unit), type(error).__name__, error)
@@ -187,6 +284,7 @@ class StepEngine:
     def _remove(self, unit: Unit, out: StepOutput, outcome: Outcome) -> None:
         if unit in self.units:
             self.units.remove(unit)
+            self._release(unit.adapters)
             out.finished.append(outcome)
 
     def _predict(self, units: list[Unit]) -> list[Any]:
@@ -203,9 +301,10 @@ class StepEngine:
             guidance.append(torch.full((x.shape[0],), u.request.guidance_scale,
                                        dtype=torch.float32, device=x.device))
             conds.extend((u.prepared.negative, u.prepared.positive) if u.cfg else (u.prepared.positive,))
-        r = units[0].request  # every unit of a running set has the same size
-        output = fam.forward(torch.cat(inputs), torch.cat(timesteps), type(conds[0]).cat(conds),
-                             torch.cat(guidance), r.width, r.height)
+        r = units[0].request  # every unit of one forward has the same size
+        with self._rows([u.adapters for u in units for _ in range(u.rows)]):
+            output = fam.forward(torch.cat(inputs), torch.cat(timesteps),
+                                 type(conds[0]).cat(conds), torch.cat(guidance), r.width, r.height)
         predictions = []
         for u, part in zip(units, chunks(output, [u.rows for u in units])):
             if u.cfg:
@@ -218,7 +317,10 @@ class StepEngine:
         p, fam = u.prepared, self.family
         try:
             t = p.timesteps[u.step]
-            latents = fam.denoise_step(u.scheduler, noise, t, p.latents, p.step_kwargs)
+            if u.trajectory is not None:
+                latents = u.trajectory.step(u.scheduler, u.step, p.latents, noise)
+            else:
+                latents = fam.denoise_step(u.scheduler, noise, t, p.latents, p.step_kwargs)
             if p.blend is not None:
                 last = u.step == len(p.timesteps) - 1
                 latents = fam.blend(u.scheduler, p.blend, latents,
@@ -239,18 +341,24 @@ class StepEngine:
             by_unit.update(zip(map(id, group), chunks(pixels, [u.samples for u in group])))
         return [by_unit[id(u)] for u in units]
 
-    def _partials(self, out: StepOutput) -> None:
-        due = [u for u in self.units if u.step in u.partial_at and not u.finished]
+    def _partials(self, units: list[Unit], out: StepOutput) -> None:
+        due = [u for u in units if u in self.units and u.step in u.partial_at and not u.finished]
         for u, pixels in self._each(due, self._decode, "a preview decode", out):
             out.partials.extend(PartialImage(_request_id(u), u.item.start + j, u.partial_at[u.step],
                                              pixels[j]) for j in range(u.samples))
 
-    def _retire(self, out: StepOutput) -> None:
-        done = [u for u in self.units if u.finished]
+    def _retire(self, units: list[Unit], out: StepOutput) -> None:
+        done = [u for u in units if u in self.units and u.finished]
         if not done:
             return
         decoded = self._each(done, self._decode, "decoding", out)
         now = self.clock()
         for u, pixels in decoded:
-            self.units.remove(u)
-            out.finished.append(Outcome.made(u.item, pixels, now - u.admitted_at, u.prompt_tokens))
+            tensors = None
+            if u.trajectory is not None:
+                r = u.request
+                tensors = u.trajectory.tensors(self.family, u.scheduler, u.prepared.timesteps,
+                                               r.width, r.height, pixels, u.prepared.positive,
+                                               r.returns)
+            self._remove(u, out, Outcome.made(u.item, pixels, now - u.admitted_at,
+                                              u.prompt_tokens, tensors))

@@ -27,10 +27,12 @@ from diffserve.errors import (
     APIError,
     error_response,
     internal_error,
+    invalid_request,
     method_not_allowed,
     not_found,
     unavailable,
 )
+from diffserve.frontend import adapters as adapter_rules
 from diffserve.frontend import streaming
 from diffserve.frontend.auth import BearerAuth
 from diffserve.frontend.bodies import (
@@ -48,17 +50,30 @@ from diffserve.frontend.schemas import (
     ImageGenerationRequest,
     ImageOptions,
     ImagesResponse,
+    LoadLoraAdapter,
     ModelCard,
+    RolloutRequest,
     ModelList,
+    UnloadLoraAdapter,
 )
 from diffserve.frontend.uploads import decode_inputs, parse_form, read_limited
 from diffserve.frontend.validation import to_engine_request
-from diffserve.protocol import ImageRequest
-from diffserve.tasks import GENERATE, IMAGE_TO_IMAGE, INPAINT
+from diffserve.protocol import LOAD, UNLOAD, ImageRequest
+from diffserve.rollouts import LATENTS_LAYOUT, safetensors_body
+from diffserve.tasks import GENERATE, IMAGE_TO_IMAGE, INPAINT, ROLLOUT
 
 # What a route hands to :func:`serve_images`: the request for the engine, its input frames and
 # the body it came from.
 Accepted = tuple[ImageRequest, list, ImageOptions]
+
+
+def rollout_fields(request: ImageRequest) -> dict:
+    """A rollout's fields as its answer's metadata records them."""
+    return {"prompt": request.prompt, "negative_prompt": request.negative_prompt,
+            "n": request.n, "seed": request.seed, "width": request.width, "height": request.height,
+            "num_inference_steps": request.num_inference_steps,
+            "guidance_scale": request.guidance_scale, "noise_level": request.noise_level,
+            "loras": [list(pair) for pair in request.loras], "return": list(request.returns)}
 
 
 def create_app(config: ServerConfig, engine: EngineClient,
@@ -101,10 +116,10 @@ def create_app(config: ServerConfig, engine: EngineClient,
                               "restarting); retry shortly.", "engine_not_ready")
 
     async def serve_images(http_request: Request, accept: Callable[[], Awaitable[Accepted]],
-                           events: str) -> Response:
+                           events: str, respond=None) -> Response:
         """Check that the server serves, read and validate the request (``accept``), run it
-        and answer. Its outcome is counted once, when the answer is complete (a stream's at its
-        end)."""
+        and answer (as JSON or a stream; ``respond(request, done)`` makes any other answer).
+        Its outcome is counted once, when the answer is complete (a stream's at its end)."""
         arrival, start = time.time(), time.perf_counter()
 
         def finished(outcome: str) -> None:
@@ -114,13 +129,15 @@ def create_app(config: ServerConfig, engine: EngineClient,
         try:
             check_serving()
             request, frames, body = await accept()
+            counts.adapters_used(name for name, _ in request.loras)
             answer = ImageAnswer(request, body, events, arrival, engine.model_info.spatial_stride, pool)
             if body.stream:
                 response = await stream(http_request, answer, request, frames, finished)
                 streamed = response is not None
             else:
                 done = await until_disconnected(http_request, engine.generate(request, frames))
-                response = None if done is None else await answer.json(done)
+                response = (None if done is None else respond(request, done) if respond
+                            else await answer.json(done))
             if response is None:
                 return Response(status_code=499)  # the client left; its work was dropped
             outcome = "success"
@@ -161,7 +178,7 @@ def create_app(config: ServerConfig, engine: EngineClient,
             body = await parse_json(http_request, ImageGenerationRequest, config.max_body_bytes,
                                     "--max-body-bytes")
             request = to_engine_request(body, f"img-{uuid.uuid4().hex}", engine.model_info,
-                                        config, GENERATE)
+                                        config, GENERATE, engine.adapters)
             return request, [], body
 
         return await serve_images(http_request, accept, streaming.GENERATIONS)
@@ -177,20 +194,71 @@ def create_app(config: ServerConfig, engine: EngineClient,
             body = validate(ImageEditForm, form.fields)
             task = INPAINT if form.mask is not None else IMAGE_TO_IMAGE
             request = to_engine_request(body, f"edit-{uuid.uuid4().hex}", engine.model_info,
-                                        config, task)
+                                        config, task, engine.adapters)
             frames = await asyncio.get_running_loop().run_in_executor(
                 pool, decode_inputs, form, request.width, request.height, config.max_input_pixels)
             return request, frames, body
 
         return await serve_images(http_request, accept, streaming.EDITS)
 
+    @app.post("/v1/rollouts", openapi_extra=json_body_schema(RolloutRequest),
+              response_class=Response, responses={200: {"content": {
+                  "application/octet-stream": {}}, "description": "A safetensors file."}})
+    async def rollouts(http_request: Request):
+        async def accept() -> Accepted:
+            body = await parse_json(http_request, RolloutRequest, config.max_body_bytes,
+                                    "--max-body-bytes")
+            if body.stream or body.response_format != "b64_json":
+                raise invalid_request("a rollout is answered with one safetensors body: no "
+                                      "stream, no url", "stream" if body.stream else
+                                      "response_format", "unsupported_value")
+            request = to_engine_request(body, f"roll-{uuid.uuid4().hex}", engine.model_info,
+                                        config, ROLLOUT, engine.adapters)
+            return request, [], body
+
+        def respond(request: ImageRequest, done) -> Response:
+            metadata = {"request": rollout_fields(request), "seeds": done.done.seeds,
+                        "model": engine.model_info.name, "latents_layout": LATENTS_LAYOUT}
+            return Response(safetensors_body(done.tensors, metadata),
+                            media_type="application/octet-stream")
+
+        return await serve_images(http_request, accept, streaming.GENERATIONS, respond)
+
     @app.get("/v1/models", response_model=ModelList)
     async def list_models():
+        """The base model, then every LoRA adapter as a model of its own (its ``parent`` the
+        base), so that the unmodified SDK can pick one by name."""
         info = engine.model_info
-        return ModelList(data=[ModelCard(
-            id=info.name, created=int(started), pipeline=info.pipeline_class,
-            batching_mode=info.batching_mode, tasks=info.tasks,
-            partial_images=info.partial_images)])
+        card = dict(created=int(started), pipeline=info.pipeline_class,
+                    batching_mode=info.batching_mode, tasks=info.tasks,
+                    partial_images=info.partial_images)
+        return ModelList(data=[ModelCard(id=info.name, **card),
+                               *(ModelCard(id=name, parent=info.name, **card)
+                                 for name in engine.adapters)])
+
+    if config.enable_lora_runtime_updates:
+        async def update_adapter(op: str, name: str, path: str = "") -> JSONResponse:
+            served = engine.model_info.name
+            adapter_rules.check_name(name, served)
+            result = await engine.adapter_command(op, name, path)
+            adapter_rules.raise_for(result, name, served, engine.adapters)
+            return JSONResponse({"object": "lora_adapter", "name": name,
+                                 "status": "loaded" if op == LOAD else "unloaded"})
+
+        @app.post("/v1/load_lora_adapter", openapi_extra=json_body_schema(LoadLoraAdapter))
+        async def load_lora_adapter(http_request: Request):
+            check_serving()
+            body = await parse_json(http_request, LoadLoraAdapter, config.max_body_bytes,
+                                    "--max-body-bytes")
+            path = adapter_rules.path_inside(body.lora_path, config.lora_dir)
+            return await update_adapter(LOAD, body.lora_name, path)
+
+        @app.post("/v1/unload_lora_adapter", openapi_extra=json_body_schema(UnloadLoraAdapter))
+        async def unload_lora_adapter(http_request: Request):
+            check_serving()
+            body = await parse_json(http_request, UnloadLoraAdapter, config.max_body_bytes,
+                                    "--max-body-bytes")
+            return await update_adapter(UNLOAD, body.lora_name)
 
     @app.get("/health")
     async def health():

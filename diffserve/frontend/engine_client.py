@@ -15,6 +15,7 @@ work, and the host is told (``diffserve serve`` then exits non-zero for its supe
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,11 +25,16 @@ import zmq
 import zmq.asyncio
 
 from diffserve.errors import APIError, engine_error, internal_error, unavailable
+from diffserve.rollouts import join_parts
 from diffserve.protocol import (
+    LOAD,
     Abort,
+    AdapterCommand,
+    AdapterResult,
     EngineStatus,
     ImageRequest,
     ItemImages,
+    ItemTensors,
     Kind,
     ModelInfo,
     Partial,
@@ -62,6 +68,7 @@ class PartialEvent:
 class DoneEvent:
     done: RequestDone
     frames: list[Any]  # the request's images, in index order
+    tensors: dict[str, Any] | None = None  # rollouts: the answer's tensors (diffserve.rollouts)
 
 
 @dataclass
@@ -69,10 +76,19 @@ class _Pending:
     """A request in flight: its event queue and the images that came for it so far."""
 
     n: int
+    wants_tensors: bool = False  # a rollout: its parts come as tensors, not images
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     images: dict[int, Any] = field(default_factory=dict)
+    tensors: dict[int, tuple[int, dict[str, Any]]] = field(default_factory=dict)  # start -> part
     done: RequestDone | None = None
     grace: asyncio.TimerHandle | None = None
+
+    def complete(self) -> bool:
+        if self.done is None:
+            return False
+        if self.wants_tensors:
+            return sum(stop - start for start, (stop, _) in self.tensors.items()) == self.n
+        return len(self.images) == self.n
 
 
 class Submission:
@@ -115,6 +131,9 @@ class EngineClient:
         self.draining = False  # stopping: refuse new work, finish what was accepted
         self.stopped_reason: str | None = None
         self._pending: dict[str, _Pending] = {}
+        self._commands: dict[str, asyncio.Future] = {}  # adapter commands awaiting their result
+        self._command_ids = itertools.count(1)
+        self.adapters: dict[str, None] = {}  # LoRA adapters served now, in the order they came
         self._reader: asyncio.Task | None = None
         self._on_failure: Callable[[str], None] = lambda reason: None
 
@@ -139,6 +158,7 @@ class EngineClient:
                 kind, msg, _ = decode(self._in.recv_multipart())
                 if kind is Kind.READY:
                     self.model_info = msg
+                    self.adapters = dict.fromkeys(msg.adapters)
                 elif kind is Kind.ENGINE_STATUS:
                     self.status = msg
                 elif kind is Kind.FATAL:
@@ -160,7 +180,7 @@ class EngineClient:
         close it when done with it (closing early tells the engine to drop the work)."""
         if self.stopped_reason:
             raise unavailable(self.stopped_reason)
-        pending = _Pending(request.n)
+        pending = _Pending(request.n, request.task_spec.trajectory)
         self._pending[request.request_id] = pending
         try:
             await self._out.send_multipart(encode(Kind.SUBMIT, request, frames), copy=False)
@@ -179,6 +199,25 @@ class EngineClient:
                     return event
         finally:
             submission.close()
+
+    async def adapter_command(self, op: str, name: str, path: str = "") -> AdapterResult:
+        """Load (or replace) or unload a LoRA adapter in every executor; the engine's answer."""
+        if self.stopped_reason:
+            raise unavailable(self.stopped_reason)
+        command_id = f"cmd-{next(self._command_ids)}"
+        future = asyncio.get_running_loop().create_future()
+        self._commands[command_id] = future
+        try:
+            await self._out.send_multipart(encode(Kind.ADAPTER, AdapterCommand(command_id, op, name, path)))
+            result = await future
+        finally:
+            self._commands.pop(command_id, None)
+        if result.status == 200:
+            if op == LOAD:
+                self.adapters[name] = None
+            else:
+                self.adapters.pop(name, None)
+        return result
 
     def _forget(self, request_id: str) -> bool:
         pending = self._pending.pop(request_id, None)
@@ -200,6 +239,9 @@ class EngineClient:
         self.stopped_reason = error.message
         for request_id in list(self._pending):
             self._finish(request_id, error)
+        for future in self._commands.values():
+            if not future.done():
+                future.set_exception(error)
 
     async def drain(self) -> None:
         """Stopping: what waits is sent to the executors without waiting for company."""
@@ -228,6 +270,8 @@ class EngineClient:
     def _dispatch(self, kind: Kind, msg: Any, buffers: list[Any]) -> None:
         if kind is Kind.IMAGES:
             self._images(msg, buffers)
+        elif kind is Kind.TENSORS:
+            self._tensors(msg, buffers)
         elif kind is Kind.PARTIAL:
             pending = self._pending.get(msg.request_id)
             if pending is not None and len(buffers) == 1:
@@ -241,6 +285,10 @@ class EngineClient:
                         IMAGES_GRACE_S, self._images_lost, msg.request_id)
         elif kind is Kind.REQUEST_FAILED:
             self._finish(msg.request_id, engine_error(msg.status, msg.message, msg.type, msg.code))
+        elif kind is Kind.ADAPTER_DONE:
+            future = self._commands.get(msg.command_id)
+            if future is not None and not future.done():
+                future.set_result(msg)
         elif kind is Kind.ENGINE_STATUS:
             self.status = msg
         elif kind is Kind.FATAL:
@@ -257,11 +305,33 @@ class EngineClient:
         pending.images.update(zip(range(msg.start, msg.stop), buffers))
         self._complete(msg.request_id, pending)
 
+    def _tensors(self, msg: ItemTensors, buffers: list[Any]) -> None:
+        import numpy as np
+
+        pending = self._pending.get(msg.request_id)
+        if pending is None:
+            return
+        try:
+            if len(buffers) != len(msg.tensors) or not 0 <= msg.start < msg.stop <= pending.n:
+                raise ValueError(f"{len(buffers)} frames for {len(msg.tensors)} tensors")
+            tensors = {spec.name: np.frombuffer(buf, dtype=spec.dtype).reshape(spec.shape)
+                       for spec, buf in zip(msg.tensors, buffers)}
+        except (ValueError, TypeError) as error:
+            log.error("dropped malformed tensors %d..%d of %s: %s", msg.start, msg.stop,
+                      msg.request_id, error)
+            return
+        pending.tensors[msg.start] = (msg.stop, tensors)
+        self._complete(msg.request_id, pending)
+
     def _complete(self, request_id: str, pending: _Pending) -> bool:
-        """Answer the request if its header and all of its images are here."""
-        if pending.done is None or len(pending.images) < pending.n:
+        """Answer the request if its header and all of its images (or tensors) are here."""
+        if not pending.complete():
             return False
-        self._finish(request_id, DoneEvent(pending.done, [pending.images[i] for i in range(pending.n)]))
+        tensors = (join_parts([(start, part) for start, (_, part) in pending.tensors.items()])
+                   if pending.wants_tensors else None)
+        self._finish(request_id, DoneEvent(
+            pending.done, [] if pending.wants_tensors else [pending.images[i] for i in range(pending.n)],
+            tensors))
         return True
 
     def _images_lost(self, request_id: str) -> None:

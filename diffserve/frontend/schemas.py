@@ -4,10 +4,23 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import json
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 SEED_MAX = 2**32 - 1  # image i of a request uses (seed + i) modulo 2**32
 MAX_PARTIAL_IMAGES = 3
+LORA_SCALE_LIMIT = 4.0
+
+
+class LoraRef(BaseModel):
+    """One adapter of a request's stack."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=256, description="A served adapter's name.")
+    scale: float = Field(1.0, ge=-LORA_SCALE_LIMIT, le=LORA_SCALE_LIMIT,
+                         description="How strongly it applies (1: as trained).")
 
 Quality = Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"]
 
@@ -38,6 +51,9 @@ class ImageOptions(BaseModel):
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0, le=100)
+    loras: list[LoraRef] | None = Field(
+        None, description="LoRA adapters to apply, in order, each with its scale (see GET "
+        "/v1/models for the served ones). model=NAME is the same as one adapter at scale 1.")
 
 
 class ImageGenerationRequest(ImageOptions):
@@ -55,6 +71,17 @@ class ImageEditForm(ImageOptions):
 
     strength: float = Field(0.8, gt=0, le=1, description="How much of the input image is "
                             "redrawn: small values stay close to it, 1 starts from pure noise.")
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _json_form_field(cls, value):
+        """A form field is text: the adapters come as a JSON list."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError("must be a JSON list of {\"name\", \"scale\"} objects") from None
+        return value
 
 
 class Usage(BaseModel):
@@ -86,6 +113,7 @@ class ModelCard(BaseModel):
     object: str = "model"
     created: int
     owned_by: str = "diffserve"
+    parent: str | None = Field(None, description="For a LoRA adapter: the base model's id.")
     # Extensions: what the served pipeline is and does.
     pipeline: str
     batching_mode: str
@@ -93,6 +121,36 @@ class ModelCard(BaseModel):
     partial_images: bool
 
 
+class LoadLoraAdapter(BaseModel):
+    """``POST /v1/load_lora_adapter``: serve (or replace) an adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256, pattern=r"^\S+$")
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapter(BaseModel):
+    """``POST /v1/unload_lora_adapter``: stop serving an adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
 class ModelList(BaseModel):
     object: str = "list"
     data: list[ModelCard]
+
+
+class RolloutRequest(ImageGenerationRequest):
+    """``POST /v1/rollouts``: a generations body, sampled by the stochastic sampler RL fine-tuning
+    uses, answered with its trajectory (see diffserve.rollouts)."""
+
+    noise_level: float = Field(0.7, ge=0, le=10, description="The sampler's noise level a; 0 is "
+                               "the deterministic sampler (no log-probabilities).")
+    return_: list[Literal["latents", "log_probs", "timesteps", "images", "prompt_embeds"]] = Field(
+        default_factory=lambda: ["latents", "log_probs", "timesteps", "images"], alias="return",
+        description="Which tensors come back.")
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=False)

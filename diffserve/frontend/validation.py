@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import re
 import secrets
+from typing import Collection
 
 from diffserve.config import ServerConfig
+from diffserve.costs import image_cost, uses_cfg
 from diffserve.errors import invalid_request, model_not_found
 from diffserve.frontend.schemas import ImageOptions
 from diffserve.protocol import SEED_MODULUS, ImageRequest, ModelInfo
@@ -37,14 +39,38 @@ def parse_size(size: str | None, info: ModelInfo, config: ServerConfig) -> tuple
     return width, height
 
 
-def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
-                      config: ServerConfig, task: Task) -> ImageRequest:
+def lora_stack(body: ImageOptions, info: ModelInfo, adapters: Collection[str],
+               config: ServerConfig) -> tuple[tuple[str, float], ...]:
+    """The request's adapters and scales: ``model`` naming an adapter is that adapter at scale
+    1, ahead of the ``loras`` field's."""
+    stack: list[tuple[str, float]] = []
     if body.model is not None and body.model != info.name:
-        raise model_not_found(body.model, info.name)
+        if body.model not in adapters:
+            raise model_not_found(body.model, info.name, adapters)
+        stack.append((body.model, 1.0))
+    for i, ref in enumerate(body.loras or ()):
+        if ref.name not in adapters:
+            raise model_not_found(ref.name, info.name, adapters, f"loras.{i}.name")
+        if any(name == ref.name for name, _ in stack):
+            raise invalid_request(f"adapter {ref.name!r} is named twice (in model and loras, or "
+                                  "twice in loras)", "loras", "duplicate_adapter")
+        stack.append((ref.name, float(ref.scale)))
+    if len(stack) > config.max_loras_per_request:
+        raise invalid_request(f"{len(stack)} adapters; this server stacks at most "
+                              f"{config.max_loras_per_request} per request "
+                              "(--max-loras-per-request)", "loras", "too_many_adapters")
+    return tuple(stack)
+
+
+def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
+                      config: ServerConfig, task: Task,
+                      adapters: Collection[str] = ()) -> ImageRequest:
+    """``adapters``: the names of the LoRA adapters served now."""
+    loras = lora_stack(body, info, adapters, config)
     if task.name not in info.tasks:
         raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) cannot do "
-                              f"{task.name} ({task.description}): diffusers has no such pipeline "
-                              f"for it (it supports: {', '.join(info.tasks)})",
+                              f"{task.name} ({task.description}): that needs {task.needs} (it "
+                              f"supports: {', '.join(info.tasks)})",
                               task.inputs[-1].param if task.inputs else None,
                               "unsupported_task")
     if body.response_format == "url":
@@ -76,10 +102,21 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
                               "denoising step; raise either", "strength", "invalid_value")
     width, height = parse_size(body.size, info, config)
     guidance = info.default_guidance_scale if body.guidance_scale is None else body.guidance_scale
+    negative = body.negative_prompt or ""
+    cfg = uses_cfg(info.family, guidance, negative)
+    cost = image_cost(width, height, info.width, info.height, cfg)
+    if info.max_batch_cost and cost > info.max_batch_cost:
+        raise invalid_request(
+            f"size {width}x{height} costs {cost:g} per image ({'with' if cfg else 'without'} "
+            f"classifier-free guidance, in rows of the native {info.width}x{info.height}), above "
+            f"the {info.max_batch_cost:g} one denoiser forward may carry (--max-batch-cost)",
+            "size", "invalid_size")
     seed = body.seed if body.seed is not None else secrets.randbelow(SEED_MODULUS)
     return ImageRequest(
         request_id=request_id, model=info.name, width=width, height=height, task=task.name,
         num_inference_steps=steps, guidance_scale=float(guidance), strength=float(strength),
-        prompt=body.prompt, negative_prompt=body.negative_prompt or "", seed=seed, n=body.n,
+        prompt=body.prompt, negative_prompt=negative, seed=seed, n=body.n,
         # Previews exist only in a stream; without one they would be decoded for nothing.
-        partial_images=body.partial_images if body.stream else 0)
+        partial_images=body.partial_images if body.stream else 0, loras=loras, cost=cost,
+        noise_level=float(getattr(body, "noise_level", 0.0)),
+        returns=tuple(getattr(body, "return_", None) or ()))

@@ -4,8 +4,10 @@ A pure object: no sockets, no torch and no clock of its own (every method that n
 takes ``now``), so tests drive it with a fake clock.
 
 Rules
-- Size counts images: a request with ``n`` images is ``n`` samples. A request larger than the
-  room left is split; its remaining images stay at its place in the queue.
+- Size counts images: a request with ``n`` images is ``n`` samples, bounded by ``max_batch_size``;
+  and cost (``request.cost`` per image, see :mod:`diffserve.costs`), bounded by
+  ``max_batch_cost``. A request larger than the room left is split; its remaining images stay at
+  its place in the queue.
 - Requests are grouped by their signature in the engine's batching mode (the fields that mode
   cannot vary per sample; see :mod:`diffserve.protocol`).
 - The oldest waiting request (the head) is always in the next group taken; the group is filled
@@ -16,6 +18,7 @@ Rules
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
@@ -34,6 +37,12 @@ class _Entry:
     def remaining(self) -> int:
         return self.request.n - self.next_index
 
+    def fitting(self, images: int, cost: float) -> int:
+        """How many of its remaining images fit in ``images`` and ``cost``."""
+        if self.request.cost > 0 and cost < math.inf:
+            images = min(images, math.floor(cost / self.request.cost + 1e-9))
+        return max(0, min(images, self.remaining))
+
 
 @dataclass(frozen=True)
 class Slice:
@@ -50,12 +59,14 @@ class Slice:
 
 
 class Batcher:
-    def __init__(self, max_batch_size: int, max_delay_s: float, mode: str = REQUEST_MODE) -> None:
+    def __init__(self, max_batch_size: int, max_delay_s: float, mode: str = REQUEST_MODE,
+                 max_batch_cost: float = math.inf) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_delay_s < 0:
             raise ValueError(f"max_delay_s must be >= 0, got {max_delay_s}")
         self.max_batch_size = max_batch_size
+        self.max_batch_cost = max_batch_cost
         self.max_delay_s = max_delay_s
         self.mode = mode
         # Arrival order over all requests, and per signature (same order), so that taking a
@@ -63,6 +74,7 @@ class Batcher:
         self._queue: OrderedDict[str, _Entry] = OrderedDict()
         self._groups: dict[tuple, OrderedDict[str, _Entry]] = {}
         self._group_images: dict[tuple, int] = {}
+        self._group_cost: dict[tuple, float] = {}
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -84,6 +96,7 @@ class Batcher:
         self._queue[request.request_id] = entry
         self._groups.setdefault(sig, OrderedDict())[request.request_id] = entry
         self._group_images[sig] = self._group_images.get(sig, 0) + request.n
+        self._group_cost[sig] = self._group_cost.get(sig, 0.0) + request.n * request.cost
 
     def abort(self, request_id: str) -> bool:
         """Drop the request's images that have not been taken yet. True if it was waiting."""
@@ -102,52 +115,70 @@ class Batcher:
         entry = self._head()
         return None if entry is None else (entry.signature, entry.enqueued_at)
 
-    def is_full(self, room: int | None = None) -> bool:
-        """Whether the head's group has enough images to fill ``room`` (default: a whole batch)."""
+    def is_full(self, room: int | None = None, room_cost: float | None = None) -> bool:
+        """Whether the head's group fills ``room`` images or ``room_cost`` (default: a whole
+        batch)."""
         entry = self._head()
-        return entry is not None and self._group_images[entry.signature] >= (room or self.max_batch_size)
+        if entry is None:
+            return False
+        sig = entry.signature
+        return (self._group_images[sig] >= (room or self.max_batch_size)
+                or self._group_cost[sig] >= (room_cost or self.max_batch_cost))
 
-    def time_until_ready(self, now: float, room: int | None = None) -> float | None:
+    def time_until_ready(self, now: float, room: int | None = None,
+                         room_cost: float | None = None) -> float | None:
         """Seconds until :meth:`next_batch` returns a group; None when nothing waits."""
         entry = self._head()
         if entry is None:
             return None
-        if self.is_full(room):
+        if self.is_full(room, room_cost):
             return 0.0
         return max(0.0, entry.enqueued_at + self.max_delay_s - now)
 
-    def next_batch(self, now: float, force: bool = False, room: int | None = None) -> list[Slice] | None:
-        """Take the head's group, up to ``room`` images, if it is ready (or ``force``)."""
+    def next_batch(self, now: float, force: bool = False, room: int | None = None,
+                   room_cost: float | None = None) -> list[Slice] | None:
+        """Take the head's group, up to ``room`` images and ``room_cost``, if it is ready (or
+        ``force``)."""
         entry = self._head()
         if entry is None:
             return None
-        if not force and self.time_until_ready(now, room) > 0:
+        if not force and self.time_until_ready(now, room, room_cost) > 0:
             return None
-        return self._take(entry.signature, room or self.max_batch_size)
+        return self._take(entry.signature, room or self.max_batch_size,
+                          room_cost or self.max_batch_cost) or None
 
-    def take(self, signature: tuple, room: int) -> list[Slice] | None:
-        """Take up to ``room`` images of the head's group at once, but only if the head has
-        ``signature``: a running set may take company, never pass over the head."""
+    def take(self, signature: tuple, room: int, room_cost: float = math.inf) -> list[Slice] | None:
+        """Take up to ``room`` images (and ``room_cost``) of the head's group at once, but only
+        if the head has ``signature``: a running set may take company, never pass over the
+        head. None if not even the head's next image fits."""
         entry = self._head()
-        if entry is None or entry.signature != signature or room < 1:
+        if entry is None or entry.signature != signature or entry.fitting(room, room_cost) < 1:
             return None
-        return self._take(signature, room)
+        return self._take(signature, room, room_cost)
 
-    def _take(self, sig: tuple, room: int) -> list[Slice]:
-        left = room
+    def head_fits(self, room: int, room_cost: float) -> bool:
+        entry = self._head()
+        return entry is not None and entry.fitting(room, room_cost) >= 1
+
+    def _take(self, sig: tuple, room: int, room_cost: float) -> list[Slice]:
+        left, left_cost = room, room_cost
         taken: list[Slice] = []
         finished: list[_Entry] = []
         for entry in self._groups[sig].values():  # arrival order; stops once the room is used
-            count = min(left, entry.remaining)
+            count = entry.fitting(left, left_cost)
+            if count == 0:
+                break  # what follows waits its turn: the group keeps its order
             taken.append(Slice(entry.request, entry.next_index, entry.next_index + count,
                                entry.enqueued_at))
             entry.next_index += count
             left -= count
+            left_cost -= count * entry.request.cost
+            self._group_images[sig] -= count
+            self._group_cost[sig] -= count * entry.request.cost
             if entry.remaining == 0:
                 finished.append(entry)
             if left == 0:
                 break
-        self._group_images[sig] -= room - left
         for entry in finished:
             del self._queue[entry.request.request_id]
             self._unlink(entry, images_left=0)
@@ -164,6 +195,8 @@ class Batcher:
         del group[entry.request.request_id]
         if images_left is None:
             self._group_images[sig] -= entry.remaining
+            self._group_cost[sig] -= entry.remaining * entry.request.cost
         if not group:
             del self._groups[sig]
             del self._group_images[sig]
+            del self._group_cost[sig]

@@ -4,15 +4,20 @@ No sockets, no torch, no clock: the process wrapper (:mod:`diffserve.scheduler.p
 it messages and the time, and sends what it returns. That keeps every rule here testable in place.
 
 One queue feeds every executor. Each executor has a slot: the items it holds (sent and not yet
-answered) and, while it holds any, their signature. Placement:
+answered), grouped by signature into the running sets they form. Admission counts images
+(``max_batch_size`` per forward) and cost (``request.cost`` per image, see
+:mod:`diffserve.costs`: ``max_batch_cost`` per forward, ``max_running_cost`` per executor across
+its sets). Placement:
 
 - **request mode**: a batch goes to an idle executor once the batcher says it is ready (full, or
   its oldest request waited the delay, or the server is draining).
 - **step mode**: an executor whose running set has the head's signature and room takes the head
-  and its compatible followers at once ("join"); an empty executor starts a new set by the same
-  rules as a batch. When the head fits no executor, nothing is admitted anywhere: the running
-  sets drain until one can take it, so the head never starves.
-- Among the executors that can take the head, the least loaded one gets it.
+  and its compatible followers at once ("join"); a busy executor with running-cost room starts a
+  new set for another signature at once ("new_set": it runs from the executor's next step); an
+  idle executor starts a set by the same rules as a batch. When the head fits no executor,
+  nothing is admitted anywhere until one can take it, so the head never starves.
+- Among the executors that can take the head, the least loaded (by cost) gets it, one that
+  batches it into a running set of its signature before one that would open a new set.
 
 A request with more images than fit is split into parts, which may run on several executors;
 its answer waits for every part, and when one part fails, the others are cancelled.
@@ -21,10 +26,10 @@ its answer waits for every part, and when one part fails, the others are cancell
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import Any
-
 import logging
+import math
+from dataclasses import dataclass
+from typing import Any
 
 from diffserve.protocol import (
     CANCELLED,
@@ -41,13 +46,20 @@ from diffserve.protocol import (
     WorkItem,
 )
 from diffserve.scheduler.batcher import Batcher, Slice
+from diffserve.scheduler.decisions import (  # noqa: F401  (the reasons are the core's vocabulary)
+    DELAY,
+    DISPATCH_REASONS,
+    DRAIN,
+    EXECUTOR_FREE,
+    FULL,
+    JOIN,
+    NEW_SET,
+    Dispatch,
+    Finished,
+)
+from diffserve.scheduler.slots import ExecutorSlot, RunningSet
 
 log = logging.getLogger(__name__)
-
-# Why a batch (request mode) or an admission (step mode) left the queue.
-FULL, DELAY, EXECUTOR_FREE, DRAIN, JOIN = "full", "delay", "executor_free", "drain", "join"
-DISPATCH_REASONS = (FULL, DELAY, EXECUTOR_FREE, DRAIN, JOIN)
-
 
 @dataclass
 class _Tracked:
@@ -60,57 +72,28 @@ class _Tracked:
     prompt_tokens: int = 0
 
 
-@dataclass
-class ExecutorSlot:
-    index: int
-    ready: bool = False
-    items: dict[tuple[str, int], WorkItem] = field(default_factory=dict)
-    samples: int = 0  # images its items hold
-    signature: tuple | None = None
-    free_since: float = 0.0  # when it last had nothing to do
-
-    def holds(self, request_id: str) -> bool:
-        return any(key[0] == request_id for key in self.items)
-
-    def take(self, key: tuple[str, int]) -> WorkItem:
-        item = self.items.pop(key)
-        self.samples -= item.samples
-        return item
-
-
 @dataclass(frozen=True)
-class Dispatch:
-    """Work to send to one executor, with figures for the metrics."""
-
-    executor: int
-    work: Work
-    frames: list[Any]
-    reason: str
-    queue_times_s: list[float]  # one per request dispatched for the first time
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A final answer for the frontend: ``done`` or ``failed``."""
-
-    done: RequestDone | None = None
-    failed: RequestFailed | None = None
-    execution_s: float | None = None  # with ``done``: time of the calls that made its images
-
-    @property
-    def request_id(self) -> str:
-        return (self.done or self.failed).request_id
+class _Placement:
+    slot: ExecutorSlot
+    room: int         # images the head's group may bring
+    room_cost: float  # and their cost
+    joins: bool       # into a running set of the head's signature
 
 
 class SchedulerCore:
     def __init__(self, max_batch_size: int, max_delay_s: float, num_executors: int = 1,
                  max_queue_size: int = 0, request_timeout_s: float = 0.0,
-                 mode: str = REQUEST_MODE) -> None:
+                 mode: str = REQUEST_MODE, max_batch_cost: float = math.inf,
+                 max_running_cost: float = math.inf) -> None:
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_s
         self.max_queue_size = max_queue_size  # 0: unbounded
         self.request_timeout_s = request_timeout_s  # 0: none
-        self.batcher = Batcher(max_batch_size, max_delay_s, mode)
+        self.max_batch_cost = max_batch_cost
+        self.max_running_cost = max_running_cost
+        self.waits_for_room = 0  # heads that had to wait for running-cost room (step mode)
+        self._waiting_head: str | None = None
+        self.batcher = Batcher(max_batch_size, max_delay_s, mode, max_batch_cost)
         self.slots = [ExecutorSlot(i) for i in range(num_executors)]
         self.requests: dict[str, _Tracked] = {}
         self.draining = False
@@ -126,12 +109,16 @@ class SchedulerCore:
     def mode(self) -> str:
         return self.batcher.mode
 
-    def set_mode(self, mode: str) -> None:
-        """The batching mode the executors run (known once the first one has loaded)."""
-        if mode != self.mode:
-            if len(self.batcher):
-                raise RuntimeError("cannot change the batching mode while requests wait")
-            self.batcher = Batcher(self.max_batch_size, self.max_delay_s, mode)
+    def set_mode(self, mode: str, max_batch_cost: float | None = None,
+                 max_running_cost: float | None = None) -> None:
+        """The batching mode the executors run and the model's cost bounds (known once the
+        first one has loaded)."""
+        self.max_batch_cost = max_batch_cost or self.max_batch_cost
+        self.max_running_cost = max_running_cost or self.max_running_cost
+        if len(self.batcher) and mode != self.mode:
+            raise RuntimeError("cannot change the batching mode while requests wait")
+        if not len(self.batcher):
+            self.batcher = Batcher(self.max_batch_size, self.max_delay_s, mode, self.max_batch_cost)
 
     @property
     def num_waiting(self) -> int:
@@ -187,12 +174,26 @@ class SchedulerCore:
 
     # -- placement -------------------------------------------------------------------------
 
-    def _place(self, signature: tuple) -> ExecutorSlot | None:
-        """The least-loaded ready executor that can take a head with ``signature``."""
-        candidates = [slot for slot in self.slots if slot.ready and (
-            slot.samples == 0 or (self.mode == STEP_MODE and slot.signature == signature
-                                  and slot.samples < self.max_batch_size))]
-        return min(candidates, key=lambda s: s.samples, default=None)
+    def _room(self, slot: ExecutorSlot, signature: tuple) -> _Placement | None:
+        """What ``slot`` could take of a head with ``signature``, if anything."""
+        if not slot.ready:
+            return None
+        if not slot.sets:  # idle: a new batch or set, by the batching rules
+            return _Placement(slot, self.max_batch_size, min(self.max_batch_cost, self.max_running_cost), False)
+        if self.mode != STEP_MODE:
+            return None  # request mode: one call in flight per executor
+        running = slot.sets.get(signature, RunningSet())
+        room = self.max_batch_size - running.samples
+        room_cost = min(self.max_batch_cost - running.cost, self.max_running_cost - slot.cost)
+        if not self.batcher.head_fits(room, room_cost):
+            return None
+        return _Placement(slot, room, room_cost, signature in slot.sets)
+
+    def _place(self, signature: tuple) -> _Placement | None:
+        """Where the head goes: the least loaded executor that can take it, one that batches it
+        into a running set of its signature before one that opens a new set."""
+        options = [p for slot in self.slots if (p := self._room(slot, signature)) is not None]
+        return min(options, key=lambda p: (p.slot.cost, not p.joins), default=None)
 
     def time_until_dispatch(self, now: float) -> float | None:
         """Seconds until :meth:`dispatch` has something to send; None if only an event can change
@@ -200,32 +201,44 @@ class SchedulerCore:
         head = self.batcher.head()
         if head is None:
             return None
-        slot = self._place(head[0])
-        if slot is None:
+        placed = self._place(head[0])
+        if placed is None:
             return None
-        if slot.samples or self.draining:
+        if placed.slot.sets or self.draining:
             return 0.0
-        return self.batcher.time_until_ready(now)
+        return self.batcher.time_until_ready(now, placed.room, placed.room_cost)
 
     def dispatch(self, now: float) -> list[Dispatch]:
         """Everything that can leave the queue now."""
         sent = []
         while (head := self.batcher.head()) is not None:
             signature, enqueued_at = head
-            slot = self._place(signature)
-            if slot is None:
+            placed = self._place(signature)
+            if placed is None:
+                self._head_waits()
                 break
-            if slot.samples:  # a running set with room takes company at its next step
-                slices, reason = self.batcher.take(signature, self.max_batch_size - slot.samples), JOIN
+            slot = placed.slot
+            if slot.sets:  # a busy executor takes it at its next step, into a set of its own size
+                slices = self.batcher.take(signature, placed.room, placed.room_cost)
+                reason = JOIN if placed.joins else NEW_SET
             else:
-                wait = self.batcher.time_until_ready(now)
+                wait = self.batcher.time_until_ready(now, placed.room, placed.room_cost)
                 if wait > 0 and not self.draining:
                     break
-                reason = (FULL if self.batcher.is_full() else DRAIN if wait > 0 else
-                          EXECUTOR_FREE if slot.free_since > enqueued_at + self.max_delay_s else DELAY)
-                slices = self.batcher.next_batch(now, force=True)
+                reason = (FULL if self.batcher.is_full(placed.room, placed.room_cost) else
+                          DRAIN if wait > 0 else EXECUTOR_FREE
+                          if slot.free_since > enqueued_at + self.max_delay_s else DELAY)
+                slices = self.batcher.next_batch(now, True, placed.room, placed.room_cost)
             sent.append(self._assign(slot, slices, reason, now))
         return sent
+
+    def _head_waits(self) -> None:
+        """Count a head that no executor has room for while some could serve it (once each)."""
+        head = next(self.batcher.waiting_ids(), None)
+        if (self.mode == STEP_MODE and head != self._waiting_head and self.any_ready
+                and all(slot.sets for slot in self.slots if slot.ready)):
+            self._waiting_head = head
+            self.waits_for_room += 1
 
     def _assign(self, slot: ExecutorSlot, slices: list[Slice], reason: str, now: float) -> Dispatch:
         items, frames, queue_times = [], [], []
@@ -237,9 +250,7 @@ class SchedulerCore:
             item = WorkItem(sl.request, sl.start, sl.stop)
             items.append(item)
             frames.extend(tracked.frames)
-            slot.items[item.key] = item
-            slot.samples += item.samples
-        slot.signature = slices[0].request.signature(self.mode)
+            slot.put(item, sl.request.signature(self.mode))
         return Dispatch(slot.index, Work(next(self._work_ids), items), frames, reason, queue_times)
 
     # -- results ---------------------------------------------------------------------------
@@ -252,7 +263,7 @@ class SchedulerCore:
         finished: list[Finished] = []
         for result in done.items:
             key = (result.request_id, result.start)
-            item = slot.items.get(key)
+            item = slot.get(key)
             if item is None or item.stop != result.stop:
                 finished.extend(self._violation(slot, key, result, executor))
                 continue
@@ -291,7 +302,7 @@ class SchedulerCore:
 
     def _settle(self, slot: ExecutorSlot, now: float) -> None:
         if not slot.items:
-            slot.samples, slot.signature, slot.free_since = 0, None, now
+            slot.free_since = now
 
     # -- executors come and go -------------------------------------------------------------
 
@@ -357,7 +368,7 @@ class SchedulerCore:
         """Answer every request still known (used when the scheduler must stop)."""
         for slot in self.slots:
             slot.items.clear()
-            slot.samples, slot.signature = 0, None
+            slot.sets.clear()
         finished = []
         for request_id in list(self.requests):
             finished.extend(self._fail(request_id, status, message))

@@ -19,7 +19,16 @@ import zmq
 from diffserve import metrics, processes
 from diffserve.config import ServerConfig
 from diffserve.executor.process import ExecutorSpec, run_executor
-from diffserve.protocol import EngineStatus, Fatal, Kind, ProtocolError, decode, encode
+from diffserve.protocol import (
+    AdapterSync,
+    EngineStatus,
+    Fatal,
+    Kind,
+    ProtocolError,
+    decode,
+    encode,
+)
+from diffserve.scheduler.adapters import AdapterRegistry, Outcome
 from diffserve.scheduler.core import Finished, SchedulerCore
 from diffserve.scheduler.supervisor import FAILED, ExecutorSupervisor
 
@@ -70,6 +79,7 @@ class SchedulerProc:
         c = self.config = spec.config
         self.core = SchedulerCore(c.dynamic_batch_max_size, c.dynamic_batch_delay_s,
                                   c.num_executors, c.max_queue_size, c.request_timeout_s)
+        self._waits_counted = 0
         self.metrics = metrics.engine()
         self.metrics.max_queue_size.set(c.max_queue_size)
         for index in range(c.num_executors):
@@ -82,6 +92,7 @@ class SchedulerProc:
         # A send to an executor that is gone raises instead of vanishing silently.
         self.executors.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.supervisor = ExecutorSupervisor(c.executor_devices(), self._start_executor)
+        self.adapters = AdapterRegistry(c.lora_adapters)
         self.announced = False  # the frontend has the model info
         self.stopping = False
 
@@ -151,6 +162,8 @@ class SchedulerProc:
                 if self.core.abort(msg.request_id):
                     self.metrics.requests_cancelled_total.inc()
                 self._send_cancels()
+            elif kind is Kind.ADAPTER:
+                self._adapter_command(msg)
             elif kind is Kind.DRAIN:
                 self.core.start_drain()
             elif kind is Kind.SHUTDOWN:
@@ -173,15 +186,34 @@ class SchedulerProc:
                 continue
             if kind is Kind.ITEMS_DONE:
                 self._answer(self.core.complete(index, msg, now))
+            elif kind is Kind.ADAPTER_DONE:
+                self._adapter_outcome(self.adapters.answered(index, msg))
             elif kind is Kind.READY:
                 self._executor_loaded(index, msg, now)
             elif kind is Kind.FATAL:
                 self._executor_cannot_load(index, msg)
 
+    def _adapter_command(self, command) -> None:
+        ready = [i for i, slot in enumerate(self.core.slots) if slot.ready]
+        answer = self.adapters.begin(command, ready)
+        if answer is not None:
+            self.to_frontend.send_multipart(encode(Kind.ADAPTER_DONE, answer))
+            return
+        for index in ready:
+            self._send_executor(index, encode(Kind.ADAPTER, command))
+
+    def _adapter_outcome(self, outcome: Outcome) -> None:
+        for index in outcome.resync:  # undo a command that failed elsewhere
+            self._send_executor(index, encode(Kind.ADAPTER_SYNC, AdapterSync(self.adapters.table())))
+        if outcome.answer is not None:
+            self.to_frontend.send_multipart(encode(Kind.ADAPTER_DONE, outcome.answer))
+
     def _executor_loaded(self, index: int, info, now: float) -> None:
         self.supervisor.loaded(index, info.device)
+        # Before any work: what changed at run time while it was loading (or away).
+        self._send_executor(index, encode(Kind.ADAPTER_SYNC, AdapterSync(self.adapters.table())))
         if not self.announced:
-            self.core.set_mode(info.batching_mode)
+            self.core.set_mode(info.batching_mode, info.max_batch_cost, info.max_running_cost)
             self.metrics.batching_mode.labels(mode=info.batching_mode).set(1)
             self.to_frontend.send_multipart(encode(Kind.READY, info))
             self.announced = True
@@ -214,6 +246,8 @@ class SchedulerProc:
         reason = (f"executor {index} exited unexpectedly (exit code {death.exit_code}) while "
                   "running this request; it is being restarted")
         self._answer(self.core.executor_lost(index, reason, time.monotonic()))
+        for outcome in self.adapters.executor_lost(index):
+            self._adapter_outcome(outcome)
         if not self.announced:
             self._stop(Fatal(f"the executor died before loading the model (exit code "
                              f"{death.exit_code})"))
@@ -223,7 +257,11 @@ class SchedulerProc:
             self._stop(Fatal("every executor died repeatedly before loading the model"))
 
     def _dispatch(self, now: float) -> None:
-        for d in self.core.dispatch(now):
+        dispatched = self.core.dispatch(now)
+        if self.core.waits_for_room > self._waits_counted:
+            self.metrics.set_waits_total.inc(self.core.waits_for_room - self._waits_counted)
+            self._waits_counted = self.core.waits_for_room
+        for d in dispatched:
             label = str(d.executor)
             self._send_executor(d.executor, encode(Kind.WORK, d.work, d.frames))
             self.metrics.batch_size.labels(executor=label).observe(

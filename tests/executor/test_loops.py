@@ -41,6 +41,9 @@ class MemoryIO:
     def count_call(self, seconds: float, interrupted: bool) -> None:
         self.calls.append(interrupted)
 
+    def count_resident(self, adapters) -> None:
+        pass
+
 
 @pytest.fixture(scope="module")
 def runner_parts():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from diffserve.config import ServerConfig
 from diffserve.executor.families import family_for
 from diffserve.executor.loading import load_model, model_info, task_pipelines
 from diffserve.executor.request_runner import RequestRunner
@@ -33,7 +34,7 @@ def work(*requests, frames=None):
 
 def test_model_info(loaded_runner):
     model, loaded, edits, _ = loaded_runner
-    info = model_info(loaded, model, REQUEST_MODE, None, list(edits))
+    info = model_info(loaded, ServerConfig(model=model), REQUEST_MODE, None, list(edits))
     assert (info.width, info.height) == (64, 64)
     assert info.spatial_stride == (16 if model == "tiny-flux" else 8) and info.default_steps == 4
     assert info.device == "cpu" and info.dtype == "float32"

@@ -255,3 +255,57 @@ def test_flux_keeps_position_ids_for_a_bounded_number_of_sizes():
         family._latent_ids(side, 32)
     assert len(family._image_ids) == IMAGE_IDS_CACHED
     assert torch.equal(family._latent_ids(64, 64), first)  # evicted ids are made again, the same
+
+
+def test_two_sizes_run_at_once_in_sets_of_their_own_and_are_exact():
+    loaded, pipelines, engine = engine_for("tiny-sd")
+    small = [make_request(request_id=f"s{i}", seed=i, steps=6, width=64, height=64)
+             for i in range(3)]
+    wide = [make_request(request_id=f"w{i}", seed=10 + i, steps=5, width=96, height=64,
+                         negative_prompt="dark" if i else "") for i in range(2)]
+    engine.admit([WorkItem(r, 0, 1) for r in small[:2]], [[], []])
+    out = engine.step()
+    engine.admit([WorkItem(r, 0, 1) for r in [*wide, small[2]]], [[]] * 3)
+    seen = {out.signature}
+    images, forwards = {}, []
+    while engine:
+        out = engine.step()
+        seen.add(out.signature)
+        forwards.append((out.signature[1:], out.samples, out.sets))
+        images.update({o.item.request.request_id: o.images for o in out.finished})
+    assert forwards[0][0] == (96, 64)  # the new size started at the very next step
+    assert forwards[0][2] == 2 and len(seen) == 2  # two running sets at once, taking turns
+    assert max(samples for _, samples, _ in forwards) == 3  # the late small one joined its set
+    for r in small + wide:
+        assert max_diff(images[r.request_id], solo(loaded, pipelines, r)) <= 2, r.request_id
+
+
+def test_an_out_of_memory_forward_splits_the_set_and_every_request_is_answered():
+    """A forward of more than two rows runs out of memory (a test hook in the family's
+    forward): the set is split until its parts fit, all are exact; a request that fails even
+    alone is the only one to fail."""
+    loaded, pipelines, engine = engine_for("tiny-sd")
+    forward = engine.family.forward
+    calls = []
+
+    def limited(latents, timesteps, cond, guidance, width, height):
+        calls.append(latents.shape[0])
+        if latents.shape[0] > 2 or bool((guidance == 7.5).any()):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return forward(latents, timesteps, cond, guidance, width, height)
+
+    engine.family.forward = limited
+    try:
+        fits = [make_request(request_id=f"f{i}", seed=i, steps=3, guidance=1.0) for i in range(4)]
+        never = make_request(request_id="never", seed=9, steps=3, guidance=7.5)  # fails alone too
+        engine.admit([WorkItem(r, 0, 1) for r in [*fits, never]], [[]] * 5)
+        results = {}
+        while engine:
+            results.update({o.item.request.request_id: o for o in engine.step().finished})
+    finally:
+        engine.family.forward = forward
+    assert results["never"].status == "failed" and "out of memory" in results["never"].error
+    for r in fits:
+        assert results[r.request_id].status == "finished"
+        assert max_diff(results[r.request_id].images, solo(loaded, pipelines, r)) <= 2
+    assert calls[0] == 6 and max(calls[1:]) <= 6  # the first try held the whole set

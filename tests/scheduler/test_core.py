@@ -3,7 +3,7 @@
 import pytest
 
 from diffserve.protocol import CANCELLED, FAILED, FINISHED, REQUEST_MODE, STEP_MODE, ItemResult, ItemsDone
-from diffserve.scheduler.core import DELAY, DRAIN, EXECUTOR_FREE, FULL, JOIN, SchedulerCore
+from diffserve.scheduler.core import DELAY, DRAIN, EXECUTOR_FREE, FULL, JOIN, NEW_SET, SchedulerCore
 from helpers import make_request
 
 
@@ -279,18 +279,43 @@ def test_step_mode_a_running_set_takes_compatible_company_at_once_up_to_its_room
     assert taken([part]) == [[("more", 0, 1)]]  # room for one image; the rest waits
 
 
-def test_step_mode_head_of_another_shape_stops_admission_until_the_set_drains():
+def test_step_mode_a_head_of_another_size_opens_a_set_of_its_own_at_once():
     c = core(max_size=8, delay=0.0, mode=STEP_MODE)
     c.add(make_request(request_id="running", n=2), [], 0.0)
     (first,) = c.dispatch(0.0)
-    c.add(make_request(request_id="head", width=128), [], 0.1)
-    c.add(make_request(request_id="would-fit"), [], 0.2)
-    assert c.dispatch(0.3) == []  # the head cannot join; nothing may pass it
-    assert c.time_until_dispatch(0.3) is None
-    run(c, first, now=0.4)
-    (switched,) = c.dispatch(0.4)
-    assert taken([switched]) == [[("head", 0, 1)]]
-    assert c.dispatch(0.5) == []  # "would-fit" waits for the 128 set to drain in turn
+    c.add(make_request(request_id="wide", width=128, n=2), [], 0.1)
+    c.add(make_request(request_id="small-again"), [], 0.2)
+    second, third = c.dispatch(0.3)  # no draining: the other size runs beside, at once
+    assert (second.reason, taken([second])) == (NEW_SET, [[("wide", 0, 2)]])
+    assert (third.reason, taken([third])) == (JOIN, [[("small-again", 0, 1)]])
+    assert {sig[1:]: rs.samples for sig, rs in c.slots[0].sets.items()} == {(64, 64): 3, (128, 64): 2}
+
+
+def test_two_sizes_arriving_interleaved_are_both_running_after_one_dispatch():
+    c = core(max_size=8, delay=0.0, mode=STEP_MODE)
+    for i in range(6):
+        c.add(make_request(request_id=f"r{i}", width=64 if i % 2 else 96), [], 0.01 * i)
+    dispatched = c.dispatch(0.1)
+    assert len(c.slots[0].sets) == 2 and c.num_waiting == 0
+    assert [d.reason for d in dispatched][1:] == [NEW_SET] + [JOIN] * (len(dispatched) - 2)
+
+
+def test_cost_bounds_one_forward_and_what_an_executor_holds_across_its_sets():
+    # Costs as the frontend prices them: a 2x-size image is 4x, with guidance twice that.
+    c = core(max_size=8, delay=0.0, mode=STEP_MODE, max_batch_cost=8.0, max_running_cost=12.0)
+    c.add(make_request(request_id="big", width=128, height=128, n=3, cost=4.0), [], 0.0)
+    (first,) = c.dispatch(0.0)
+    assert taken([first]) == [[("big", 0, 2)]]  # 2 x 4 fills the forward's 8; one image waits
+    c.add(make_request(request_id="small", n=6, cost=1.0), [], 0.1)
+    assert c.dispatch(0.1) == []  # the head ("big"'s last image) has no room: nothing passes it
+    assert c.waits_for_room == 1
+    c.dispatch(0.15)
+    assert c.waits_for_room == 1  # the same head waiting is counted once
+    run(c, first, now=0.2)
+    rest, small = c.dispatch(0.2)
+    assert taken([rest]) == [[("big", 2, 3)]]
+    assert taken([small]) == [[("small", 0, 6)]] and small.reason == NEW_SET  # 4 + 6 <= 12
+    assert c.slots[0].cost == 10.0
 
 
 def test_step_mode_a_finished_part_frees_room_for_the_queue():
@@ -342,3 +367,15 @@ def test_losing_one_executor_fails_only_its_requests():
     c.add(make_request(request_id="next"), [], 0.2)
     (d,) = c.dispatch(0.2)
     assert d.executor == 1  # executor 0 is not ready until it is back
+
+
+def test_what_an_image_costs():
+    from diffserve.costs import default_bounds, image_cost, uses_cfg
+
+    assert image_cost(128, 128, 64, 64, cfg=False) == 4.0  # twice the side: four times the cost
+    assert image_cost(128, 128, 64, 64, cfg=True) == 8.0  # guidance doubles the rows
+    assert image_cost(32, 64, 64, 64, cfg=True) == 1.0
+    assert uses_cfg("stable-diffusion", 5.0, "") and not uses_cfg("stable-diffusion", 1.0, "x")
+    assert not uses_cfg("flux", 5.0, "")  # guidance is an input of Flux's transformer
+    assert default_bounds(8, 0, 0, native_image_cost=2.0) == (16.0, 32.0)  # 8 native CFG images
+    assert default_bounds(8, 10.0, 12.0, native_image_cost=2.0) == (10.0, 12.0)

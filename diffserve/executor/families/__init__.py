@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from diffserve.executor.families.base import Family
 from diffserve.executor.families.flux import Flux
+from diffserve.executor.families.pixart import PixArtSigma
+from diffserve.executor.families.qwen_image import QwenImage
+from diffserve.executor.families.sana import Sana
 from diffserve.executor.families.sd import StableDiffusion
 from diffserve.executor.families.sd3 import StableDiffusion3
 from diffserve.executor.families.sdxl import StableDiffusionXL
 
-FAMILIES: tuple[type[Family], ...] = (StableDiffusion, StableDiffusionXL, StableDiffusion3, Flux)
+FAMILIES: tuple[type[Family], ...] = (StableDiffusion, StableDiffusionXL, StableDiffusion3, Flux,
+                                      QwenImage, PixArtSigma, Sana)
 
 
 def family_for(pipeline_class: str) -> type[Family] | None:
@@ -16,6 +20,10 @@ def family_for(pipeline_class: str) -> type[Family] | None:
         if pipeline_class in family.pipelines:
             return family
     return None
+
+
+def family_named(name: str) -> type[Family] | None:
+    return next((family for family in FAMILIES if family.name == name), None)
 
 
 def supported_pipelines() -> list[str]:

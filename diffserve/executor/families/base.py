@@ -41,10 +41,18 @@ def scheduler_swapped(pipe, scheduler):
 # How a Conditioning field combines across the rows of a forward (its field metadata):
 BATCHED = "batched"  # one row per image; rows are concatenated (the default)
 SHARED = "shared"    # the same value for every row (e.g. text position ids); taken once
+PADDED = "padded"    # rows of different lengths (dim 1): padded with zeros to the longest
 
 
 def shared(default: Any = None) -> Any:
     return field(default=default, metadata={"rows": SHARED})
+
+
+def padded(default: Any = dataclasses.MISSING) -> Any:
+    """A field whose rows may differ in length (text tokens): padded with zeros when rows of
+    different requests are stacked; a mask field declared the same way gets zeros too, so the
+    padding is masked out."""
+    return field(default=default, metadata={"rows": PADDED})
 
 
 @dataclass
@@ -53,31 +61,38 @@ class Conditioning:
     declares its own subclass; the engine only repeats, concatenates and slices rows, and the
     family decides how (override :meth:`cat` where rows need padding)."""
 
-    def _fields(self, kind: str) -> list[str]:
-        """The fields combined as ``kind`` that are set (a family may fill some in later)."""
+    def _fields(self, *kinds: str) -> list[str]:
+        """The fields combined as one of ``kinds`` that are set (a family may fill some in
+        later)."""
         return [f.name for f in dataclasses.fields(self)
-                if f.metadata.get("rows", BATCHED) == kind and getattr(self, f.name) is not None]
+                if f.metadata.get("rows", BATCHED) in kinds and getattr(self, f.name) is not None]
 
     def repeat(self, count: int) -> "Conditioning":
         """Each row repeated ``count`` times in place (a request's prompt for each of its images)."""
         return dataclasses.replace(self, **{name: getattr(self, name).repeat_interleave(count, dim=0)
-                                            for name in self._fields(BATCHED)})
+                                            for name in self._fields(BATCHED, PADDED)})
 
     def rows(self, start: int, stop: int) -> "Conditioning":
         return dataclasses.replace(self, **{name: getattr(self, name)[start:stop]
-                                            for name in self._fields(BATCHED)})
+                                            for name in self._fields(BATCHED, PADDED)})
 
     @classmethod
     def cat(cls, parts: list["Conditioning"]) -> "Conditioning":
         import torch
 
         first = parts[0]
-        return dataclasses.replace(first, **{name: torch.cat([getattr(p, name) for p in parts])
-                                             for name in first._fields(BATCHED)})
+        joined = {name: torch.cat([getattr(p, name) for p in parts])
+                  for name in first._fields(BATCHED)}
+        for name in first._fields(PADDED):
+            tensors = [getattr(p, name) for p in parts]
+            longest = max(t.shape[1] for t in tensors)
+            joined[name] = torch.cat([torch.nn.functional.pad(
+                t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1])) for t in tensors])
+        return dataclasses.replace(first, **joined)
 
     @property
     def dtype(self):
-        return getattr(self, self._fields(BATCHED)[0]).dtype
+        return getattr(self, self._fields(BATCHED, PADDED)[0]).dtype
 
 
 @dataclass
@@ -121,6 +136,10 @@ class Family:
     # Whether the family's own text-to-image pipeline sets the scheduler's begin index to 0 (it
     # decides the first step only for schedules whose first timestep repeats).
     begins_at_index_zero: ClassVar[bool] = False
+    # The pipeline keyword the request's guidance_scale is (Qwen-Image: true_cfg_scale).
+    guidance_kwarg: ClassVar[str] = "guidance_scale"
+    # Whether classifier-free guidance runs only with a negative prompt (Qwen-Image's rule).
+    negative_enables_cfg: ClassVar[bool] = False
 
     def __init__(self, pipe, pipelines: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
         import torch
@@ -141,10 +160,10 @@ class Family:
     def new_scheduler(self):
         return copy.deepcopy(self.pipe.scheduler)
 
-    @staticmethod
-    def uses_cfg(guidance_scale: float, negative_prompt: str) -> bool:
+    @classmethod
+    def uses_cfg(cls, guidance_scale: float, negative_prompt: str) -> bool:
         """Whether the family's own pipeline runs classifier-free guidance for these settings."""
-        return guidance_scale > 1
+        return guidance_scale > 1 and (bool(negative_prompt) or not cls.negative_enables_cfg)
 
     def encode(self, prompts: list[str], negatives: list[str] | None, cfg: bool) -> Encoded:
         """One call of the pipeline's ``encode_prompt`` for several prompts. ``negatives`` is None
@@ -218,6 +237,20 @@ class Family:
         from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
         return retrieve_timesteps(scheduler, steps, self.device)[0]
+
+    def flow_schedule(self, scheduler, steps: int, width: int, height: int, patch: int = 2):
+        """The flow-matching schedule of Flux and Qwen-Image: sigmas from 1 to 1/steps, shifted
+        by ``mu`` from the image's token count (``patch`` x ``patch`` latent cells a token)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        config = scheduler.config
+        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+        scale = self.pipe.vae_scale_factor
+        seq_len = (height // scale // patch) * (width // scale // patch)
+        mu = calculate_shift(seq_len, config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        return retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)[0]
 
     def edit_schedule(self, pipe, scheduler, steps: int, strength: float, width: int, height: int):
         """An edit's schedule: the whole one, cut by ``strength`` by the edit pipeline's own

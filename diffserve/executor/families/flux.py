@@ -7,8 +7,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from diffserve.executor.families.base import Conditioning, Encoded, Family, shared
 
 # Position ids of the image tokens, per size: cheap to make, but kept for the sizes in use
@@ -33,8 +31,8 @@ class Flux(Family):
         super().__init__(pipe, pipelines, call_kwargs)
         self._image_ids: OrderedDict[tuple[int, int], Any] = OrderedDict()
 
-    @staticmethod
-    def uses_cfg(guidance_scale, negative_prompt):
+    @classmethod
+    def uses_cfg(cls, guidance_scale, negative_prompt):
         return False  # guidance is an input of the transformer; negative prompts are not used
 
     def encode(self, prompts, negatives, cfg):
@@ -72,16 +70,7 @@ class Flux(Family):
         return latents / config.scaling_factor + config.shift_factor
 
     def schedule(self, scheduler, steps, width, height):
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
-
-        config = scheduler.config
-        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
-        scale = self.pipe.vae_scale_factor
-        seq_len = (height // scale // 2) * (width // scale // 2)
-        mu = calculate_shift(seq_len, config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
-        return retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)[0]
+        return self.flow_schedule(scheduler, steps, width, height)
 
     @property
     def _channels(self) -> int:

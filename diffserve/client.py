@@ -1,0 +1,121 @@
+"""A Python client for rollouts (``POST /v1/rollouts``), for reinforcement-learning trainers:
+tensors come back as torch tensors, many prompts are sent at once, and an overloaded or
+restarting server (429, 503) is retried as its ``Retry-After`` asks.
+
+    from diffserve.client import Client
+
+    client = Client("http://127.0.0.1:8000")
+    groups = client.rollout(["a red circle", "a blue square"], n=16, num_inference_steps=20)
+    groups[0].log_probs.shape  # torch.Size([16, 20])
+
+Needs ``httpx`` (``pip install 'diffserve[client]'``) and torch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+RETRIED = (429, 503)
+
+
+class RolloutError(RuntimeError):
+    """The server refused or failed a rollout: ``status`` and the OpenAI error body."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        error = body.get("error", {}) if isinstance(body, dict) else {}
+        super().__init__(f"HTTP {status}: {error.get('message', body)}")
+        self.status, self.body = status, body
+
+
+@dataclass
+class Rollout:
+    """One prompt's group: ``tensors`` by name (see the server's docs/rollouts.md) and the
+    request's fields as the server ran them."""
+
+    tensors: dict[str, Any]
+    request: dict[str, Any]
+    seeds: list[int]
+
+    def __getattr__(self, name: str):  # rollout.latents, rollout.log_probs, ...
+        try:
+            return self.__dict__["tensors"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class Client:
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 timeout_s: float = 600.0, max_retries: int = 8, concurrency: int = 16,
+                 backoff_s: float = 0.5) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s,
+                                 limits=httpx.Limits(max_connections=concurrency))
+        self.max_retries, self.concurrency, self.backoff_s = max_retries, concurrency, backoff_s
+
+    def rollout(self, prompts: str | Sequence[str], n: int = 16, **fields) -> list[Rollout]:
+        """One rollout request per prompt (``n`` samples each), sent concurrently; the groups in
+        the prompts' order. ``fields``: any of the endpoint's (``seed``, ``num_inference_steps``,
+        ``guidance_scale``, ``noise_level``, ``return``, ``size``, ``loras``, ...); a ``seed``
+        is per prompt: prompt i uses ``seed + i * n``."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        seed = fields.pop("seed", None)
+        bodies = [{"prompt": p, "n": n, **fields,
+                   **({"seed": seed + i * n} if seed is not None else {})}
+                  for i, p in enumerate(prompts)]
+        with ThreadPoolExecutor(min(self.concurrency, len(bodies)) or 1) as pool:
+            return list(pool.map(self.rollout_one, bodies))
+
+    def rollout_one(self, body: dict[str, Any]) -> Rollout:
+        """One ``POST /v1/rollouts`` with retries."""
+        from safetensors.torch import load
+
+        response = self._post("/v1/rollouts", body)
+        tensors = load(response.content)
+        metadata = _metadata(response.content)
+        return Rollout(tensors, json.loads(metadata.get("request", "{}")),
+                       json.loads(metadata.get("seeds", "[]")))
+
+    def _post(self, path: str, body: dict[str, Any]):
+        for attempt in range(self.max_retries + 1):
+            response = self.http.post(path, json=body)
+            if response.status_code == 200:
+                return response
+            if response.status_code not in RETRIED or attempt == self.max_retries:
+                raise RolloutError(response.status_code, _json(response))
+            time.sleep(_retry_after(response, self.backoff_s * 2**attempt))
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _retry_after(response, default: float) -> float:
+    try:
+        return max(0.0, float(response.headers.get("retry-after", default)))
+    except ValueError:
+        return default
+
+
+def _json(response):
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def _metadata(body: bytes) -> dict[str, str]:
+    """The safetensors header's metadata (the format: 8 bytes of length, then a JSON header)."""
+    length = int.from_bytes(body[:8], "little")
+    return json.loads(body[8:8 + length]).get("__metadata__", {})

@@ -1,0 +1,129 @@
+"""An executor's two sockets as its loops see them: messages from and result headers to the
+scheduler, pixels and tensors straight to the frontend; and what the loops count."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+
+from diffserve import metrics
+from diffserve.protocol import (
+    AdapterResult,
+    ItemImages,
+    ItemTensors,
+    ItemsDone,
+    Kind,
+    Partial,
+    ProtocolError,
+    TensorSpec,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineIO:
+    """The executor's two sockets: messages from and headers to the scheduler, pixels to the
+    frontend."""
+
+    def __init__(self, sock: zmq.Socket, pixels: zmq.Socket, index: int) -> None:
+        self.sock, self.pixels = sock, pixels
+        self.label = str(index)
+        self.metrics = metrics.engine()
+        self._sizes: set[str] = set()
+
+    def receive(self, block: bool) -> tuple[Kind, Any, list[Any]] | None:
+        try:
+            frames = self.sock.recv_multipart(0 if block else zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        try:
+            return decode(frames)
+        except ProtocolError as error:
+            log.error("dropped a malformed message from the scheduler: %s", error)
+            return None
+
+    def send_outcomes(self, outcomes) -> None:
+        """Each finished item's images to the frontend, then every item's result to the
+        scheduler (which answers the request once all of its images are made)."""
+        if not outcomes:
+            return
+        for o in outcomes:
+            if o.tensors is not None:
+                self._send_tensors(o)
+            elif o.images is not None:
+                r = o.item.request
+                # Rows of a contiguous array: sent without a copy.
+                self.pixels.send_multipart(encode(Kind.IMAGES, ItemImages(
+                    r.request_id, o.item.start, o.item.stop, r.width, r.height), list(o.images)),
+                    copy=False)
+                self.metrics.images_generated_total.labels(executor=self.label).inc(len(o.images))
+        self.sock.send_multipart(encode(Kind.ITEMS_DONE, ItemsDone([o.result() for o in outcomes])))
+
+    def _send_tensors(self, o) -> None:
+        import numpy as np
+
+        arrays = {name: np.ascontiguousarray(value) for name, value in o.tensors.items()}
+        specs = [TensorSpec(name, a.dtype.name, list(a.shape)) for name, a in arrays.items()]
+        r = o.item.request
+        self.pixels.send_multipart(encode(Kind.TENSORS, ItemTensors(
+            r.request_id, o.item.start, o.item.stop, specs), list(arrays.values())), copy=False)
+        self.metrics.images_generated_total.labels(executor=self.label).inc(o.item.samples)
+
+    def send_partial(self, partial) -> None:
+        image = partial.image
+        self.pixels.send_multipart(encode(Kind.PARTIAL, Partial(
+            partial.request_id, partial.index, partial.partial_index, image.shape[1],
+            image.shape[0]), [image]), copy=False)
+        self.metrics.partial_images_total.labels(executor=self.label).inc()
+
+    def answer_adapter(self, command_id: str, status: int = 200, error: str = "") -> None:
+        self.sock.send_multipart(encode(Kind.ADAPTER_DONE, AdapterResult(command_id, status, error)))
+
+    # What the loops count.
+
+    def count_adapter_event(self, event: str, name: str = "", seconds: float | None = None) -> None:
+        m, label = self.metrics, self.label
+        {"load": m.lora_loads_total, "unload": m.lora_unloads_total,
+         "evict": m.lora_evictions_total}[event].labels(executor=label).inc()
+        if seconds is not None:
+            m.lora_load_seconds.labels(executor=label).observe(seconds)
+
+    def _size_label(self, signature: tuple) -> str:
+        """"WxH" of a set's signature (model, width, height), bounded in number: sizes are the
+        clients' choice."""
+        size = f"{signature[1]}x{signature[2]}"
+        if size not in self._sizes and len(self._sizes) >= metrics.SIZE_LABELS:
+            return "other"
+        self._sizes.add(size)
+        return size
+
+    def count_resident(self, adapters) -> None:
+        if adapters is not None:
+            self.metrics.loras_resident.labels(executor=self.label).set(adapters.resident)
+
+    def count_call(self, seconds: float, interrupted: bool) -> None:
+        m, label = self.metrics, self.label
+        m.batch_execution_seconds.labels(executor=label).observe(seconds)
+        m.executor_busy_seconds.labels(executor=label).inc(seconds)
+        if interrupted:
+            m.batches_interrupted_total.labels(executor=label).inc()
+
+    def count_admission(self, seconds: float, admitted: int) -> None:
+        self.metrics.executor_busy_seconds.labels(executor=self.label).inc(seconds)
+        self.metrics.step_admissions_total.labels(executor=self.label).inc(admitted)
+
+    def count_step(self, out) -> None:
+        m, label = self.metrics, self.label
+        if out.samples:
+            m.step_seconds.labels(executor=label).observe(out.seconds)
+            m.step_running_images.labels(executor=label).observe(out.samples)
+            m.forward_cost.labels(executor=label).observe(out.cost)
+            m.steps_total.labels(executor=label, size=self._size_label(out.signature)).inc()
+        m.running_sets.labels(executor=label).set(out.sets)
+        m.executor_busy_seconds.labels(executor=label).inc(out.seconds)
+        for o in out.finished:
+            m.step_retirements_total.labels(executor=label, outcome=o.status).inc()

@@ -1,0 +1,91 @@
+"""Qwen-Image: an MM-DiT over packed flow-matching latents conditioned on a Qwen2.5-VL text
+encoder, whose prompts keep their own token lengths (padded within a forward and masked).
+
+Guidance is the pipeline's ``true_cfg_scale``: real classifier-free guidance, run only with a
+negative prompt and a scale above 1, with the pipeline's rescale of the guided prediction to the
+norm of the conditional one. (The pipeline's own ``guidance_scale`` feeds guidance-distilled
+variants only.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from diffserve.executor.families.base import Conditioning, Encoded, Family, padded
+
+
+@dataclass
+class QwenImageConditioning(Conditioning):
+    prompt_embeds: Any = padded()
+    prompt_embeds_mask: Any = padded()  # 1 for the prompt's own tokens, 0 for padding
+
+
+class QwenImage(Family):
+    name = "qwen-image"
+    pipelines = ("QwenImagePipeline",)
+    flow_matching = True
+    begins_at_index_zero = True
+    guidance_kwarg = "true_cfg_scale"
+    negative_enables_cfg = True
+
+    def _encode(self, prompts: list[str]) -> QwenImageConditioning:
+        embeds, mask = self.pipe.encode_prompt(
+            prompts, device=self.device, num_images_per_prompt=1,
+            max_sequence_length=self.call_kwargs.get("max_sequence_length", 512))
+        if mask is None:  # every prompt as long as the longest: all of each is real
+            mask = self.torch.ones(embeds.shape[:2], dtype=self.torch.long, device=embeds.device)
+        return QwenImageConditioning(embeds, mask)
+
+    def encode(self, prompts, negatives, cfg):
+        return Encoded(self._encode(prompts), self._encode(negatives) if cfg else None)
+
+    def forward(self, latents, timesteps, cond, guidance, width, height):
+        scale = self.pipe.vae_scale_factor
+        shapes = [[(1, height // scale // 2, width // scale // 2)]] * latents.shape[0]
+        return self.pipe.transformer(
+            hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000, guidance=None,
+            encoder_hidden_states_mask=cond.prompt_embeds_mask,
+            encoder_hidden_states=cond.prompt_embeds, img_shapes=shapes, return_dict=False)[0]
+
+    def guide(self, uncond, cond, scale):
+        guided = uncond + scale * (cond - uncond)
+        # The pipeline keeps the conditional prediction's norm, per token.
+        return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
+
+    def schedule(self, scheduler, steps, width, height):
+        return self.flow_schedule(scheduler, steps, width, height)
+
+    def unpack(self, latents, width, height):
+        return self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
+
+    def vae_latents(self, latents, task):
+        config, torch = self.pipe.vae.config, self.torch
+        shape = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        std = torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
+        return latents * std + mean
+
+    def vae_decode(self, latents):
+        return self.pipe.vae.decode(latents, return_dict=False)[0][:, :, 0]
+
+    @property
+    def _channels(self) -> int:
+        return self.pipe.transformer.config.in_channels // 4
+
+    def noise_latents(self, k, width, height, dtype, generators):
+        return self.pipe.prepare_latents(k, self._channels, height, width, dtype, self.device,
+                                         generators)
+
+    def image_latents(self, pipe, init, start, k, width, height, dtype, generators):
+        return pipe.prepare_latents(init, start, k, self._channels, height, width, dtype,
+                                    self.device, generators)
+
+    def inpaint_latents(self, pipe, init, start, full_strength, k, width, height, dtype, generators):
+        return pipe.prepare_latents(init, start, k, self._channels, height, width, dtype,
+                                    self.device, generators)
+
+    def mask_latents(self, pipe, condition, masked_image, k, width, height, dtype, generators):
+        mask, _ = pipe.prepare_mask_latents(condition, masked_image, k, self._channels, 1, height,
+                                            width, dtype, self.device, generators)
+        return mask

@@ -1,0 +1,95 @@
+"""The stochastic sampler reinforcement-learning fine-tuning uses on flow-matching models
+(Flow-GRPO, arXiv 2505.05470; DanceGRPO uses the same form): each Euler step of the flow ODE
+becomes a step of an SDE with the same marginals, and every step's log-probability is kept.
+
+With sigma the current noise level, sigma_next the next, d = sigma_next - sigma (< 0), v the
+model's guided velocity, a the noise level and sigma_max the schedule's second sigma:
+
+    s     = a * sqrt(sigma / (1 - sigma))        (sigma_max in the denominator where sigma = 1)
+    mean  = x * (1 + s^2 d / (2 sigma)) + v * (1 + s^2 (1 - sigma) / (2 sigma)) * d
+    x'    = mean + s * sqrt(-d) * eps,           eps ~ N(0, I) from the request's own generators
+    log p = log N(x'; mean, (s sqrt(-d))^2 I), averaged over the latent's elements
+
+With a = 0 it is the Euler step of the flow-matching scheduler, and no log-probability is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def sde_step(x, v, sigma: float, sigma_next: float, sigma_max: float, noise_level: float,
+             generators: list):
+    """(x', log p per sample or None) of one step; float32 throughout."""
+    import torch
+    from diffusers.utils.torch_utils import randn_tensor
+
+    x, v = x.float(), v.float()
+    delta = sigma_next - sigma
+    if noise_level == 0:
+        return x + v * delta, None
+    s = noise_level * math.sqrt(sigma / (1 - (sigma_max if sigma >= 1 else sigma)))
+    mean = x * (1 + s * s * delta / (2 * sigma)) + v * (1 + s * s * (1 - sigma) / (2 * sigma)) * delta
+    std = s * math.sqrt(-delta)
+    eps = randn_tensor(x.shape, generator=generators, device=x.device, dtype=torch.float32)
+    x_next = mean + std * eps
+    return x_next, log_prob(x_next, mean, std)
+
+
+def log_prob(x_next, mean, std: float):
+    """log N(x_next; mean, std^2 I), averaged over each sample's elements."""
+    elementwise = (-((x_next - mean) ** 2) / (2 * std * std) - math.log(std)
+                   - 0.5 * math.log(2 * math.pi))
+    return elementwise.flatten(1).mean(dim=1)
+
+
+@dataclass
+class Trajectory:
+    """A rollout request's path through the denoising steps."""
+
+    noise_level: float
+    generators: list
+    latents: list = field(default_factory=list)  # x_0 .. x_t so far (the family's layout)
+    log_probs: list = field(default_factory=list)  # per step: [k]
+
+    def step(self, scheduler, index: int, x, v):
+        """x_{index+1} from x_index and the guided velocity ``v``, recorded."""
+        sigmas = scheduler.sigmas
+        if not self.latents:
+            self.latents.append(x.detach().float().cpu())
+        x_next, lp = sde_step(x, v, float(sigmas[index]), float(sigmas[index + 1]),
+                              float(sigmas[1]), self.noise_level, self.generators)
+        self.latents.append(x_next.detach().cpu())
+        if lp is not None:
+            self.log_probs.append(lp.cpu())
+        return x_next.to(x.dtype)
+
+    def tensors(self, family, scheduler, timesteps, width: int, height: int, images, positive,
+                returns: tuple[str, ...]) -> dict[str, Any]:
+        """The answer's tensors (see :mod:`diffserve.rollouts`), as numpy arrays."""
+        import torch
+
+        out: dict[str, Any] = {}
+        if "latents" in returns:
+            steps = [_unpacked(family, x, width, height) for x in self.latents]
+            out["latents"] = torch.stack(steps, dim=1).numpy()
+        if "log_probs" in returns and self.log_probs:
+            out["log_probs"] = torch.stack(self.log_probs, dim=1).float().numpy()
+        if "timesteps" in returns:
+            out["timesteps"] = torch.as_tensor(timesteps).float().cpu().numpy()
+            out["sigmas"] = scheduler.sigmas[:len(timesteps) + 1].float().cpu().numpy()
+        if "images" in returns:
+            out["images"] = images
+        if "prompt_embeds" in returns:
+            out["prompt_embeds"] = positive.prompt_embeds[0].float().cpu().numpy()
+            pooled = getattr(positive, "pooled_projections", None)
+            if pooled is not None:
+                out["pooled_prompt_embeds"] = pooled[0].float().cpu().numpy()
+        return out
+
+
+def _unpacked(family, latents, width: int, height: int):
+    x = family.unpack(latents, width, height)
+    return x[:, :, 0] if x.dim() == 5 else x  # Qwen-Image's latents carry a frame axis

@@ -1,0 +1,47 @@
+"""The runtime LoRA endpoints' rules: which files a request may name, and how an engine answer
+becomes HTTP.
+
+A request body never names an arbitrary file: ``lora_path`` (absolute, or relative to
+``--lora-dir``) must resolve, symlinks followed, to a path inside ``--lora-dir``; anything else is
+403 before the file system is asked whether it exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffserve.config import RESERVED_ADAPTER_NAME
+from diffserve.errors import APIError, forbidden, invalid_request, model_not_found
+from diffserve.protocol import AdapterResult
+
+
+def path_inside(lora_path: str, lora_dir: str) -> str:
+    """``lora_path`` resolved, if it lies inside ``lora_dir``; 403 otherwise, 400 if missing."""
+    root = Path(lora_dir).resolve()
+    candidate = Path(lora_path)
+    resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
+    if not resolved.is_relative_to(root):
+        raise forbidden(f"lora_path must lie inside the server's --lora-dir ({lora_dir}); "
+                        f"{lora_path!r} does not", "lora_path")
+    if not resolved.exists():
+        raise invalid_request(f"lora_path {lora_path!r} does not exist in --lora-dir",
+                              "lora_path", "invalid_value")
+    return str(resolved)
+
+
+def check_name(name: str, served: str) -> None:
+    if name in (served, RESERVED_ADAPTER_NAME):
+        raise invalid_request(f"lora_name {name!r} is reserved (the base model's name, or how the "
+                              "metrics name requests without an adapter)", "lora_name",
+                              "invalid_value")
+
+
+def raise_for(result: AdapterResult, name: str, served: str, adapters) -> None:
+    """An engine's failed answer as the client's error."""
+    if result.status == 200:
+        return
+    if result.status == 404:
+        raise model_not_found(name, served, adapters, "lora_name")
+    if result.status == 400:
+        raise invalid_request(result.error, "lora_path", "invalid_lora_adapter")
+    raise APIError(result.error, None, "adapter_update_failed", result.status, "server_error")

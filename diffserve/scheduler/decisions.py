@@ -1,0 +1,38 @@
+"""What the scheduler core hands its process to send: work for an executor, with why it left the
+queue, and final answers for the frontend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from diffserve.protocol import RequestDone, RequestFailed, Work
+
+# Why a batch (request mode) or an admission (step mode) left the queue.
+FULL, DELAY, EXECUTOR_FREE, DRAIN, JOIN, NEW_SET = (
+    "full", "delay", "executor_free", "drain", "join", "new_set")
+DISPATCH_REASONS = (FULL, DELAY, EXECUTOR_FREE, DRAIN, JOIN, NEW_SET)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Work to send to one executor, with figures for the metrics."""
+
+    executor: int
+    work: Work
+    frames: list[Any]
+    reason: str
+    queue_times_s: list[float]  # one per request dispatched for the first time
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A final answer for the frontend: ``done`` or ``failed``."""
+
+    done: RequestDone | None = None
+    failed: RequestFailed | None = None
+    execution_s: float | None = None  # with ``done``: time of the calls that made its images
+
+    @property
+    def request_id(self) -> str:
+        return (self.done or self.failed).request_id
