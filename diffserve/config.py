@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MODEL = "shapes"
-RESERVED_ADAPTER_NAME = "none"  # how the metrics name requests without an adapter
+NO_ADAPTER = "none"  # how the metrics name requests without an adapter
+OTHER_ADAPTERS = "other"  # and adapters past the label bound
+RESERVED_ADAPTER_NAMES = (NO_ADAPTER, OTHER_ADAPTERS)
 
 
 class ConfigError(ValueError):
@@ -168,8 +170,9 @@ class ServerConfig:
                 raise ConfigError(f"--lora-modules entry {entry!r} is not NAME=PATH")
             if name in adapters:
                 raise ConfigError(f"--lora-modules names {name!r} twice")
-            if name == RESERVED_ADAPTER_NAME:
-                raise ConfigError(f"--lora-modules: {name!r} is reserved (it stands for no adapter)")
+            if name in RESERVED_ADAPTER_NAMES:
+                raise ConfigError(f"--lora-modules: {name!r} is reserved (the metrics' name for "
+                                  "requests without an adapter, or for adapters past their bound)")
             adapters[name] = path
         return adapters
 

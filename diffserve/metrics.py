@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 
-from diffserve.config import RESERVED_ADAPTER_NAME as NO_ADAPTER  # requests without an adapter
+from diffserve.config import NO_ADAPTER, OTHER_ADAPTERS
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -79,7 +79,7 @@ class FrontendMetrics:
         """A request's adapters (none: it counts as adapter="none", the base model alone)."""
         for name in list(names) or [NO_ADAPTER]:
             if name not in self._adapter_labels and len(self._adapter_labels) >= LORA_LABELS:
-                name = "other"  # a bound on the series, whatever names come and go at run time
+                name = OTHER_ADAPTERS  # a bound on the series, whatever names come and go at run time
             self._adapter_labels.add(name)
             self.lora_requests_total.labels(adapter=name).inc()
 

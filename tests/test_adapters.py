@@ -159,6 +159,9 @@ def runtime(lora_dir, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     shutil.copytree(lora_dir / "B", outside / "B")
     os.symlink(outside / "B", lora_dir / "link-out")
+    (lora_dir / "file-link-out").mkdir()  # a directory inside whose weights file is a link out
+    os.symlink(outside / "B" / "pytorch_lora_weights.safetensors",
+               lora_dir / "file-link-out" / "pytorch_lora_weights.safetensors")
     with Server(*modules(lora_dir, "A"), "--enable-lora-runtime-updates", "--lora-dir",
                 str(lora_dir), "--api-key", "k", "--max-inference-steps", "1000") as srv:
         srv.outside = outside
@@ -195,7 +198,8 @@ def test_runtime_load_use_replace_and_unload(runtime, reference, lora_dir):
 
 
 @pytest.mark.parametrize("path, status", [
-    ("/etc", 403), ("../outside", 403), ("link-out", 403), ("missing", 400)])
+    ("/etc", 403), ("../outside", 403), ("link-out", 403), ("file-link-out", 403),
+    ("missing", 400)])
 def test_a_runtime_path_must_resolve_inside_the_lora_dir(runtime, path, status):
     r = call(runtime, "/v1/load_lora_adapter", {"lora_name": "X", "lora_path": path})
     assert_openai_error(r, status, param="lora_path")

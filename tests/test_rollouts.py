@@ -1,4 +1,5 @@
-"""Rollouts through the real server (tiny-flux without guidance, tiny-sd3 with it): the tensors and
+"""Rollouts through the real server (tiny-flux without guidance, tiny-sd3 with it, tiny-qwen-image
+with its true classifier-free guidance from a negative prompt): the tensors and
 their layouts; every returned log-probability recomputed from the returned latents with the model
 run alone, as a trainer does (the on-policy property); the deterministic sampler equals the
 generations endpoint; one request of n equals n single requests; the client; and the errors."""
@@ -22,24 +23,34 @@ from server import Server, assert_openai_error, decode
 ROLLOUTS = "/v1/rollouts"
 
 
-@pytest.fixture(scope="module", params=["tiny-flux", "tiny-sd3"])
+# Qwen-Image guides only with a negative prompt: every request of its server carries one.
+NEGATIVE = {"tiny-qwen-image": "blurry"}
+
+
+@pytest.fixture(scope="module", params=["tiny-flux", "tiny-sd3", "tiny-qwen-image"])
 def served(request):
     with Server("--model", request.param, "--max-n", "16", "--dynamic-batch-max-size", "8",
                 "--batching-mode", "step") as srv:
         pipe = DiffusionPipeline.from_pretrained(resolve_model(request.param))
         srv.model_name, srv.pipe = request.param, pipe
-        srv.max_sequence_length = serving_defaults(resolve_model(request.param))["pipeline_kwargs"][
-            "max_sequence_length"]
+        srv.negative = NEGATIVE.get(request.param, "")
+        # The pipelines' own default where the model's serving defaults set none (Qwen-Image).
+        srv.max_sequence_length = serving_defaults(resolve_model(request.param)).get(
+            "pipeline_kwargs", {}).get("max_sequence_length", 512)
         yield srv
 
 
 def rollout(server, **body):
     with server.client(timeout=300) as c:
         response = c.post(ROLLOUTS, json={"prompt": "a red circle", "num_inference_steps": 4,
-                                          **body})
+                                          **_negative(server), **body})
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "application/octet-stream"
     return load(response.content), _metadata(response.content)
+
+
+def _negative(server) -> dict:
+    return {"negative_prompt": server.negative} if server.negative else {}
 
 
 def _metadata(body: bytes) -> dict:
@@ -80,6 +91,21 @@ def transformer_velocity(server, latents: torch.Tensor, t: float, guidance: floa
                 pooled_projections=pooled, encoder_hidden_states=embeds, txt_ids=text_ids,
                 img_ids=ids, return_dict=False)[0]
             return pipe._unpack_latents(out, 8 * h, 8 * w, pipe.vae_scale_factor)[0]
+        if server.model_name == "tiny-qwen-image":
+            c, h, w = x.shape[1:]
+            packed = pipe._pack_latents(x, 1, c, h, w)
+
+            def velocity(prompt):
+                embeds, mask = pipe.encode_prompt(prompt, max_sequence_length=server.max_sequence_length)
+                return pipe.transformer(
+                    hidden_states=packed, timestep=torch.tensor([t / 1000]), guidance=None,
+                    encoder_hidden_states_mask=mask, encoder_hidden_states=embeds,
+                    img_shapes=[[(1, h // 2, w // 2)]], return_dict=False)[0]
+
+            cond, uncond = velocity("a red circle"), velocity(server.negative)
+            guided = uncond + guidance * (cond - uncond)
+            guided = guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
+            return pipe._unpack_latents(guided, 8 * h, 8 * w, pipe.vae_scale_factor)[0, :, 0]
         embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
             "a red circle", None, None, do_classifier_free_guidance=True,
             max_sequence_length=server.max_sequence_length)
@@ -115,7 +141,8 @@ def test_without_noise_the_rollout_is_the_generations_endpoints_image(served):
     assert "log_probs" not in t
     with served.client() as c:
         made = c.post("/v1/images/generations", json={"prompt": "a red circle", "n": 2, "seed": 3,
-                                                       "num_inference_steps": 4}).json()["data"]
+                                                       "num_inference_steps": 4,
+                                                       **_negative(served)}).json()["data"]
     for i in range(2):
         assert np.abs(decode(made[i]["b64_json"]).astype(int) - t["images"][i].astype(int)).max() <= 2
 
@@ -175,10 +202,9 @@ def test_the_client_honours_retry_after_on_a_full_queue():
         assert error.value.status == 429
 
 
+@pytest.mark.parametrize("served", ["tiny-flux"], indirect=True)  # the model the example names
 def test_the_documented_example_loop_runs(served):
     """docs/rollouts.md's example trainer loop, against the live server as its docstring says."""
-    if served.model_name != "tiny-flux":
-        pytest.skip("the example names tiny-flux")
     import subprocess
     import sys
     from pathlib import Path

@@ -14,6 +14,7 @@ from pathlib import Path
 # Attention projections of the denoisers and of the CLIP text encoders.
 DENOISER_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+CLIP_ENCODERS = ("CLIPTextModel", "CLIPTextModelWithProjection")
 
 
 def _denoiser(pipe) -> tuple[object, str]:
@@ -23,10 +24,14 @@ def _denoiser(pipe) -> tuple[object, str]:
 
 def write_lora(model: str, path: str | Path, rank: int = 4, seed: int = 0,
                text_encoder: bool = False, weight_scale: float = 1.0,
-               targets: tuple[str, ...] = DENOISER_TARGETS) -> str:
+               targets: tuple[str, ...] = DENOISER_TARGETS, dora: bool = False) -> str:
     """One random adapter of ``model`` (a name ``diffserve models`` lists, or a pipeline dir),
-    saved to the directory ``path``. ``weight_scale`` scales its B matrices (how strongly it
-    changes images at scale 1). Returns the path."""
+    saved to the directory ``path``. ``text_encoder`` also adapts every CLIP text encoder the
+    family's LoRA loader takes (SDXL and SD3: both; SD and Flux: the one). ``weight_scale``
+    scales its B matrices (how strongly it changes images at scale 1); ``dora`` makes it a DoRA
+    adapter. Returns the path."""
+    import inspect
+
     import torch
     from diffusers import DiffusionPipeline
     from peft import LoraConfig
@@ -39,18 +44,23 @@ def write_lora(model: str, path: str | Path, rank: int = 4, seed: int = 0,
     torch.manual_seed(seed)
     # init_lora_weights=False keeps PEFT's random init of B, which is zero otherwise.
     config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets),
-                        init_lora_weights=False)
+                        init_lora_weights=False, use_dora=dora)
     denoiser.add_adapter(config, adapter_name="new")
     layers = {f"{key}_lora_layers": _scaled(get_peft_model_state_dict(denoiser, adapter_name="new"),
                                             weight_scale),
               f"{key}_lora_adapter_metadata": config.to_dict()}
     if text_encoder:
-        text_config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(TEXT_TARGETS),
-                                 init_lora_weights=False)
-        pipe.text_encoder.add_adapter(text_config, adapter_name="new")
-        layers["text_encoder_lora_layers"] = _scaled(
-            get_peft_model_state_dict(pipe.text_encoder, adapter_name="new"), weight_scale)
-        layers["text_encoder_lora_adapter_metadata"] = text_config.to_dict()
+        takes = inspect.signature(type(pipe).save_lora_weights).parameters
+        for name in ("text_encoder", "text_encoder_2"):
+            encoder = getattr(pipe, name, None)
+            if f"{name}_lora_layers" not in takes or type(encoder).__name__ not in CLIP_ENCODERS:
+                continue
+            text_config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(TEXT_TARGETS),
+                                     init_lora_weights=False)
+            encoder.add_adapter(text_config, adapter_name="new")
+            layers[f"{name}_lora_layers"] = _scaled(
+                get_peft_model_state_dict(encoder, adapter_name="new"), weight_scale)
+            layers[f"{name}_lora_adapter_metadata"] = text_config.to_dict()
     Path(path).mkdir(parents=True, exist_ok=True)
     type(pipe).save_lora_weights(str(path), **layers)
     return str(path)
@@ -87,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="Directory; adapter i goes to OUT/lora-i.")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--count", type=int, default=1)
-    p.add_argument("--text-encoder", action="store_true", help="Adapt the CLIP text encoder too.")
+    p.add_argument("--text-encoder", action="store_true",
+                   help="Adapt the CLIP text encoders too (those the family's loader takes).")
     p.add_argument("--weight-scale", type=float, default=1.0)
     p.add_argument("--kohya", action="store_true", help="Also write OUT/lora-i.kohya.safetensors.")
     args = p.parse_args(argv)

@@ -238,6 +238,10 @@ class RowAdapters:
         self.adapters = frozenset(a for layer in found for a in _adapter_names(layer))
         self._seen = self._signature()
 
+    def unsupported(self, adapter: str) -> str | None:
+        """Why ``adapter`` can't be applied per row, or None if it can."""
+        return self._unsupported.get(adapter)
+
     def close(self) -> None:
         """Removes every hook and gives adapter application back to PEFT."""
         for handle in [*self._hooks.values(), *self._root_hooks]:

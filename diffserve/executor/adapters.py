@@ -71,7 +71,7 @@ class AdapterStore:
         self.current[name] = version
         if old is not None:
             self._drop_if_idle(old)
-        self._evict_over_budget(keep=version)
+        self._evict_over_budget(keep=(version,))
         log.info("serving LoRA adapter %r from %s", name, path)
 
     def remove(self, name: str) -> None:
@@ -110,7 +110,8 @@ class AdapterStore:
         if len(missing) > self._free_slots(exclude=held):
             return None
         for version in missing:
-            self._evict_over_budget(keep=version, extra=1)
+            # Never evict another adapter of this same stack to make room for this one.
+            self._evict_over_budget(keep=versions, extra=1)
             self._load(version)
         for version in versions:
             version.holders += 1
@@ -125,7 +126,7 @@ class AdapterStore:
                 if version.holders == 0 and self.current.get(version.name) is not version:
                     self._unload(version)  # replaced or removed meanwhile: nobody needs it
         # A load while every resident adapter was held may have gone over the budget.
-        self._evict_over_budget(keep=None)
+        self._evict_over_budget(keep=())
 
     @property
     def resident(self) -> int:
@@ -138,12 +139,13 @@ class AdapterStore:
                         if v.resident and v.holders == 0 and v.internal not in exclude)
         return self.max_resident - self.resident + evictable
 
-    def _evict_over_budget(self, keep: _Version | None, extra: int = 0) -> None:
-        """Unload the least recently used versions nobody holds until ``extra`` more fit."""
+    def _evict_over_budget(self, keep, extra: int = 0) -> None:
+        """Unload the least recently used versions nobody holds, other than those in ``keep``,
+        until ``extra`` more fit."""
         for version in list(self._versions.values()):
             if self.resident + extra <= self.max_resident:
                 return
-            if version is not keep and version.resident and version.holders == 0:
+            if version.resident and version.holders == 0 and not any(version is k for k in keep):
                 self._unload(version)
                 self.on_event("evict", name=version.name)
 
@@ -168,20 +170,24 @@ class AdapterStore:
                 raise AdapterError(f"{version.path} is not a LoRA adapter this model can load: "
                                    f"{type(error).__name__}: {_first_line(error)}") from None
         try:
+            self.rows.refresh()
             self._check(version, warnings)
-        except AdapterError:
+        except (AdapterError, ValueError) as error:
             self._forget_partial(version)
-            raise
+            raise error if isinstance(error, AdapterError) else AdapterError(
+                f"{version.path}: {error}") from None
         version.resident = True
         self._versions[version.internal] = version
         self._versions.move_to_end(version.internal)
-        self.rows.refresh()
         self.on_event("load", name=version.name, seconds=time.perf_counter() - start)
 
     def _check(self, version: _Version, warnings: list[str]) -> None:
         for message in warnings:
             if "unexpected keys" in message or "missing keys" in message:
                 raise AdapterError(f"{version.path} does not fit the base model: {message.strip()}")
+        why = self.rows.unsupported(version.internal)
+        if why:
+            raise AdapterError(f"{version.path} can't be applied per request: {why}")
         ranks = self._ranks(version.internal)
         if not ranks:
             raise AdapterError(f"{version.path} adapts no layer of this model (no key of it names "

@@ -40,7 +40,7 @@ from diffserve.protocol import (
     encode,
 )
 from diffserve.executor.engine_io import EngineIO
-from diffserve.executor.results import Outcome
+from diffserve.executor.results import Outcome, describe
 from diffserve.samples import split_inputs
 
 log = logging.getLogger(__name__)
@@ -272,7 +272,14 @@ class StepLoop:
             if work:
                 self._admit(work)
             if self.engine:
-                out = self.engine.step()
+                try:
+                    out = self.engine.step()
+                except Exception as error:  # noqa: BLE001 - a bug in the engine itself
+                    # Every stage isolates its requests, so this is not a request's fault: what
+                    # the engine held fails, and the executor (its model loaded) goes on serving.
+                    log.exception("a step failed outside any request's stage")
+                    self.io.send_outcomes(self.engine.abandon(describe(error)))
+                    continue
                 for partial in out.partials:
                     self.io.send_partial(partial)
                 self.io.send_outcomes(out.finished)

@@ -148,22 +148,23 @@ class StepEngine:
         if not ready:
             return failed
         with self.family.torch.inference_mode():
-            try:
-                encoded = self._encode([item for item, _ in ready], stacks)
-            except Exception as error:  # noqa: BLE001 - reported to each caller
-                log.exception("prompt encoding failed")
-                for (item, _), stack in zip(ready, stacks):
-                    self._release(stack)
-                    failed.append(Outcome.failed(item, describe(error), self.clock() - start))
-                return failed
-            for (item, frames), enc, stack in zip(ready, encoded, stacks):
+            # Prompts are encoded together; where that raises, in parts down to single requests,
+            # so a request whose prompt or adapters break the encoder fails alone.
+            encoded = isolate(list(zip(ready, stacks)), self._encode_pairs,
+                              lambda pair: pair[0][0].request.request_id, "prompt encoding")
+            for ((item, frames), stack), enc in encoded:
                 try:
+                    if isinstance(enc, Exception):
+                        raise enc
                     self.units.append(self._unit(item, frames, enc, start, stack))
                 except Exception as error:  # noqa: BLE001 - only this request fails
                     log.warning("could not admit %s: %s", item.request.request_id, error)
                     self._release(stack)
                     failed.append(Outcome.failed(item, describe(error), self.clock() - start))
         return failed
+
+    def _encode_pairs(self, pairs: list) -> list[Encoded]:
+        return self._encode([item for (item, _), _ in pairs], [stack for _, stack in pairs])
 
     def _acquire(self, item: WorkItem):
         """The item's adapter stack (held from now on), () without adapters, None to wait."""
@@ -215,6 +216,17 @@ class StepEngine:
         return Unit(item, scheduler, prepared, prepared.negative is not None,
                     partial_steps(r.partial_images, len(prepared.timesteps)), start,
                     self.count_tokens(r.prompt), adapters=stack, trajectory=trajectory)
+
+    def abandon(self, error: str) -> list[Outcome]:
+        """Fail everything held (after an error no request's stage accounts for), releasing
+        its adapters; the engine is empty and usable afterwards."""
+        now = self.clock()
+        outcomes = [Outcome.failed(u.item, error, now - u.admitted_at) for u in self.units]
+        outcomes += [Outcome.failed(item, error, 0.0) for item, _ in self.deferred]
+        for unit in self.units:
+            self._release(unit.adapters)
+        self.units, self.deferred, self._cancelled = [], [], set()
+        return outcomes
 
     def cancel(self, request_ids: list[str]) -> None:
         """Drop these requests at the next step."""
@@ -357,8 +369,12 @@ class StepEngine:
             tensors = None
             if u.trajectory is not None:
                 r = u.request
-                tensors = u.trajectory.tensors(self.family, u.scheduler, u.prepared.timesteps,
-                                               r.width, r.height, pixels, u.prepared.positive,
-                                               r.returns)
+                try:
+                    tensors = u.trajectory.tensors(self.family, u.scheduler, u.prepared.timesteps,
+                                                   r.width, r.height, pixels, u.prepared.positive,
+                                                   r.returns)
+                except Exception as error:  # noqa: BLE001 - only this request fails
+                    self._fail(u, out, error, "the rollout's tensors")
+                    continue
             self._remove(u, out, Outcome.made(u.item, pixels, now - u.admitted_at,
                                               u.prompt_tokens, tensors))

@@ -2,15 +2,16 @@
 becomes HTTP.
 
 A request body never names an arbitrary file: ``lora_path`` (absolute, or relative to
-``--lora-dir``) must resolve, symlinks followed, to a path inside ``--lora-dir``; anything else is
-403 before the file system is asked whether it exists.
+``--lora-dir``) must resolve, symlinks followed, to a path inside ``--lora-dir``, and so must
+every file inside it where it is a directory; anything else is 403 (a path outside is refused
+before the file system is asked whether it exists).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from diffserve.config import RESERVED_ADAPTER_NAME
+from diffserve.config import RESERVED_ADAPTER_NAMES
 from diffserve.errors import APIError, forbidden, invalid_request, model_not_found
 from diffserve.protocol import AdapterResult
 
@@ -26,13 +27,18 @@ def path_inside(lora_path: str, lora_dir: str) -> str:
     if not resolved.exists():
         raise invalid_request(f"lora_path {lora_path!r} does not exist in --lora-dir",
                               "lora_path", "invalid_value")
+    if resolved.is_dir():  # the loader reads files inside it: each must stay inside too
+        for entry in resolved.rglob("*"):
+            if not entry.resolve().is_relative_to(root):
+                raise forbidden(f"lora_path {lora_path!r} holds {entry.name!r}, a link to a file "
+                                f"outside the server's --lora-dir ({lora_dir})", "lora_path")
     return str(resolved)
 
 
 def check_name(name: str, served: str) -> None:
-    if name in (served, RESERVED_ADAPTER_NAME):
-        raise invalid_request(f"lora_name {name!r} is reserved (the base model's name, or how the "
-                              "metrics name requests without an adapter)", "lora_name",
+    if name == served or name in RESERVED_ADAPTER_NAMES:
+        raise invalid_request(f"lora_name {name!r} is reserved (the base model's name, or one the "
+                              "metrics use for no adapter or for adapters past their bound)", "lora_name",
                               "invalid_value")
 
 

@@ -156,9 +156,26 @@ class Batcher:
             return None
         return self._take(signature, room, room_cost)
 
-    def head_fits(self, room: int, room_cost: float) -> bool:
+    def take_group(self, signature: tuple, room: int, room_cost: float = math.inf) -> list[Slice] | None:
+        """Like :meth:`take`, from the group of ``signature`` whatever the head's: only for a
+        caller that keeps the head's room for it (see ``SchedulerCore._beside_head``)."""
+        if not self.fits(signature, room, room_cost):
+            return None
+        return self._take(signature, room, room_cost)
+
+    def fits(self, signature: tuple, room: int, room_cost: float) -> bool:
+        """Whether the next image of the oldest waiting request of ``signature`` fits."""
+        group = self._groups.get(signature)
+        return bool(group) and next(iter(group.values())).fitting(room, room_cost) >= 1
+
+    def head_image_cost(self) -> float:
+        """What one more image of the head costs (0 when nothing waits)."""
         entry = self._head()
-        return entry is not None and entry.fitting(room, room_cost) >= 1
+        return 0.0 if entry is None else entry.request.cost
+
+    def signatures(self) -> list[tuple]:
+        """The waiting signatures, by the arrival of each one's oldest request."""
+        return sorted(self._groups, key=lambda sig: next(iter(self._groups[sig].values())).enqueued_at)
 
     def _take(self, sig: tuple, room: int, room_cost: float) -> list[Slice]:
         left, left_cost = room, room_cost

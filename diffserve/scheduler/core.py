@@ -15,7 +15,9 @@ its sets). Placement:
   and its compatible followers at once ("join"); a busy executor with running-cost room starts a
   new set for another signature at once ("new_set": it runs from the executor's next step); an
   idle executor starts a set by the same rules as a batch. When the head fits no executor,
-  nothing is admitted anywhere until one can take it, so the head never starves.
+  nothing of its signature passes it, so the head never starves; requests of other signatures
+  may join or open their own sets on busy executors meanwhile, but only within what each
+  executor's running budget keeps free beyond the head's next image, so they never delay it.
 - Among the executors that can take the head, the least loaded (by cost) gets it, one that
   batches it into a running set of its signature before one that would open a new set.
 
@@ -174,8 +176,9 @@ class SchedulerCore:
 
     # -- placement -------------------------------------------------------------------------
 
-    def _room(self, slot: ExecutorSlot, signature: tuple) -> _Placement | None:
-        """What ``slot`` could take of a head with ``signature``, if anything."""
+    def _room(self, slot: ExecutorSlot, signature: tuple, reserve: float = 0.0) -> _Placement | None:
+        """What ``slot`` could take of the oldest waiting request of ``signature``, if anything,
+        keeping ``reserve`` of its running budget free."""
         if not slot.ready:
             return None
         if not slot.sets:  # idle: a new batch or set, by the batching rules
@@ -184,15 +187,19 @@ class SchedulerCore:
             return None  # request mode: one call in flight per executor
         running = slot.sets.get(signature, RunningSet())
         room = self.max_batch_size - running.samples
-        room_cost = min(self.max_batch_cost - running.cost, self.max_running_cost - slot.cost)
-        if not self.batcher.head_fits(room, room_cost):
+        room_cost = min(self.max_batch_cost - running.cost,
+                        self.max_running_cost - slot.cost - reserve)
+        if not self.batcher.fits(signature, room, room_cost):
             return None
         return _Placement(slot, room, room_cost, signature in slot.sets)
 
-    def _place(self, signature: tuple) -> _Placement | None:
-        """Where the head goes: the least loaded executor that can take it, one that batches it
-        into a running set of its signature before one that opens a new set."""
-        options = [p for slot in self.slots if (p := self._room(slot, signature)) is not None]
+    def _place(self, signature: tuple, reserve: float = 0.0,
+               busy_only: bool = False) -> _Placement | None:
+        """Where the oldest request of ``signature`` goes: the least loaded executor that can
+        take it, one that batches it into a running set of its signature before one that opens
+        a new set."""
+        options = [p for slot in self.slots if (slot.sets or not busy_only)
+                   and (p := self._room(slot, signature, reserve)) is not None]
         return min(options, key=lambda p: (p.slot.cost, not p.joins), default=None)
 
     def time_until_dispatch(self, now: float) -> float | None:
@@ -216,6 +223,8 @@ class SchedulerCore:
             placed = self._place(signature)
             if placed is None:
                 self._head_waits()
+                if self.mode == STEP_MODE:
+                    sent += self._beside_head(signature, now)
                 break
             slot = placed.slot
             if slot.sets:  # a busy executor takes it at its next step, into a set of its own size
@@ -230,6 +239,25 @@ class SchedulerCore:
                           if slot.free_since > enqueued_at + self.max_delay_s else DELAY)
                 slices = self.batcher.next_batch(now, True, placed.room, placed.room_cost)
             sent.append(self._assign(slot, slices, reason, now))
+        return sent
+
+    def _beside_head(self, head: tuple, now: float) -> list[Dispatch]:
+        """Step mode, while the head waits for room in its own running set: the oldest requests
+        of other signatures join (or open) their sets on busy executors, as long as each keeps
+        room in its running budget for the head's next image. Nothing they take is room the
+        head's set could use, so the head is admitted exactly when it would have been had
+        nothing passed it, and the other sets do not drain meanwhile."""
+        reserve = self.batcher.head_image_cost()
+        sent = []
+        for signature in self.batcher.signatures():
+            if signature == head:
+                continue
+            while (placed := self._place(signature, reserve, busy_only=True)) is not None:
+                slices = self.batcher.take_group(signature, placed.room, placed.room_cost)
+                if not slices:
+                    break
+                sent.append(self._assign(placed.slot, slices, JOIN if placed.joins else NEW_SET,
+                                         now))
         return sent
 
     def _head_waits(self) -> None:

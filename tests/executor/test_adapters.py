@@ -160,3 +160,25 @@ def test_rank_above_the_bound_is_refused(lora_paths):
     with pytest.raises(AdapterError, match="rank 16"):
         store.add("B", lora_paths["B"])
     assert store.resident == 0
+
+
+def test_loading_for_a_stack_never_evicts_another_adapter_of_the_same_stack(lora_paths, reference):
+    """--max-loras 2 with C and B resident and idle, C the less recently used: a request for
+    [C, A] loads A in place of B, never of C, which it holds too."""
+    _, _, family, store = engine_parts(lora_paths, max_resident=2, names=("A", "B", "C"))
+    store.release(store.acquire((("B", 1.0),)))  # B used after C
+    resident = lambda: {v.name for v in store._versions.values() if v.resident}  # noqa: E731
+    assert resident() == {"B", "C"}
+    engine = StepEngine(family, adapters=store)
+    r = make_request(request_id="ca", seed=5, steps=3, loras=(("C", 0.6), ("A", 0.7)))
+    images, _ = run_steps(engine, {0: [r]})
+    assert max_diff(images["ca"], expected(reference, r)) <= 2
+    assert resident() == {"C", "A"}
+
+
+def test_a_dora_adapter_is_refused_at_load_with_the_reason(lora_paths, tmp_path):
+    _, _, _, store = engine_parts(lora_paths, names=("A",))
+    path = write_lora("tiny-sd", tmp_path / "dora", rank=4, seed=5, dora=True)
+    with pytest.raises(AdapterError, match="DoRA") as error:
+        store.add("dora", path)
+    assert error.value.status == 400 and "dora" not in store.current and store.resident == 1

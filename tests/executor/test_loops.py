@@ -10,7 +10,7 @@ import pytest
 
 from diffserve.executor.families import family_for
 from diffserve.executor.loading import load_model, task_pipelines
-from diffserve.executor.process import RequestLoop
+from diffserve.executor.process import RequestLoop, StepLoop
 from diffserve.executor.request_runner import RequestRunner
 from diffserve.protocol import Cancel, Kind, Work, WorkItem
 from helpers import make_request
@@ -105,3 +105,38 @@ def test_cancels_are_kept_only_for_requests_running_or_waiting_here(runner_parts
     # remembered, then or later.
     assert io.sent == [("a", "finished"), ("queued", "cancelled")]
     assert loop.cancelled == set()
+
+
+class StepIO(MemoryIO):
+    def count_step(self, out) -> None:
+        pass
+
+    def count_admission(self, seconds: float, admitted: int) -> None:
+        pass
+
+
+def test_a_step_that_raises_outside_any_request_fails_what_it_held_and_the_loop_serves_on(
+        runner_parts):
+    """A bug in the engine itself (not a request's stage, which the engine isolates) costs what
+    the engine held, not the executor: the next work runs on the same loaded model."""
+    from diffserve.executor.step_engine import StepEngine
+
+    loaded, pipelines, family = runner_parts
+    engine = StepEngine(family)
+    io = StepIO([work(1, "a", "b")])
+    real_step, steps = engine.step, []
+
+    def step():
+        steps.append(len(steps))
+        if len(steps) == 1:
+            io.inbox.append(work(2, "c"))  # arrives while the broken step runs
+            raise AssertionError("an engine bug")
+        out = real_step()
+        if not engine:
+            io.inbox.append(SHUTDOWN)
+        return out
+
+    engine.step = step
+    StepLoop(engine, io).run()
+    assert io.sent == [("a", "failed"), ("b", "failed"), ("c", "finished")]
+    assert not engine

@@ -1,6 +1,7 @@
 """The step engine on every family it knows, in process: requests that join at different steps,
 with different steps, guidance scales, negative prompts and tasks, each equal to the plain
-diffusers pipeline called alone with the same inputs (DESIGN invariant 2)."""
+diffusers pipeline called alone with the same inputs (within 2/255); and every stage of a step
+failing only the request that causes an error."""
 
 from __future__ import annotations
 
@@ -168,6 +169,31 @@ def test_a_request_whose_forward_fails_is_isolated_and_the_others_go_on():
     engine.family.forward = forward
     images, _ = run(engine, {})
     assert max_diff(images["good"], solo(loaded, edits, good)) <= 2
+
+
+def test_a_request_whose_prompt_breaks_the_encoder_fails_alone():
+    """Prompts are encoded together; a request whose encoding raises (its prompt, or its adapters
+    in the text encoder) fails alone and its admission-mates run exact."""
+    loaded, pipelines, engine = engine_for("tiny-sd")
+    encode, calls = engine.family.encode, []
+
+    def fragile(prompts, negatives, cfg):
+        calls.append(len(prompts))
+        if "poison" in prompts:
+            raise RuntimeError("this prompt breaks the text encoder")
+        return encode(prompts, negatives, cfg)
+
+    engine.family.encode = fragile
+    good = [make_request(request_id=f"g{i}", seed=i, steps=3) for i in range(3)]
+    bad = make_request(request_id="bad", prompt="poison", steps=3)
+    failed = engine.admit([WorkItem(r, 0, 1) for r in [good[0], bad, *good[1:]]], [[]] * 4)
+    engine.family.encode = encode
+    assert [(f.item.request.request_id, "breaks the text encoder" in f.error) for f in failed] == [
+        ("bad", True)]
+    assert calls[0] == 4  # one call for the whole admission first
+    images, _ = run(engine, {})
+    for r in good:
+        assert max_diff(images[r.request_id], solo(loaded, pipelines, r)) <= 2
 
 
 class Fault:

@@ -318,6 +318,25 @@ def test_cost_bounds_one_forward_and_what_an_executor_holds_across_its_sets():
     assert c.slots[0].cost == 10.0
 
 
+def test_a_head_waiting_for_room_in_its_own_set_lets_other_sizes_fill_theirs_keeping_its_room():
+    c = core(max_size=2, delay=0.0, mode=STEP_MODE, max_batch_cost=4.0, max_running_cost=7.0)
+    c.add(make_request(request_id="big", width=128, n=2, cost=2.0), [], 0.0)
+    (first,) = c.dispatch(0.0)
+    c.add(make_request(request_id="head", width=128, cost=2.0), [], 0.1)  # its set is full
+    c.add(make_request(request_id="small", n=3), [], 0.2)
+    c.add(make_request(request_id="late-big", width=128, cost=2.0), [], 0.3)
+    (beside,) = c.dispatch(0.3)
+    # "small" starts a set of its own on the busy executor rather than wait behind the head, but
+    # only as far as the running budget keeps room for the head's image: 7 - 4 - 2 = 1.
+    assert (beside.reason, taken([beside])) == (NEW_SET, [[("small", 0, 1)]])
+    assert c.slots[0].cost + 2.0 <= 7.0
+    assert c.dispatch(0.35) == []  # nothing more fits beside the head; "late-big" never passes it
+    run(c, first, now=0.4)
+    head, rest = c.dispatch(0.4)  # the head goes the moment its set has room
+    assert taken([head]) == [[("head", 0, 1), ("late-big", 0, 1)]] and head.reason == NEW_SET
+    assert taken([rest]) == [[("small", 1, 2)]] and rest.reason == JOIN
+
+
 def test_step_mode_a_finished_part_frees_room_for_the_queue():
     c = core(max_size=2, mode=STEP_MODE)
     c.add(make_request(request_id="a"), [], 0.0)
