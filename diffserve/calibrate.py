@@ -32,7 +32,7 @@ THROUGHPUT_SHARE = 0.9
 class Sample:
     width: int
     height: int
-    images: int
+    image_count: int
     cost: float
     seconds: float
     peak_bytes: int | None = None
@@ -92,14 +92,14 @@ def measure(model: str, device: str, dtype: str, sides: list[float], batches: li
         height = max(stride, round(info.height * side / stride) * stride)
         cfg = uses_cfg(info.family, info.default_guidance_scale, "")
         per_image = image_cost(width, height, info.width, info.height, cfg)
-        for images in batches:
-            items = [WorkItem(ImageRequest(f"c{side}-{images}-{i}", info.name, width, height,
+        for count in batches:
+            items = [WorkItem(ImageRequest(f"c{side}-{count}-{i}", info.name, width, height,
                                            num_inference_steps=steps + 1,
                                            guidance_scale=info.default_guidance_scale,
                                            prompt="calibration", seed=i, cost=per_image), 0, 1)
-                     for i in range(images)]
+                     for i in range(count)]
             if engine.admit(items, [[] for _ in items]):
-                raise SystemExit(f"could not admit {images} images of {width}x{height}")
+                raise SystemExit(f"could not admit {count} images of {width}x{height}")
             engine.step()  # warm-up: first-use allocations
             if cuda:
                 torch.cuda.synchronize()
@@ -115,7 +115,7 @@ def measure(model: str, device: str, dtype: str, sides: list[float], batches: li
             peak = torch.cuda.max_memory_allocated() - base if cuda else None
             engine.cancel([item.request.request_id for item in items])
             engine.step()
-            samples.append(Sample(width, height, images, images * per_image,
+            samples.append(Sample(width, height, count, count * per_image,
                                   statistics.median(times), peak))
     facts = {"model": model, "pipeline": loaded.pipeline_class, "device": loaded.device,
              "dtype": loaded.dtype, "native": f"{info.width}x{info.height}",
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
           (" peak MiB |" if samples[0].peak_bytes is not None else ""))
     print("| --- | --- | --- | --- | --- |" + (" --- |" if samples[0].peak_bytes is not None else ""))
     for s in samples:
-        row = (f"| {s.width}x{s.height} | {s.images} | {s.cost:g} | {1000 * s.seconds:.1f} | "
+        row = (f"| {s.width}x{s.height} | {s.image_count} | {s.cost:g} | {1000 * s.seconds:.1f} | "
                f"{1000 * s.seconds / s.cost:.2f} |")
         if s.peak_bytes is not None:
             row += f" {s.peak_bytes / 2**20:.0f} |"

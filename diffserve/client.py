@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 RETRIED = (429, 503)
+SEED_MODULUS = 2**32  # the server's seeds wrap here (diffserve.protocol)
 
 
 class RolloutError(RuntimeError):
@@ -62,11 +63,12 @@ class Client:
         """One rollout request per prompt (``n`` samples each), sent concurrently; the groups in
         the prompts' order. ``fields``: any of the endpoint's (``seed``, ``num_inference_steps``,
         ``guidance_scale``, ``noise_level``, ``return``, ``size``, ``loras``, ...); a ``seed``
-        is per prompt: prompt i uses ``seed + i * n``."""
+        is per prompt: prompt i uses ``seed + i * n`` (modulo 2**32, as the server wraps
+        seeds), so its images get consecutive seeds that no other prompt's share."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         seed = fields.pop("seed", None)
         bodies = [{"prompt": p, "n": n, **fields,
-                   **({"seed": seed + i * n} if seed is not None else {})}
+                   **({"seed": (seed + i * n) % SEED_MODULUS} if seed is not None else {})}
                   for i, p in enumerate(prompts)]
         with ThreadPoolExecutor(min(self.concurrency, len(bodies)) or 1) as pool:
             return list(pool.map(self.rollout_one, bodies))
@@ -82,11 +84,22 @@ class Client:
                        json.loads(metadata.get("seeds", "[]")))
 
     def _post(self, path: str, body: dict[str, Any]):
+        """The answer, retrying 429 and 503 after the server's ``Retry-After`` (else an
+        exponential backoff) and a connection that fails (a server restarting)."""
+        import httpx
+
         for attempt in range(self.max_retries + 1):
-            response = self.http.post(path, json=body)
+            last = attempt == self.max_retries
+            try:
+                response = self.http.post(path, json=body)
+            except httpx.TransportError:
+                if last:
+                    raise
+                time.sleep(self.backoff_s * 2**attempt)
+                continue
             if response.status_code == 200:
                 return response
-            if response.status_code not in RETRIED or attempt == self.max_retries:
+            if response.status_code not in RETRIED or last:
                 raise RolloutError(response.status_code, _json(response))
             time.sleep(_retry_after(response, self.backoff_s * 2**attempt))
         raise AssertionError("unreachable")

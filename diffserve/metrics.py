@@ -31,8 +31,8 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 # Distinct adapter names the per-adapter request counter keeps apart.
 LORA_LABELS = 64
 
-# The outcome of a request as the frontend counts it.
-OUTCOMES = ("success", "invalid", "rejected", "failed", "cancelled")
+# How a request ended, as the frontend counts it (an item's end is diffserve.protocol.ITEM_OUTCOMES).
+REQUEST_OUTCOMES = ("success", "invalid", "rejected", "failed", "cancelled")
 
 
 def prepare_directory() -> str:
@@ -64,7 +64,7 @@ class FrontendMetrics:
             "diffserve_requests", "Finished image requests by outcome: success, invalid (4xx), "
             "rejected (429, queue full), failed (5xx), cancelled (the client went away).", ["status"],
             registry=self.registry)
-        for status in OUTCOMES:
+        for status in REQUEST_OUTCOMES:
             self.requests_total.labels(status=status)
         self.request_latency_seconds = Histogram(
             "diffserve_request_latency_seconds", "Time from accepting a request to answering it.",
@@ -192,7 +192,7 @@ class EngineMetrics:
     def declare_executor(self, index: int) -> None:
         """Create executor ``index``'s series at zero, so that dashboards and alert rules see
         them before the first event (a series that does not exist cannot be alerted on)."""
-        from diffserve.protocol import OUTCOMES
+        from diffserve.protocol import ITEM_OUTCOMES
         from diffserve.scheduler.core import DISPATCH_REASONS
 
         label = str(index)
@@ -206,7 +206,7 @@ class EngineMetrics:
             metric.labels(executor=label)
         for reason in DISPATCH_REASONS:
             self.dispatches_total.labels(reason=reason, executor=label)
-        for outcome in OUTCOMES:
+        for outcome in ITEM_OUTCOMES:
             self.step_retirements_total.labels(executor=label, outcome=outcome)
         self.executor_ready.labels(executor=label).set(0)
         self.running_sets.labels(executor=label).set(0)

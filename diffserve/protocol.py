@@ -42,7 +42,7 @@ SEED_MODULUS = 2**32
 
 # How a work item ended.
 FINISHED, FAILED, CANCELLED = "finished", "failed", "cancelled"
-OUTCOMES = (FINISHED, FAILED, CANCELLED)
+ITEM_OUTCOMES = (FINISHED, FAILED, CANCELLED)
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,9 @@ class WorkItem:
     request: ImageRequest
     start: int
     stop: int
+    # How long the request had waited in the scheduler's queue when this item left it: the
+    # step engine counts a request's time from its arrival (diffserve.executor.fairness).
+    queued_s: float = 0.0
 
     @property
     def key(self) -> tuple[str, int]:
@@ -122,7 +125,7 @@ class ItemResult:
     request_id: str
     start: int
     stop: int
-    status: str  # one of OUTCOMES
+    status: str  # one of ITEM_OUTCOMES
     execution_s: float  # pipeline time this item took part in (request mode: the whole call)
     error: str | None = None
     prompt_tokens: int = 0

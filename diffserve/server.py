@@ -30,17 +30,18 @@ def serve(config: ServerConfig) -> int:
 
 
 def _serve(config: ServerConfig) -> int:
-    import uvicorn
-
     from diffserve.engine import Engine
-    from diffserve.frontend.app import create_app
     from diffserve.frontend.engine_client import StartupError
 
-    _Server = _uvicorn_server_class()
-    host = Engine(config)
+    host = Engine(config)  # first: the model loads in its own process while this one imports
     engine = host.client
     exit_code = 0
     try:
+        import uvicorn
+
+        from diffserve.frontend.app import create_app
+
+        _Server = _uvicorn_server_class()
         try:
             info = host.wait_ready()
         except StartupError as error:

@@ -22,6 +22,7 @@ from PIL import Image
 from diffserve.launcher import ServerProcess
 
 RAY_PORT = 8000  # Ray Serve's HTTP proxy, its default address inside the namespace
+GCS_PORT = 6379  # the cluster's head
 COUNT = 16
 
 
@@ -36,7 +37,7 @@ def replicas_running() -> int:
     from ray import serve
 
     if not ray.is_initialized():
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
     app = serve.status().applications.get("default")
     if app is None or app.status != "RUNNING":
         return 0
@@ -46,8 +47,12 @@ def replicas_running() -> int:
 def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="diffserve-ray-"))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    subprocess.run(["ray", "start", "--head", "--include-dashboard=false", "--num-cpus=4",
-                    "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=180)
+    # Its session files in a directory of its own, not the machine's shared /tmp/ray; with
+    # that, clients find the cluster by its address, not by the file /tmp/ray would hold.
+    subprocess.run(["ray", "start", "--head", f"--port={GCS_PORT}", "--include-dashboard=false",
+                    "--num-cpus=4", "--disable-usage-stats", f"--temp-dir={logs / 'ray'}"],
+                   check=True, env=env, capture_output=True, timeout=180)
+    env["RAY_ADDRESS"] = os.environ["RAY_ADDRESS"] = f"127.0.0.1:{GCS_PORT}"
     found: dict = {}
     serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-sd", "num_replicas=2",
                            "torch_threads=1"], RAY_PORT, logs / "serve.log", env=env, name="serve run")

@@ -38,6 +38,6 @@ def test_the_command_on_the_tiny_model():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert [(s["width"], s["images"]) for s in report["samples"]] == [(32, 1), (32, 2), (64, 1), (64, 2)]
+    assert [(s["width"], s["image_count"]) for s in report["samples"]] == [(32, 1), (32, 2), (64, 1), (64, 2)]
     assert report["samples"][3]["cost"] == 4.0  # two 64x64 images with guidance
     assert report["suggested"]["max_batch_cost"] >= 1

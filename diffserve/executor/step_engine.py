@@ -56,11 +56,11 @@ class Unit:
     prompt_tokens: int = 0
     step: int = 0
     adapters: tuple = ()  # its LoRA stack, in the versions it holds until it leaves
-    progress: Progress | None = None  # its time in the executor, for the choice of set
+    progress: Progress | None = None  # its time since it arrived, for the choice of set
     trajectory: Trajectory | None = None  # rollouts: the stochastic sampler's record
 
     def __post_init__(self) -> None:
-        self.progress = self.progress or Progress(self.admitted_at)
+        self.progress = self.progress or Progress(self.admitted_at - self.item.queued_s)
 
     @property
     def request(self):

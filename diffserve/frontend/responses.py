@@ -46,8 +46,8 @@ class ImageAnswer:
         return encode_images(self.pool, frames, r.width, r.height, b.output_format,
                              b.output_compression)
 
-    def _usage(self, text_tokens: int, images: int) -> dict:
-        return usage(self.request, self.stride, text_tokens, images)
+    def _usage(self, text_tokens: int, image_count: int) -> dict:
+        return usage(self.request, self.stride, text_tokens, image_count)
 
     async def json(self, done: DoneEvent) -> OrjsonResponse:
         encoded = await self._encode(done.frames)

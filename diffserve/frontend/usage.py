@@ -14,10 +14,10 @@ def latent_cells(request: ImageRequest, spatial_stride: int) -> int:
     return (request.width // spatial_stride) * (request.height // spatial_stride)
 
 
-def usage(request: ImageRequest, spatial_stride: int, text_tokens: int, images: int) -> dict:
+def usage(request: ImageRequest, spatial_stride: int, text_tokens: int, image_count: int) -> dict:
     cells = latent_cells(request, spatial_stride)
     image_tokens = cells if request.task_spec.from_image else 0
     inputs = text_tokens + image_tokens
-    return {"input_tokens": inputs, "output_tokens": images * cells,
-            "total_tokens": inputs + images * cells,
+    return {"input_tokens": inputs, "output_tokens": image_count * cells,
+            "total_tokens": inputs + image_count * cells,
             "input_tokens_details": {"image_tokens": image_tokens, "text_tokens": text_tokens}}

@@ -37,11 +37,11 @@ class _Entry:
     def remaining(self) -> int:
         return self.request.n - self.next_index
 
-    def fitting(self, images: int, cost: float) -> int:
-        """How many of its remaining images fit in ``images`` and ``cost``."""
+    def fitting(self, room: int, cost: float) -> int:
+        """How many of its remaining images fit in ``room`` images and ``cost``."""
         if self.request.cost > 0 and cost < math.inf:
-            images = min(images, math.floor(cost / self.request.cost + 1e-9))
-        return max(0, min(images, self.remaining))
+            room = min(room, math.floor(cost / self.request.cost + 1e-9))
+        return max(0, min(room, self.remaining))
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Batcher:
         # group costs O(group size) however long and mixed the queue is.
         self._queue: OrderedDict[str, _Entry] = OrderedDict()
         self._groups: dict[tuple, OrderedDict[str, _Entry]] = {}
-        self._group_images: dict[tuple, int] = {}
+        self._group_counts: dict[tuple, int] = {}
         self._group_cost: dict[tuple, float] = {}
 
     def __len__(self) -> int:
@@ -83,8 +83,8 @@ class Batcher:
         return request_id in self._queue
 
     @property
-    def waiting_images(self) -> int:
-        return sum(self._group_images.values())
+    def waiting_image_count(self) -> int:
+        return sum(self._group_counts.values())
 
     def add(self, request: ImageRequest, now: float) -> None:
         if request.request_id in self._queue:
@@ -95,7 +95,7 @@ class Batcher:
         entry = _Entry(request, now, sig)
         self._queue[request.request_id] = entry
         self._groups.setdefault(sig, OrderedDict())[request.request_id] = entry
-        self._group_images[sig] = self._group_images.get(sig, 0) + request.n
+        self._group_counts[sig] = self._group_counts.get(sig, 0) + request.n
         self._group_cost[sig] = self._group_cost.get(sig, 0.0) + request.n * request.cost
 
     def abort(self, request_id: str) -> bool:
@@ -122,7 +122,7 @@ class Batcher:
         if entry is None:
             return False
         sig = entry.signature
-        return (self._group_images[sig] >= (room or self.max_batch_size)
+        return (self._group_counts[sig] >= (room or self.max_batch_size)
                 or self._group_cost[sig] >= (room_cost or self.max_batch_cost))
 
     def time_until_ready(self, now: float, room: int | None = None,
@@ -190,7 +190,7 @@ class Batcher:
             entry.next_index += count
             left -= count
             left_cost -= count * entry.request.cost
-            self._group_images[sig] -= count
+            self._group_counts[sig] -= count
             self._group_cost[sig] -= count * entry.request.cost
             if entry.remaining == 0:
                 finished.append(entry)
@@ -198,7 +198,7 @@ class Batcher:
                 break
         for entry in finished:
             del self._queue[entry.request.request_id]
-            self._unlink(entry, images_left=0)
+            self._unlink(entry, remaining=0)
         return taken
 
     def _head(self) -> _Entry | None:
@@ -206,14 +206,14 @@ class Batcher:
             return entry
         return None
 
-    def _unlink(self, entry: _Entry, images_left: int | None = None) -> None:
+    def _unlink(self, entry: _Entry, remaining: int | None = None) -> None:
         sig = entry.signature
         group = self._groups[sig]
         del group[entry.request.request_id]
-        if images_left is None:
-            self._group_images[sig] -= entry.remaining
+        if remaining is None:
+            self._group_counts[sig] -= entry.remaining
             self._group_cost[sig] -= entry.remaining * entry.request.cost
         if not group:
             del self._groups[sig]
-            del self._group_images[sig]
+            del self._group_counts[sig]
             del self._group_cost[sig]

@@ -275,7 +275,7 @@ class SchedulerCore:
             if tracked.first_dispatch_at is None:
                 tracked.first_dispatch_at = now
                 queue_times.append(now - tracked.enqueued_at)
-            item = WorkItem(sl.request, sl.start, sl.stop)
+            item = WorkItem(sl.request, sl.start, sl.stop, now - tracked.enqueued_at)
             items.append(item)
             frames.extend(tracked.frames)
             slot.put(item, sl.request.signature(self.mode))

@@ -1,6 +1,6 @@
 """The rule that picks which running set the next step advances, with a fake clock and step
 costs: a new size starts at the next step, a lone rare size is not starved by a busy common one,
-and the busy one is not halted by it."""
+the busy one is not halted by it, and a size whose requests waited longer for room catches up."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ class Executor:
         self.sets: dict[str, list[Progress]] = {}
         self.order: list[str] = []
 
-    def admit(self, size: str) -> Progress:
-        p = Progress(self.now)
+    def admit(self, size: str, waited: float = 0.0) -> Progress:
+        p = Progress(self.now - waited)  # it arrived ``waited`` before its admission
         self.sets.setdefault(size, []).append(p)
         return p
 
@@ -83,3 +83,20 @@ def test_the_oldest_new_set_goes_first_among_new_ones():
     ex.now = 1.0
     ex.admit("x")
     assert ex.step() == "y" and ex.step() == "x"
+
+
+def test_a_size_whose_requests_waited_longer_for_room_gets_the_steps_until_they_catch_up():
+    """A request's time counts from its arrival: where one size's requests waited a second
+    longer in the queue (its set is the bottleneck), that set takes the steps until they have
+    lost no more than the others, so the queue does not pile up behind it."""
+    ex = Executor({"big": 0.05, "small": 0.05})
+    ex.now = 10.0
+    for _ in range(8):
+        ex.admit("small")
+    late = ex.admit("big", waited=1.0)
+    for _ in range(24):
+        ex.step()
+    assert ex.order[:2] == ["big", "small"]  # both new: the older first, then the other at once
+    assert ex.order[2:21] == ["big"] * 19  # a second to catch up: 20 steps of 50 ms
+    assert "small" in ex.order[21:]
+    assert abs(late.lost(ex.now) - ex.sets["small"][0].lost(ex.now)) <= 0.05

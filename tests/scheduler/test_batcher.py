@@ -105,7 +105,7 @@ def test_n_counts_images_toward_the_max_size():
     b.add(make_request(request_id="two", n=2), now=0.0)
     # Full now: "two" is split, one image now and one in the next batch.
     assert ids(b.next_batch(0.0)) == [("big", 0, 3), ("two", 0, 1)]
-    assert b.waiting_images == 1
+    assert b.waiting_image_count == 1
     assert ids(b.next_batch(10.0)) == [("two", 1, 2)]
 
 
@@ -142,9 +142,9 @@ def test_abort_of_a_partly_dispatched_request_drops_its_rest():
     b = Batcher(max_batch_size=2, max_delay_s=0.0)
     b.add(make_request(request_id="r", n=5), now=0.0)
     b.next_batch(0.0)
-    assert b.waiting_images == 3
+    assert b.waiting_image_count == 3
     assert b.abort("r")
-    assert b.waiting_images == 0 and b.next_batch(1.0) is None
+    assert b.waiting_image_count == 0 and b.next_batch(1.0) is None
 
 
 def test_drain_of_many_messages_forms_full_batches_in_order():

@@ -337,6 +337,16 @@ def test_a_head_waiting_for_room_in_its_own_set_lets_other_sizes_fill_theirs_kee
     assert taken([rest]) == [[("small", 1, 2)]] and rest.reason == JOIN
 
 
+def test_each_item_carries_how_long_its_request_waited_in_the_queue():
+    c = core(max_size=2, delay=0.0, mode=STEP_MODE)
+    c.add(make_request(request_id="split", n=3), [], 1.0)
+    (first,) = c.dispatch(1.5)
+    run(c, first, now=4.0)
+    (rest,) = c.dispatch(4.0)
+    assert [i.queued_s for i in first.work.items] == [0.5]
+    assert [i.queued_s for i in rest.work.items] == [3.0]  # its second part waited longer
+
+
 def test_step_mode_a_finished_part_frees_room_for_the_queue():
     c = core(max_size=2, mode=STEP_MODE)
     c.add(make_request(request_id="a"), [], 0.0)

@@ -1,0 +1,93 @@
+"""The routes that make images: generations, edits (multipart uploads) and rollouts (one
+safetensors body). Each reads and validates its body; :class:`~diffserve.frontend.serving.Serving`
+does the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from diffserve.errors import invalid_request
+from diffserve.frontend import streaming
+from diffserve.frontend.bodies import form_body_schema, json_body_schema, parse_json, validate
+from diffserve.frontend.schemas import (ImageEditForm, ImageGenerationRequest, ImagesResponse,
+                                        RolloutRequest)
+from diffserve.frontend.serving import Accepted, Serving
+from diffserve.frontend.uploads import decode_inputs, parse_form, read_limited
+from diffserve.frontend.validation import to_engine_request
+from diffserve.protocol import ImageRequest
+from diffserve.rollouts import LATENTS_LAYOUT, safetensors_body
+from diffserve.tasks import GENERATE, IMAGE_TO_IMAGE, INPAINT, ROLLOUT
+
+
+def rollout_fields(request: ImageRequest) -> dict:
+    """A rollout's fields as its answer's metadata records them."""
+    return {"prompt": request.prompt, "negative_prompt": request.negative_prompt,
+            "n": request.n, "seed": request.seed, "width": request.width, "height": request.height,
+            "num_inference_steps": request.num_inference_steps,
+            "guidance_scale": request.guidance_scale, "noise_level": request.noise_level,
+            "loras": [list(pair) for pair in request.loras], "return": list(request.returns)}
+
+
+def image_routes(serving: Serving) -> APIRouter:
+    router = APIRouter()
+    config, engine = serving.config, serving.engine
+
+    @router.post("/v1/images/generations", openapi_extra=json_body_schema(ImageGenerationRequest),
+                 responses={200: {"model": ImagesResponse}})
+    async def generate_images(http_request: Request):
+        async def accept() -> Accepted:
+            body = await parse_json(http_request, ImageGenerationRequest, config.max_body_bytes,
+                                    "--max-body-bytes")
+            request = to_engine_request(body, f"img-{uuid.uuid4().hex}", engine.model_info,
+                                        config, GENERATE, engine.adapters)
+            return request, [], body
+
+        return await serving.serve(http_request, accept, streaming.GENERATIONS)
+
+    @router.post("/v1/images/edits", openapi_extra=form_body_schema(ImageEditForm),
+                 responses={200: {"model": ImagesResponse}})
+    async def edit_images(http_request: Request):
+        async def accept() -> Accepted:
+            raw = await read_limited(http_request.stream(), config.max_upload_bytes,
+                                     http_request.headers.get("content-length"),
+                                     "--max-upload-bytes")
+            form = await parse_form(http_request.headers, raw, config.max_upload_bytes)
+            body = validate(ImageEditForm, form.fields)
+            task = INPAINT if form.mask is not None else IMAGE_TO_IMAGE
+            request = to_engine_request(body, f"edit-{uuid.uuid4().hex}", engine.model_info,
+                                        config, task, engine.adapters)
+            frames = await asyncio.get_running_loop().run_in_executor(
+                serving.pool, decode_inputs, form, request.width, request.height,
+                config.max_input_pixels)
+            return request, frames, body
+
+        return await serving.serve(http_request, accept, streaming.EDITS)
+
+    @router.post("/v1/rollouts", openapi_extra=json_body_schema(RolloutRequest),
+                 response_class=Response, responses={200: {"content": {
+                     "application/octet-stream": {}}, "description": "A safetensors file."}})
+    async def rollouts(http_request: Request):
+        async def accept() -> Accepted:
+            body = await parse_json(http_request, RolloutRequest, config.max_body_bytes,
+                                    "--max-body-bytes")
+            if body.stream or body.response_format != "b64_json":
+                raise invalid_request("a rollout is answered with one safetensors body: no "
+                                      "stream, no url", "stream" if body.stream else
+                                      "response_format", "unsupported_value")
+            request = to_engine_request(body, f"roll-{uuid.uuid4().hex}", engine.model_info,
+                                        config, ROLLOUT, engine.adapters)
+            return request, [], body
+
+        def respond(request: ImageRequest, done) -> Response:
+            metadata = {"request": rollout_fields(request), "seeds": done.done.seeds,
+                        "model": engine.model_info.name, "latents_layout": LATENTS_LAYOUT}
+            return Response(safetensors_body(done.tensors, metadata),
+                            media_type="application/octet-stream")
+
+        return await serving.serve(http_request, accept, streaming.GENERATIONS, respond)
+
+    return router

@@ -1,0 +1,54 @@
+"""What the server says of itself: the models it serves, its health, its metrics, and the
+playground page."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from importlib import resources
+from typing import Callable
+
+from fastapi import APIRouter
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from diffserve.frontend.engine_client import EngineClient
+from diffserve.frontend.schemas import ModelCard, ModelList
+
+
+def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, str]]) -> APIRouter:
+    router = APIRouter()
+    started = time.time()
+    playground = resources.files("diffserve.frontend").joinpath("static/index.html").read_text()
+
+    @router.get("/v1/models", response_model=ModelList)
+    async def list_models():
+        """The base model, then every LoRA adapter as a model of its own (its ``parent`` the
+        base), so that the unmodified SDK can pick one by name."""
+        info = engine.model_info
+        card = dict(created=int(started), pipeline=info.pipeline_class,
+                    batching_mode=info.batching_mode, tasks=info.tasks,
+                    partial_images=info.partial_images)
+        return ModelList(data=[ModelCard(id=info.name, **card),
+                               *(ModelCard(id=name, parent=info.name, **card)
+                                 for name in engine.adapters)])
+
+    @router.get("/health")
+    async def health():
+        info = engine.model_info
+        body = {"status": "ok" if engine.ready else "unavailable", "model": info.name,
+                "batching_mode": info.batching_mode,
+                "executors": [dataclasses.asdict(e) for e in engine.status.executors]}
+        if engine.stopped_reason:
+            body["reason"] = engine.stopped_reason
+        return JSONResponse(body, status_code=200 if engine.ready else 503)
+
+    @router.get("/metrics")
+    async def prometheus_metrics():
+        body, content_type = render_metrics()
+        return Response(body, media_type=content_type)
+
+    @router.get("/", include_in_schema=False)
+    async def page():
+        return HTMLResponse(playground)
+
+    return router
