@@ -83,7 +83,11 @@ class Trajectory:
         if "images" in returns:
             out["images"] = images
         if "prompt_embeds" in returns:
-            out["prompt_embeds"] = positive.prompt_embeds[0].float().cpu().numpy()
+            embeds = positive.prompt_embeds[0]
+            mask = getattr(positive, "prompt_embeds_mask", None)
+            if mask is not None:  # padded to the longest prompt it was encoded with: its own
+                embeds = embeds[:int(mask[0].sum())]
+            out["prompt_embeds"] = embeds.float().cpu().numpy()
             pooled = getattr(positive, "pooled_projections", None)
             if pooled is not None:
                 out["pooled_prompt_embeds"] = pooled[0].float().cpu().numpy()
