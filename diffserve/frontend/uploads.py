@@ -59,6 +59,16 @@ async def parse_form(headers, body: bytes, limit: int) -> EditForm:
         raise invalid_request("The body must be multipart/form-data (an image file and form "
                               "fields), as the OpenAI SDK sends it.", None, "invalid_content_type")
 
+    # The parser keeps what it read of a body that stops before its closing delimiter, so a
+    # field cut off at the end would silently fall back to its default: refuse such a body.
+    from python_multipart.multipart import parse_options_header
+
+    boundary = parse_options_header(content_type)[1].get(b"boundary")
+    if boundary and b"--" + boundary + b"--" not in body:
+        raise invalid_request("The multipart body ends before its closing boundary "
+                              f"('--{boundary.decode('latin-1')}--'): it was cut off.", None,
+                              "invalid_multipart")
+
     async def one_chunk():
         yield body
 

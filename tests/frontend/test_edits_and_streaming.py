@@ -236,6 +236,7 @@ def bomb() -> bytes:
     ("no image", 400, "image", "missing_required_parameter"),
     ("too large", 413, None, "request_too_large"),
     ("json body", 400, None, "invalid_content_type"),
+    ("unterminated", 400, None, "invalid_multipart"),
     ("unknown field", 400, "colour", "unknown_parameter"),
     ("bad strength", 400, "strength", "invalid_value"),
     ("no steps left", 400, "strength", "invalid_value"),
@@ -265,6 +266,10 @@ def test_bad_uploads_get_a_clear_400(server, case, status, param, code):
         files = [("image", ("in.png", b"\x89PNG" + b"0" * (1 << 20), "image/png"))]
     elif case == "json body":
         content = b'{"prompt": "a cat"}'
+    elif case == "unterminated":  # the last field (n=2) has no closing boundary after it
+        content = (b'--b0und\r\nContent-Disposition: form-data; name="image"; filename="in.png"\r\n\r\n'
+                   + image + b'\r\n--b0und\r\nContent-Disposition: form-data; name="prompt"\r\n\r\n'
+                   b'a cat\r\n--b0und\r\nContent-Disposition: form-data; name="n"\r\n\r\n2\r\n')
     elif case == "unknown field":
         fields["colour"] = "red"
     elif case == "bad strength":
@@ -274,7 +279,8 @@ def test_bad_uploads_get_a_clear_400(server, case, status, param, code):
     with server.client() as c:
         before = metric(c.get("/metrics").text, "diffserve_dispatches_total")
         if content is not None:
-            r = c.post(EDITS, content=content, headers={"content-type": "application/json"})
+            kind = "multipart/form-data; boundary=b0und" if case == "unterminated" else "application/json"
+            r = c.post(EDITS, content=content, headers={"content-type": kind})
         else:
             r = c.post(EDITS, files=files, data=fields)
         assert_openai_error(r, status, param, code)
