@@ -213,14 +213,20 @@ class Family:
     def noise_latents(self, k: int, width: int, height: int, dtype, generators: list):
         raise NotImplementedError
 
+    # The edit helpers below are the signatures diffusers' SD-style edit pipelines share (SD,
+    # SDXL, SD3); families whose edit pipelines differ (Flux, Qwen-Image) override them.
+
     def image_latents(self, pipe, init, start, k: int, width: int, height: int, dtype,
                       generators: list):
-        raise NotImplementedError
+        return pipe.prepare_latents(init, start, k, 1, dtype, self.device, generators)
 
     def inpaint_latents(self, pipe, init, start, full_strength: bool, k: int, width: int,
                         height: int, dtype, generators: list):
         """(latents, noise, image_latents) of an inpainting request."""
-        raise NotImplementedError
+        return pipe.prepare_latents(
+            k, pipe.vae.config.latent_channels, height, width, dtype, self.device, generators,
+            None, image=init, timestep=start, is_strength_max=full_strength, return_noise=True,
+            return_image_latents=True)
 
     def mask_latents(self, pipe, condition, masked_image, k: int, width: int, height: int, dtype,
                      generators: list):

@@ -31,15 +31,6 @@ class StableDiffusion(Family):
         return self.pipe.prepare_latents(k, self.pipe.unet.config.in_channels, height, width,
                                          dtype, self.device, generators)
 
-    def image_latents(self, pipe, init, start, k, width, height, dtype, generators):
-        return pipe.prepare_latents(init, start, k, 1, dtype, self.device, generators)
-
-    def inpaint_latents(self, pipe, init, start, full_strength, k, width, height, dtype, generators):
-        return pipe.prepare_latents(
-            k, pipe.vae.config.latent_channels, height, width, dtype, self.device, generators,
-            None, image=init, timestep=start, is_strength_max=full_strength, return_noise=True,
-            return_image_latents=True)
-
     def mask_latents(self, pipe, condition, masked_image, k, width, height, dtype, generators):
         mask, _ = pipe.prepare_mask_latents(condition, masked_image, k, height, width, dtype,
                                             self.device, generators, False)

@@ -59,15 +59,6 @@ class StableDiffusion3(Family):
         return self.pipe.prepare_latents(k, self.pipe.transformer.config.in_channels, height,
                                          width, dtype, self.device, generators)
 
-    def image_latents(self, pipe, init, start, k, width, height, dtype, generators):
-        return pipe.prepare_latents(init, start, k, 1, dtype, self.device, generators)
-
-    def inpaint_latents(self, pipe, init, start, full_strength, k, width, height, dtype, generators):
-        return pipe.prepare_latents(
-            k, pipe.vae.config.latent_channels, height, width, dtype, self.device, generators,
-            None, image=init, timestep=start, is_strength_max=full_strength, return_noise=True,
-            return_image_latents=True)
-
     def mask_latents(self, pipe, condition, masked_image, k, width, height, dtype, generators):
         mask, _ = pipe.prepare_mask_latents(condition, masked_image, k, 1, height, width, dtype,
                                             self.device, generators, False)
