@@ -133,7 +133,8 @@ def rollout(b: "Bench") -> dict[str, float | None]:
     """``--rollout-prompts`` prompts x ``--rollout-n`` samples: one request per prompt in step
     mode and in request mode, against the same samples as single requests (n=1, the seeds the
     group would use) in step mode. Per layout: samples/s (median of ``--rollout-repeats``) and
-    the time to the last sample of a group (mean over groups)."""
+    the time to the last sample of a group (mean over groups). One server per mode; each layout
+    on it has a warm-up of its own."""
     a, f = b.args, {}
     prompts = ROLLOUT_PROMPTS[:a.rollout_prompts]
     steps = {"num_inference_steps": a.steps} if a.steps else {}
@@ -144,33 +145,39 @@ def rollout(b: "Bench") -> dict[str, float | None]:
                "singles": lambda seed: [[{"prompt": p, "n": 1, "seed": seed + g * a.rollout_n + i,
                                           **steps, **size} for i in range(a.rollout_n)]
                                         for g, p in enumerate(prompts)]}
-    for mode, layout in (("step", "groups"), ("step", "singles"), ("request", "groups")):
-        name = f"{layout}, {mode}"
-        with b.servers(name, {"--batching-mode": mode, **server}) as (urls, _):
-            walls, lasts, failed = [], [], 0
-            for repeat in range(a.rollout_repeats + 1):  # the first is the warm-up
-                groups = layouts[layout](1000 * repeat)
-                wall, latencies = asyncio.run(_rollouts(urls[0], [body for g in groups for body in g],
-                                                        timeout_s=3600))
-                failed += latencies.count(None)
-                if repeat and None not in latencies:
-                    walls.append(wall)
-                    per_group, i = [], 0
-                    for g in groups:  # a group is done when its last request is
-                        per_group.append(max(latencies[i:i + len(g)]))
-                        i += len(g)
-                    lasts.append(statistics.mean(per_group))
-            samples = len(prompts) * a.rollout_n
-            b.runs.append({"label": name, "round": b.round, "completed": len(walls) * samples,
-                           "failed": failed, "walls_s": walls, "last_sample_s": lasts,
-                           "config": {"num_prompts": len(walls) * samples + failed}})
-            b.failed |= failed > 0
-            f[f"samples/s, {name}"] = samples / statistics.median(walls) if walls else None
-            f[f"last sample of a group ms, {name}"] = ms(statistics.median(lasts)) if lasts else None
-            print(f"[{name}] {f[f'samples/s, {name}'] or 0:.2f} samples/s, last sample of a group "
-                  f"{f[f'last sample of a group ms, {name}'] or 0:.0f} ms, failed {failed}", flush=True)
+    for mode, names in (("step", ("groups", "singles")), ("request", ("groups",))):
+        with b.servers(mode, {"--batching-mode": mode, **server}) as (urls, _):
+            for layout in names:
+                f.update(_rollout_layout(b, urls[0], f"{layout}, {mode}", layouts[layout],
+                                         len(prompts) * a.rollout_n))
     f["samples/s, groups / singles, step"] = ratio(f["samples/s, groups, step"],
                                                    f["samples/s, singles, step"])
     f["samples/s, groups, step / request"] = ratio(f["samples/s, groups, step"],
                                                    f["samples/s, groups, request"])
     return f
+
+
+def _rollout_layout(b: "Bench", url: str, name: str, layout, samples: int) -> dict[str, float | None]:
+    """One layout against one server: a warm-up, then ``--rollout-repeats`` timed repeats."""
+    walls, lasts, failed = [], [], 0
+    for repeat in range(b.args.rollout_repeats + 1):  # the first is the warm-up
+        groups = layout(1000 * repeat)
+        wall, latencies = asyncio.run(_rollouts(url, [body for g in groups for body in g],
+                                                timeout_s=3600))
+        failed += latencies.count(None)
+        if repeat and None not in latencies:
+            walls.append(wall)
+            per_group, i = [], 0
+            for g in groups:  # a group is done when its last request is
+                per_group.append(max(latencies[i:i + len(g)]))
+                i += len(g)
+            lasts.append(statistics.mean(per_group))
+    b.runs.append({"label": name, "round": b.round, "completed": len(walls) * samples,
+                   "failed": failed, "walls_s": walls, "last_sample_s": lasts,
+                   "config": {"num_prompts": len(walls) * samples + failed}})
+    b.failed |= failed > 0
+    rate = samples / statistics.median(walls) if walls else None
+    last = ms(statistics.median(lasts)) if lasts else None
+    print(f"[{name}] {rate or 0:.2f} samples/s, last sample of a group {last or 0:.0f} ms, "
+          f"failed {failed}", flush=True)
+    return {f"samples/s, {name}": rate, f"last sample of a group ms, {name}": last}
