@@ -26,6 +26,7 @@ sys.path.insert(0, str(HERE))
 
 from queue_model import cost_curve, quantile  # noqa: E402
 
+from diffserve.costs import default_bounds  # noqa: E402
 from diffserve.executor.fairness import Progress, next_set  # noqa: E402
 from diffserve.protocol import REQUEST_MODE, STEP_MODE, ImageRequest, ItemResult, ItemsDone  # noqa: E402
 from diffserve.scheduler.core import SchedulerCore  # noqa: E402
@@ -203,10 +204,10 @@ def load_model(path: Path, sizes: list[str], steps: int, max_batch_size: int, ma
     missing = [s for s in sizes if s not in points]
     if missing:
         raise SystemExit(f"the calibration has no points for {missing} (it has {sorted(points)})")
-    native = report["facts"]["native_image_cost"]
-    batch = max_batch_cost or max_batch_size * native
+    batch, running = default_bounds(max_batch_size, max_batch_cost, max_running_cost,
+                                    report["facts"]["native_image_cost"])
     return Model({s: cost_curve(points[s]) for s in sizes}, {s: cost[s] for s in sizes}, steps,
-                 max_batch_size, batch, max_running_cost or 2 * batch)
+                 max_batch_size, batch, running)
 
 
 def main(argv: list[str] | None = None) -> int:
