@@ -49,24 +49,21 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from diffserve.config import ServerConfig
-    from diffserve.executor.families import family_for
-    from diffserve.executor.loading import load_model, model_info, task_pipelines
-    from diffserve.executor.request_runner import RequestRunner
-    from diffserve.executor.step_engine import StepEngine
+    from diffserve.executor.loading import UnsupportedMode
+    from diffserve.executor.runtime import build_runtime
     from diffserve.protocol import ImageRequest, Work, WorkItem
 
-    loaded = load_model(args.model, args.device, torch_threads=args.torch_threads)
-    pipelines = task_pipelines(loaded.pipe)
-    fam_cls = family_for(loaded.pipeline_class)
-    family = fam_cls(loaded.pipe, pipelines, loaded.call_kwargs) if fam_cls else None
-    if args.batching_mode == "step" and family is None:
-        p.error(f"step mode does not support {loaded.pipeline_class}; use --batching-mode request")
-    info = model_info(loaded, ServerConfig(model=args.model), args.batching_mode, fam_cls,
-                      list(pipelines))
+    try:
+        rt = build_runtime(ServerConfig(model=args.model, device=args.device,
+                                        batching_mode=args.batching_mode),
+                           torch_threads=args.torch_threads)
+    except UnsupportedMode as error:
+        p.error(str(error))
+    loaded, info = rt.loaded, rt.info
     width, height = (int(v) for v in args.size.lower().split("x")) if args.size else (info.width, info.height)
     steps = args.steps or info.default_steps
     prompts = [ln.strip() for ln in PROMPTS.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-    runner = RequestRunner(loaded, pipelines, family)
+    runner = rt.request_runner()
 
     def run(batch: int, seed: int) -> None:
         items = [WorkItem(ImageRequest(f"r{seed}-{i}", args.model, width, height,
@@ -76,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.batching_mode == "request":
             outcomes = runner.execute(Work(seed, items), [[] for _ in items])
         else:
-            engine = StepEngine(family)
+            engine = rt.step_engine()
             outcomes = engine.admit(items, [[] for _ in items])
             while engine:
                 outcomes += engine.step().finished

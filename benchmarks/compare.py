@@ -40,8 +40,6 @@ medians, with target verdicts, go to ``<scenario>.md`` and ``<scenario>.json`` i
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
 import platform
@@ -54,12 +52,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # tools/
 
-from bench_serving import BenchConfig, run_benchmark  # noqa: E402
-from figures import TREE, judge, median, ms, ratio  # noqa: E402
+from figures import judge, median, ms, ratio  # noqa: E402
+from bench_round import Bench  # noqa: E402
 from traffic import lora, rollout, sizes  # noqa: E402
 
 from diffserve.config import DEFAULT_MODEL  # noqa: E402
-from diffserve.launcher import LaunchError, ServerProcess, free_port  # noqa: E402
+from diffserve.launcher import LaunchError  # noqa: E402
 
 STEP_OVER_REQUEST = "step/request"
 TARGETS = {  # scenario -> (figure, comparison, bound)
@@ -103,66 +101,6 @@ def format_table(summary: dict, targets: list[tuple[str, str, float]]) -> str:
     rows += [f"| {name} | n/a | | {bounds[name]} | not measured |" for name in bounds
              if name not in summary["medians"]]
     return "\n".join(rows)
-
-
-class Bench:
-    """Starts servers for one round and runs bench_serving against them; keeps every result."""
-
-    def __init__(self, args: argparse.Namespace, out_dir: Path, round_index: int) -> None:
-        self.args, self.out_dir, self.round = args, out_dir, round_index
-        self.runs: list[dict] = []
-        self.failed = False
-
-    def serve_args(self, overrides: dict[str, object]) -> list[str]:
-        a = self.args
-        opts = {"--model": a.model, "--torch-threads": a.torch_threads, "--log-level": "warning",
-                "--dynamic-batch-max-size": a.max_batch_size, "--dynamic-batch-delay-ms": a.batch_delay_ms,
-                **({"--batching-mode": a.batching_mode} if a.batching_mode else {}), **overrides}
-        args = []
-        for flag, value in opts.items():  # a list is a flag that takes several values
-            args += [flag, *map(str, value if isinstance(value, (list, tuple)) else [value])]
-        return args
-
-    @contextlib.contextmanager
-    def servers(self, name: str, *configs: dict | None):
-        """Start one server per config (None: the naive baseline) together; yield their URLs."""
-        a, procs = self.args, []
-        for i, overrides in enumerate(configs):
-            log = self.out_dir / "logs" / f"r{self.round}-{name.replace(' ', '_').replace('/', '_')}-{i}.log"
-            kwargs = {"name": name, "startup_timeout_s": a.startup_timeout}
-            if overrides is None:
-                port = free_port()
-                cmd = [sys.executable, str(HERE / "naive_server.py"), "--model", a.model, "--port", str(port)]
-                kwargs["env"] = {"OMP_NUM_THREADS": str(a.torch_threads or os.cpu_count())}
-                procs.append(ServerProcess(cmd, port, log, **kwargs))
-            else:
-                overrides = dict(overrides)
-                tree = overrides.pop(TREE, None) or a.tree
-                if tree:  # that checkout's diffserve, not this one's
-                    kwargs["env"] = {"PYTHONPATH": str(Path(tree).resolve())}
-                procs.append(ServerProcess.diffserve(*self.serve_args(overrides), log_path=log, **kwargs))
-        with contextlib.ExitStack() as stack:
-            for proc in procs:
-                stack.callback(proc.stop)
-                proc.launch()
-            for proc in procs:
-                proc.wait_ready()
-            print(f"[{name}] ready after {max(p.startup_s for p in procs):.1f} s", flush=True)
-            yield [proc.url for proc in procs], all(c is not None for c in configs)
-
-    def load(self, served: tuple[list[str], bool], label: str, **overrides) -> dict:
-        urls, ours = served
-        a = self.args
-        cfg = {"base_urls": urls, "num_prompts": a.num_requests, "size": a.size, "steps": a.steps,
-               "seed": self.round, "warmup": a.warmup, "label": label, **overrides}
-        result = asyncio.run(run_benchmark(BenchConfig(**cfg)))
-        result["round"] = self.round
-        self.runs.append(result)
-        self.failed |= bool(result["failed"]) and ours  # the naive server's failures are its own
-        lat = result["latency_s"]
-        print(f"[{label}] {result['images_per_s']:.2f} img/s, p50 {ms(lat['p50']) or 0:.0f} ms, "
-              f"p99 {ms(lat['p99']) or 0:.0f} ms, failed {result['failed']}", flush=True)
-        return result
 
 
 def modes(b: Bench) -> dict[str, float | None]:

@@ -2,7 +2,7 @@
 
 A simulation of ``compare.py sizes`` with nothing but the denoiser's cost: the server's own
 :class:`~diffserve.scheduler.core.SchedulerCore` (queue, admission by images and cost, the head
-rule) and the step engine's own choice of set (:func:`diffserve.executor.fairness.next_set`) run
+rule) and the step engine's own set policy (:mod:`diffserve.policies`, ``--set-policy``) run
 on a fake clock, with an executor whose forward costs what ``diffserve calibrate --json`` measured
 for each size and image count. Prompt encoding, VAE decoding, IPC and HTTP are left out, so a
 served figure can only be worse; where it is close, the engine is at the bound its curves allow.
@@ -27,7 +27,8 @@ sys.path.insert(0, str(HERE))
 from queue_model import cost_curve, quantile  # noqa: E402
 
 from diffserve.costs import default_bounds  # noqa: E402
-from diffserve.executor.fairness import Progress, next_set  # noqa: E402
+from diffserve.policies import SET_POLICIES, set_policy  # noqa: E402
+from diffserve.policies.base import Member  # noqa: E402
 from diffserve.protocol import REQUEST_MODE, STEP_MODE, ImageRequest, ItemResult, ItemsDone  # noqa: E402
 from diffserve.scheduler.core import SchedulerCore  # noqa: E402
 
@@ -44,6 +45,7 @@ class Model:
     max_batch_cost: float = 16.0
     max_running_cost: float = 32.0
     delay_s: float = 0.008
+    set_policy: str = "fair"
 
 
 @dataclass
@@ -51,7 +53,7 @@ class _Unit:
     item: object
     size: str
     left: int
-    progress: Progress
+    member: Member
 
 
 @dataclass
@@ -68,6 +70,7 @@ def simulate(model: Model, mode: str, arrivals=None, clients: int = 0, sizes=(),
     core = SchedulerCore(model.max_batch_size, model.delay_s, 1, mode=mode,
                          max_batch_cost=model.max_batch_cost, max_running_cost=model.max_running_cost)
     core.executor_ready(0, 0.0)
+    choose = set_policy(model.set_policy).choose
     run, t, ids = Run(), 0.0, itertools.count()
     born: dict[str, tuple[float, str]] = {}
     pending = list(arrivals or [])
@@ -106,7 +109,8 @@ def simulate(model: Model, mode: str, arrivals=None, clients: int = 0, sizes=(),
         for d in core.dispatch(t):
             for item in d.work.items:
                 w, h = item.request.width, item.request.height
-                units.append(_Unit(item, f"{w}x{h}", model.steps, Progress(t - item.queued_s)))
+                units.append(_Unit(item, f"{w}x{h}", model.steps,
+                                   Member(t - item.queued_s, model.steps)))
         if not units:
             wait = core.time_until_dispatch(t)
             nxt = [x for x in (pending[-1][0] if pending else None,
@@ -125,7 +129,7 @@ def simulate(model: Model, mode: str, arrivals=None, clients: int = 0, sizes=(),
         sets: dict[str, list[_Unit]] = {}
         for u in units:
             sets.setdefault(u.size, []).append(u)
-        size = next_set({k: [u.progress for u in v] for k, v in sets.items()}, t)
+        size = choose({k: [u.member for u in v] for k, v in sets.items()}, t)
         chosen = sets[size]
         n = sum(u.item.stop - u.item.start for u in chosen)
         dt = model.curves[size](n)
@@ -133,7 +137,7 @@ def simulate(model: Model, mode: str, arrivals=None, clients: int = 0, sizes=(),
         run.forwards.append(n)
         for u in chosen:
             u.left -= 1
-            u.progress.stepped(dt)
+            u.member.stepped(dt)
         ended = [u for u in chosen if u.left == 0]
         units = [u for u in units if u.left > 0]
         if ended:
@@ -193,7 +197,7 @@ def figures(model: Model, sizes: list[str], load: float, requests: int, seeds: i
 
 
 def load_model(path: Path, sizes: list[str], steps: int, max_batch_size: int, max_batch_cost: float,
-               max_running_cost: float) -> Model:
+               max_running_cost: float, policy: str = "fair") -> Model:
     report = json.loads(path.read_text())
     points: dict[str, dict[int, float]] = {}
     cost: dict[str, float] = {}
@@ -207,7 +211,7 @@ def load_model(path: Path, sizes: list[str], steps: int, max_batch_size: int, ma
     batch, running = default_bounds(max_batch_size, max_batch_cost, max_running_cost,
                                     report["facts"]["native_image_cost"])
     return Model({s: cost_curve(points[s]) for s in sizes}, {s: cost[s] for s in sizes}, steps,
-                 max_batch_size, batch, running)
+                 max_batch_size, batch, running, set_policy=policy)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,15 +226,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--max-batch-cost", type=float, default=0.0, help="0: the server's default")
     p.add_argument("--max-running-cost", type=float, default=0.0, help="0: the server's default")
+    p.add_argument("--set-policy", choices=tuple(SET_POLICIES), default="fair",
+                   help="the step engine's choice of running set")
     p.add_argument("--output-file", type=Path)
     a = p.parse_args(argv)
     sizes = [s.strip() for s in a.sizes.split(",")]
     if len(sizes) != 2 or min(a.steps, a.requests, a.seeds, a.clients) < 1:
         p.error("two sizes, and positive counts")
     model = load_model(a.calibration, sizes, a.steps, a.max_batch_size, a.max_batch_cost,
-                       a.max_running_cost)
+                       a.max_running_cost, a.set_policy)
     f = figures(model, sizes, a.load, a.requests, a.seeds, a.clients)
-    print(f"model: {', '.join(sizes)}, {a.steps} steps, load {a.load:g}%, forward cost "
+    print(f"model: {', '.join(sizes)}, {a.steps} steps, load {a.load:g}%, {a.set_policy} sets, forward cost "
           f"<= {model.max_batch_cost:g}, running <= {model.max_running_cost:g}")
     for name, value in f.items():
         print(f"| {name} | {value:.3g} |")

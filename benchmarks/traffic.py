@@ -7,15 +7,11 @@ import asyncio
 import statistics
 import time
 
-from typing import TYPE_CHECKING
-
+from bench_round import Bench
 from figures import TREE, ms, ratio
 
-if TYPE_CHECKING:
-    from compare import Bench
 
-
-def lora(b: "Bench") -> dict[str, float | None]:
+def lora(b: Bench) -> dict[str, float | None]:
     from tools.loras import write_lora
 
     a, f = b.args, {}
@@ -55,7 +51,7 @@ def lora(b: "Bench") -> dict[str, float | None]:
     return f
 
 
-def sizes(b: "Bench") -> dict[str, float | None]:
+def sizes(b: Bench) -> dict[str, float | None]:
     """See the module docstring. "size 1" and "size 2" are --sizes in order; "rare" is size 2."""
     a, f = b.args, {}
     both, second = a.sizes, a.sizes[1]
@@ -129,7 +125,7 @@ async def _rollouts(url: str, bodies: list[dict], timeout_s: float) -> tuple[flo
         return time.perf_counter() - start, list(latencies)
 
 
-def rollout(b: "Bench") -> dict[str, float | None]:
+def rollout(b: Bench) -> dict[str, float | None]:
     """``--rollout-prompts`` prompts x ``--rollout-n`` samples: one request per prompt in step
     mode and in request mode, against the same samples as single requests (n=1, the seeds the
     group would use) in step mode. Per layout: samples/s (median of ``--rollout-repeats``) and
@@ -157,7 +153,7 @@ def rollout(b: "Bench") -> dict[str, float | None]:
     return f
 
 
-def _rollout_layout(b: "Bench", url: str, name: str, layout, samples: int) -> dict[str, float | None]:
+def _rollout_layout(b: Bench, url: str, name: str, layout, samples: int) -> dict[str, float | None]:
     """One layout against one server: a warm-up, then ``--rollout-repeats`` timed repeats."""
     walls, lasts, failed = [], [], 0
     for repeat in range(b.args.rollout_repeats + 1):  # the first is the warm-up

@@ -70,19 +70,16 @@ def measure(model: str, device: str, dtype: str, sides: list[float], batches: li
             steps: int, threads: int) -> tuple[list[Sample], dict]:
     from diffserve.config import ServerConfig
     from diffserve.costs import image_cost, uses_cfg
-    from diffserve.executor.families import family_for
-    from diffserve.executor.loading import load_model, model_info, task_pipelines
-    from diffserve.executor.step_engine import StepEngine
+    from diffserve.executor.loading import UnsupportedMode
+    from diffserve.executor.runtime import build_runtime
     from diffserve.protocol import ImageRequest, WorkItem
 
-    loaded = load_model(model, device, dtype, threads)
-    family_cls = family_for(loaded.pipeline_class)
-    if family_cls is None:
-        raise SystemExit(f"calibrate measures the step engine, which does not know "
-                         f"{loaded.pipeline_class}")
-    pipelines = task_pipelines(loaded.pipe)
-    info = model_info(loaded, ServerConfig(model=model), "step", family_cls, list(pipelines))
-    engine = StepEngine(family_cls(loaded.pipe, pipelines, loaded.call_kwargs))
+    try:
+        rt = build_runtime(ServerConfig(model=model, device=device, dtype=dtype,
+                                        batching_mode="step"), torch_threads=threads)
+    except UnsupportedMode as error:
+        raise SystemExit(f"calibrate measures the step engine: {error}") from None
+    loaded, info, engine = rt.loaded, rt.info, rt.step_engine()
     torch = engine.family.torch
     cuda = loaded.device.startswith("cuda")
     stride = info.spatial_stride
@@ -90,7 +87,7 @@ def measure(model: str, device: str, dtype: str, sides: list[float], batches: li
     for side in sides:
         width = max(stride, round(info.width * side / stride) * stride)
         height = max(stride, round(info.height * side / stride) * stride)
-        cfg = uses_cfg(info.family, info.default_guidance_scale, "")
+        cfg = uses_cfg(info.guidance_rule, info.default_guidance_scale, "")
         per_image = image_cost(width, height, info.width, info.height, cfg)
         for count in batches:
             items = [WorkItem(ImageRequest(f"c{side}-{count}-{i}", info.name, width, height,
@@ -119,7 +116,8 @@ def measure(model: str, device: str, dtype: str, sides: list[float], batches: li
                                   statistics.median(times), peak))
     facts = {"model": model, "pipeline": loaded.pipeline_class, "device": loaded.device,
              "dtype": loaded.dtype, "native": f"{info.width}x{info.height}",
-             "native_image_cost": image_cost(1, 1, 1, 1, uses_cfg(info.family, info.default_guidance_scale, "")),
+             "native_image_cost": image_cost(1, 1, 1, 1, uses_cfg(info.guidance_rule,
+                                                                   info.default_guidance_scale, "")),
              "free_bytes": torch.cuda.mem_get_info()[0] if cuda else None,
              # What a request holds between steps per cost unit: its latents, about a 1/64 of
              # the pixels at 4-16 channels, in the weights' dtype (a generous estimate).

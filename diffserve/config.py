@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffserve.policies import QUEUE_POLICIES, SET_POLICIES
+
 DEFAULT_MODEL = "shapes"
 NO_ADAPTER = "none"  # how the metrics name requests without an adapter
 OTHER_ADAPTERS = "other"  # and adapters past the label bound
@@ -55,6 +57,15 @@ class ServerConfig:
     max_running_cost: float = option(
         0.0, "Step mode: most cost an executor holds across its running sets (one per size). 0 = "
         "twice --max-batch-cost.", ge=0, le=1_000_000)
+    scheduling_policy: str = option(
+        "fcfs", "Order of the waiting queue; its first request is always in the next batch or "
+        "admission. fcfs: first come, first served. sjf: shortest job first (images x steps x "
+        "cost), which lowers the mean wait of mixed traffic at the expense of long requests.",
+        choices=tuple(QUEUE_POLICIES))
+    set_policy: str = option(
+        "fair", "Step mode: which running set (one per size) the next denoising step advances. "
+        "fair: every request loses about the same time to the others.",
+        choices=tuple(SET_POLICIES))
     batching_mode: str = option(
         "auto", "How requests share the model. request: one batched pipeline call per batch, for "
         "any diffusers text-to-image pipeline. step: requests join and leave a running batch "
@@ -175,6 +186,10 @@ class ServerConfig:
                                   "requests without an adapter, or for adapters past their bound)")
             adapters[name] = path
         return adapters
+
+    @property
+    def serves_adapters(self) -> bool:
+        return bool(self.lora_modules or self.enable_lora_runtime_updates)
 
     @property
     def device_list(self) -> list[str]:

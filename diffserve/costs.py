@@ -2,20 +2,28 @@
 latent pixels, in units of one row at the model's native size. A 1024x1024 image costs four times
 a 512x512 one; the same image with guidance costs twice one without.
 
-Torch-free: the frontend prices each request when it validates it, and the scheduler admits by
-the price it carries.
+Torch-free: the frontend prices each request when it validates it, by the guidance rule the
+model info carries, and the scheduler admits by the price it carries.
 """
 
 from __future__ import annotations
 
+# When a pipeline runs classifier-free guidance (two rows an image):
+ABOVE_ONE = "above_one"  # a guidance scale above 1 (most pipelines; request mode's rule)
+WITH_NEGATIVE = "with_negative"  # a scale above 1 and a negative prompt (Qwen-Image's true CFG)
+NEVER = "never"  # guidance is an input of the denoiser, one row an image (Flux)
+GUIDANCE_RULES = (ABOVE_ONE, WITH_NEGATIVE, NEVER)
 
-def uses_cfg(family: str | None, guidance_scale: float, negative_prompt: str) -> bool:
-    """Whether a request runs classifier-free guidance: the step engine family's own rule, else
-    (request mode, any pipeline) the common one, a scale above 1."""
-    from diffserve.executor.families import family_named
 
-    cls = family_named(family) if family else None
-    return cls.uses_cfg(guidance_scale, negative_prompt) if cls else guidance_scale > 1
+def uses_cfg(rule: str, guidance_scale: float, negative_prompt: str) -> bool:
+    """Whether a request runs classifier-free guidance under ``rule``."""
+    if rule == NEVER:
+        return False
+    if rule == WITH_NEGATIVE and not negative_prompt:
+        return False
+    if rule not in GUIDANCE_RULES:
+        raise ValueError(f"unknown guidance rule {rule!r}")
+    return guidance_scale > 1
 
 
 def image_cost(width: int, height: int, native_width: int, native_height: int, cfg: bool) -> float:

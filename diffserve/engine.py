@@ -27,6 +27,7 @@ class Engine:
         from diffserve.scheduler.process import SchedulerSpec, run_scheduler
 
         self.config = config
+        self.metrics = metrics.FrontendMetrics()  # what the frontend hosting it counts
         self.metrics_dir = metrics.prepare_directory()
         self.ipc_dir = tempfile.mkdtemp(prefix="diffserve-")
         self._ctx = zmq.Context()
@@ -45,7 +46,7 @@ class Engine:
         return info
 
     def render_metrics(self) -> tuple[bytes, str]:
-        return metrics.render(self.metrics_dir)
+        return metrics.render(self.metrics_dir, self.metrics)
 
     @asynccontextmanager
     async def serving(self, on_failure: Callable[[str], None]):

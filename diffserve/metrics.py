@@ -3,8 +3,8 @@
 The scheduler and the executors are processes of their own; prometheus-client's multiprocess
 mode keeps their values in files under one directory per server, and ``/metrics`` on the
 frontend sums them. Each of those processes calls :func:`record_to` first thing at its start,
-before prometheus-client is imported there: the library reads the directory from the environment
-at import. The frontend's own figures (requests by outcome, latency) live in a private registry of
+before prometheus-client is imported there (the library reads the directory from the environment
+at import), then makes its one :class:`EngineMetrics` and hands it to what counts. The frontend's own figures (requests by outcome, latency) live in a private registry of
 its process, so a host process (a Ray Serve replica) keeps its other metrics exactly as they were:
 nothing here changes the environment or the library's state of the process that hosts the
 frontend.
@@ -213,32 +213,14 @@ class EngineMetrics:
         self.loras_resident.labels(executor=label).set(0)
 
 
-_engine: EngineMetrics | None = None
-_frontend: FrontendMetrics | None = None
-
-
-def engine() -> EngineMetrics:
-    global _engine
-    if _engine is None:
-        _engine = EngineMetrics()
-    return _engine
-
-
-def frontend() -> FrontendMetrics:
-    global _frontend
-    if _frontend is None:
-        _frontend = FrontendMetrics()
-    return _frontend
-
-
-def render(directory: str) -> tuple[bytes, str]:
+def render(directory: str, frontend: FrontendMetrics) -> tuple[bytes, str]:
     """The exposition text: the engine's processes' figures summed, then the frontend's."""
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=directory)
-    return generate_latest(registry) + generate_latest(frontend().registry), CONTENT_TYPE_LATEST
+    return generate_latest(registry) + generate_latest(frontend.registry), CONTENT_TYPE_LATEST
 
 
 def process_died(pid: int) -> None:

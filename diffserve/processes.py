@@ -39,8 +39,11 @@ def become(title: str, parent_pid: int, log_level: str = "info") -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
-    # Ctrl-C reaches the whole process group; only the frontend decides how to stop.
+    # Ctrl-C and `kill -TERM -<group>` (systemd's default stop) reach the whole process group;
+    # only the frontend decides how to stop: it drains, then tells its children to stop, and
+    # they die with it if it dies first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(log_level, title)
 
 
@@ -51,13 +54,19 @@ def configure_logging(level: str, name: str) -> None:
 
 
 def stop(process: multiprocessing.process.BaseProcess, timeout: float = 5.0) -> None:
-    """Ask a child to stop (SIGTERM), then kill it if it lingers."""
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout)
+    """Give a child that was asked to stop (by message) ``timeout`` to exit, then kill it. It
+    ignores SIGTERM, which the whole process group may get while the frontend still drains."""
+    process.join(timeout)
     if process.is_alive():
         process.kill()
         process.join(timeout)
+
+
+def kill(process: multiprocessing.process.BaseProcess, timeout: float = 5.0) -> None:
+    """Stop a child now."""
+    if process.is_alive():
+        process.kill()
+    process.join(timeout)
 
 
 def stop_resource_tracker() -> None:

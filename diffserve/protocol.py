@@ -7,8 +7,9 @@ fails loudly at the boundary (:class:`ProtocolError`), never deep inside the sch
 
 :class:`ImageRequest` declares, per field, how the field takes part in batching (see
 :mod:`diffserve.roles`). Each batching mode says which roles it can vary per sample; the batch
-signature is every other field. So the signature follows
-the engine, and no list of field names exists anywhere.
+key is every other field. So the key follows the engine, and no list of field names exists
+anywhere. The scheduler's queue computes a request's key once, when it enters, and the work item
+carries it to the executor.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Sequence
 
 import msgspec
 
+from diffserve.costs import ABOVE_ONE
 from diffserve.roles import (  # noqa: F401  (the roles are part of the protocol's vocabulary)
     BOOKKEEPING,
     CALL,
@@ -33,7 +35,7 @@ from diffserve.roles import (  # noqa: F401  (the roles are part of the protocol
     fields_with_role,
     sample,
     shape,
-    signature_fields,
+    batch_key_fields,
 )
 from diffserve.tasks import GENERATE, Task, task_named
 
@@ -72,8 +74,10 @@ class ImageRequest:
     noise_level: float = call(0.0)
     returns: tuple[str, ...] = sample(())
 
-    def signature(self, mode: str) -> tuple:
-        return tuple(getattr(self, name) for name in signature_fields(type(self), mode))
+    def batch_key(self, mode: str) -> tuple:
+        """What another request must share with this one to run in the same batch (request mode)
+        or running set (step mode)."""
+        return tuple(getattr(self, name) for name in batch_key_fields(type(self), mode))
 
     @property
     def task_spec(self) -> Task:
@@ -88,6 +92,21 @@ class ImageRequest:
         return (self.seed + index) % SEED_MODULUS
 
 
+def repeated_adapter(loras: Sequence[tuple[str, float]]) -> str | None:
+    """The rule of a LoRA stack: it names each adapter once (one scale each). The first name it
+    repeats, if any."""
+    seen: set[str] = set()
+    for name, _ in loras:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(map(_frozen, value)) if isinstance(value, (list, tuple)) else value
+
+
 @dataclass(frozen=True)
 class WorkItem:
     """Images ``start``..``stop-1`` of one request, handed to an executor. Its input frames (if
@@ -97,8 +116,16 @@ class WorkItem:
     start: int
     stop: int
     # How long the request had waited in the scheduler's queue when this item left it: the
-    # step engine counts a request's time from its arrival (diffserve.executor.fairness).
+    # step engine counts a request's time from its arrival (diffserve.policies).
     queued_s: float = 0.0
+    # The request's batch key in the server's batching mode, computed once by the queue (empty
+    # where the item did not come through one: the engine computes it once at admission).
+    batch_key: tuple = ()
+
+    def __post_init__(self) -> None:
+        # msgpack has no tuples: nested ones (a LoRA stack in a request-mode key) come back as
+        # lists, which a key, being hashed, cannot hold.
+        object.__setattr__(self, "batch_key", _frozen(self.batch_key))
 
     @property
     def key(self) -> tuple[str, int]:
@@ -207,6 +234,9 @@ class ModelInfo:
     tasks: list[str]  # names in diffserve.tasks.TASKS
     partial_images: bool  # whether streamed previews are real intermediate decodes
     family: str | None = None  # the step engine's family, where it knows the pipeline
+    # When classifier-free guidance runs (diffserve.costs.GUIDANCE_RULES): the frontend prices
+    # requests by it without knowing the families.
+    guidance_rule: str = ABOVE_ONE
     adapters: list[str] = field(default_factory=list)  # LoRA adapters served at start
     # Admission by cost (diffserve.costs): the bounds with their defaults resolved for this model.
     max_batch_cost: float = 0.0

@@ -97,7 +97,7 @@ def replica_app(config: ServerConfig):
         finally:
             host.stop()
 
-    app = create_app(config, host.client, host.render_metrics)
+    app = create_app(config, host.client, host.metrics, host.render_metrics)
     app.router.lifespan_context = lifespan
     app.state.engine_host = host
     return app

@@ -1,5 +1,5 @@
 """How each request field takes part in batching, declared on the field itself, and which roles
-each batching mode can vary within one forward. The batch signature follows from these: no list
+each batching mode can vary within one forward. The batch key follows from these: no list
 of field names exists anywhere."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def fields_with_role(cls: type, role: str) -> tuple[str, ...]:
 
 
 @cache
-def signature_fields(cls: type, mode: str) -> tuple[str, ...]:
+def batch_key_fields(cls: type, mode: str) -> tuple[str, ...]:
     """The fields two requests must agree on to share a forward in ``mode``."""
     varies = VARIES_PER_SAMPLE[mode] | {BOOKKEEPING}
     return tuple(name for role in ROLES if role not in varies

@@ -58,7 +58,7 @@ def _serve(config: ServerConfig) -> int:
             if server is not None:
                 server.should_exit = True
 
-        app = create_app(config, engine, host.render_metrics)
+        app = create_app(config, engine, host.metrics, host.render_metrics)
         app.router.lifespan_context = lambda app: host.serving(engine_failed)
         server = _Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from diffserve.protocol import ImageRequest
+from diffserve.protocol import FAILED, FINISHED, ImageRequest, ItemResult, ItemsDone
 
 _ids = itertools.count()
 
@@ -20,6 +20,26 @@ def make_request(n: int = 1, *, request_id: str | None = None, width: int = 64, 
                         prompt=prompt or f"prompt of {rid}", negative_prompt=negative_prompt,
                         seed=seed, n=n, partial_images=partial_images, loras=tuple(loras),
                         cost=cost)
+
+
+def run(c, d, errors=None, only=None, now=1.0, seconds=0.1, status=None):
+    """Answer dispatch ``d`` like an executor. ``only``: answer just these request ids (a step
+    engine retiring part of its set)."""
+    errors = errors or {}
+    results = []
+    for item in d.work.items:
+        rid = item.request.request_id
+        if only is not None and rid not in only:
+            continue
+        if rid in errors:
+            results.append(ItemResult(rid, item.start, item.stop, FAILED, seconds, errors[rid]))
+            continue
+        results.append(ItemResult(rid, item.start, item.stop, status or FINISHED, seconds, None, 7))
+    return c.complete(d.executor, ItemsDone(results), now)
+
+
+def taken(dispatches):
+    return [[(i.request.request_id, i.start, i.stop) for i in d.work.items] for d in dispatches]
 
 
 def exit_with(code: int) -> None:

@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,16 @@ def replicas_running() -> int:
     return app.deployments["diffserve"].replica_states.get("RUNNING", 0)
 
 
+def pin_authentication() -> None:
+    """Token authentication with a token of this run's own, for every Ray process it starts
+    (they inherit this environment): a token a machine has kept from an earlier cluster
+    (~/.ray/auth_token, which Ray would otherwise pick up on its own) plays no part."""
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+
+
 def main() -> None:
+    pin_authentication()
     logs = Path(tempfile.mkdtemp(prefix="diffserve-ray-"))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     # Its session files in a directory of its own, not the machine's shared /tmp/ray; with

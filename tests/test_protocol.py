@@ -22,7 +22,7 @@ from diffserve.protocol import (
     decode,
     encode,
     fields_with_role,
-    signature_fields,
+    batch_key_fields,
 )
 from helpers import make_request
 
@@ -32,24 +32,24 @@ def test_every_request_field_declares_its_batching_role():
     assert all(role is not None for role in roles.values()), roles
 
 
-def test_the_signature_follows_the_mode():
+def test_the_batch_key_follows_the_mode():
     assert {"model", "width", "height"} == set(fields_with_role(ImageRequest, SHAPE))
     call = {"num_inference_steps", "guidance_scale", "strength", "task", "loras", "noise_level"}
     assert call == set(fields_with_role(ImageRequest, CALL))
     assert {"prompt", "negative_prompt", "seed", "n", "returns"} <= set(
         fields_with_role(ImageRequest, SAMPLE))
-    assert set(signature_fields(ImageRequest, STEP_MODE)) == {"model", "width", "height"}
-    assert set(signature_fields(ImageRequest, REQUEST_MODE)) == {"model", "width", "height"} | call
+    assert set(batch_key_fields(ImageRequest, STEP_MODE)) == {"model", "width", "height"}
+    assert set(batch_key_fields(ImageRequest, REQUEST_MODE)) == {"model", "width", "height"} | call
     a = make_request(prompt="x", seed=1, n=1)
     b = make_request(prompt="y", seed=2, n=4, negative_prompt="z", partial_images=2)
-    assert a.signature(REQUEST_MODE) == b.signature(REQUEST_MODE)
+    assert a.batch_key(REQUEST_MODE) == b.batch_key(REQUEST_MODE)
     for change in ({"num_inference_steps": 9}, {"guidance_scale": 1.0}, {"task": "image-to-image"},
                    {"loras": (("style", 0.5),)}, {"noise_level": 0.7}):
         changed = dataclasses.replace(a, **change)
-        assert changed.signature(REQUEST_MODE) != a.signature(REQUEST_MODE)
-        assert changed.signature(STEP_MODE) == a.signature(STEP_MODE)
+        assert changed.batch_key(REQUEST_MODE) != a.batch_key(REQUEST_MODE)
+        assert changed.batch_key(STEP_MODE) == a.batch_key(STEP_MODE)
     for change in ({"width": 128}, {"model": "m"}):
-        assert dataclasses.replace(a, **change).signature(STEP_MODE) != a.signature(STEP_MODE)
+        assert dataclasses.replace(a, **change).batch_key(STEP_MODE) != a.batch_key(STEP_MODE)
 
 
 def test_undeclared_field_is_rejected():

@@ -163,16 +163,24 @@ def test_scheduler_crash_answers_503_and_the_server_exits_nonzero():
         srv.stop()
 
 
+@pytest.mark.parametrize("mode", ["step", "request"])
+@pytest.mark.parametrize("target", ["frontend", "group"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig):
-    srv = Server("--dynamic-batch-max-size", "1", "--shutdown-timeout-s", "600").start()
+def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig, target, mode):
+    """Either signal, to the frontend alone or to the whole process group (Ctrl-C in a terminal;
+    `systemctl stop` with systemd's default KillMode=control-group), drains the same way."""
+    srv = Server("--dynamic-batch-max-size", "1", "--shutdown-timeout-s", "600",
+                 "--batching-mode", mode).start()
     root = srv.proc.pid
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(post, srv, {**SLOW, "num_inference_steps": 60})]
         wait_running(srv)
         futures += [pool.submit(post, srv, {**FAST, "seed": i}) for i in range(2)]
         wait_for_metric(srv, "diffserve_num_requests_waiting", lambda v: v >= 2)
-        srv.proc.send_signal(sig)
+        if target == "group":
+            os.killpg(root, sig)  # the server runs in a session (and group) of its own
+        else:
+            srv.proc.send_signal(sig)
         assert srv.wait_for_line("finishing accepted requests")
         try:
             late = post(srv, FAST, timeout=5)
@@ -187,6 +195,7 @@ def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig):
         assert [f.result().status_code for f in futures] == [200, 200, 200]
     assert srv.proc.wait(60) == 0, srv.log
     assert session_members(root) == [], "processes left behind"
+    assert " ERROR " not in srv.log and "leaked" not in srv.log, srv.log
 
 
 def test_shutdown_timeout_answers_what_is_left_with_503():

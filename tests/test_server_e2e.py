@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from server import (
     decode,
     descendants,
     metric,
+    pids_titled,
     process_title,
     session_members,
 )
@@ -217,6 +219,26 @@ def test_unknown_route_and_method_use_the_error_shape(server):
     with server.client() as c:
         assert_openai_error(c.get("/v1/nothing"), 404)
         assert_openai_error(c.get("/v1/images/generations"), 405)
+
+
+def test_the_frontend_and_the_scheduler_never_load_torch(server):
+    """After serving every test above, neither the HTTP process nor the scheduler has torch's
+    libraries mapped: only the executors run the model."""
+    with server.client() as c:
+        assert c.post("/v1/images/generations", json={"prompt": "x", "seed": 1}).status_code == 200
+    (scheduler,) = pids_titled(server.proc.pid, "diffserve::scheduler")
+    for pid in (server.proc.pid, scheduler):
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "libtorch" not in maps and "torch/_C" not in maps, process_title(pid)
+    (executor,) = pids_titled(server.proc.pid, "diffserve::executor")
+    assert "libtorch" in Path(f"/proc/{executor}/maps").read_text()  # the check can fail
+
+
+def test_the_openapi_document_reports_the_package_version(server):
+    from importlib.metadata import version
+
+    with server.client() as c:
+        assert c.get("/openapi.json").json()["info"]["version"] == version("diffserve")
 
 
 def test_flux_family_serves_end_to_end():

@@ -70,6 +70,8 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import _ConvNd as LoraConv
 from torch import nn
 
+from diffserve.protocol import repeated_adapter
+
 Stack = Sequence[tuple[str, float]]
 METHODS = ("auto", "loop", "gathered")
 
@@ -201,7 +203,10 @@ class RowAdapters:
             self._plan = outer
 
     def _check(self, stack: Stack) -> tuple[tuple[str, float], ...]:
-        """The stack with repeated names summed and zero scales dropped; unknown names refused."""
+        """The stack with zero scales dropped; unknown or repeated names refused."""
+        repeated = repeated_adapter(stack)
+        if repeated is not None:
+            raise ValueError(f"LoRA adapter {repeated!r} is named twice in one stack")
         merged: dict[str, float] = {}
         for name, scale in stack:
             if name not in self.adapters:
@@ -209,7 +214,7 @@ class RowAdapters:
             if name in self._unsupported:
                 raise ValueError(f"LoRA adapter {name!r} can't be applied per row: "
                                  f"{self._unsupported[name]}")
-            merged[name] = merged.get(name, 0.0) + float(scale)
+            merged[name] = float(scale)
         return tuple((name, scale) for name, scale in merged.items() if scale != 0.0)
 
     # -- attaching ---------------------------------------------------------------------------------
@@ -236,7 +241,7 @@ class RowAdapters:
                 self._hooks[layer] = layer.register_forward_hook(partial(self._apply, name),
                                                                  with_kwargs=True)
         self.adapters = frozenset(a for layer in found for a in _adapter_names(layer))
-        self._seen = self._signature()
+        self._seen = self._loaded_names()
 
     def unsupported(self, adapter: str) -> str | None:
         """Why ``adapter`` can't be applied per row, or None if it can."""
@@ -250,11 +255,11 @@ class RowAdapters:
             layer.enable_adapters(True)
         self._hooks, self._root_hooks = {}, []
 
-    def _signature(self) -> tuple:
+    def _loaded_names(self) -> tuple:
         return tuple(tuple(getattr(root, "peft_config", None) or ()) for root in self._roots)
 
     def _refresh_if_changed(self, *_) -> None:
-        if self._signature() != self._seen:
+        if self._loaded_names() != self._seen:
             self.refresh()
 
     # -- the hook ----------------------------------------------------------------------------------

@@ -54,9 +54,8 @@ class AdapterStore:
         self.current: dict[str, _Version] = {}  # name -> the version new requests get
         self._versions: OrderedDict[str, _Version] = OrderedDict()  # internal -> version, LRU first
         self._count = 0
-        components = [getattr(pipe, name) for name in ("unet", "transformer", "text_encoder",
-                                                        "text_encoder_2", "text_encoder_3")
-                      if getattr(pipe, name, None) is not None]
+        # The components the pipeline's own LoRA loader puts adapters in.
+        components = [getattr(pipe, name) for name in adaptable_components(pipe)]
         self.rows = RowAdapters(*components)
 
     # -- what is served --------------------------------------------------------------------
@@ -96,6 +95,15 @@ class AdapterStore:
 
     # -- per request -----------------------------------------------------------------------
 
+    def fits(self, loras: Stack) -> bool:
+        """Whether :meth:`acquire` would take ``loras`` now (True for a name it does not serve:
+        acquiring says why it cannot)."""
+        versions = [self.current.get(name) for name, _ in loras]
+        if None in versions:
+            return True
+        missing = [v for v in versions if not v.resident]
+        return len(missing) <= self._free_slots(exclude={v.internal for v in versions})
+
     def acquire(self, loras: Stack) -> Stack | None:
         """The request's stack in internal names, held until :meth:`release`; None when its
         adapters cannot all be resident now (every resident one is held by a running request)."""
@@ -105,11 +113,9 @@ class AdapterStore:
             if version is None:
                 raise AdapterError(f"no adapter {name!r}", 404)
             versions.append(version)
-        missing = [v for v in versions if not v.resident]
-        held = {v.internal for v in versions}
-        if len(missing) > self._free_slots(exclude=held):
+        if not self.fits(loras):
             return None
-        for version in missing:
+        for version in [v for v in versions if not v.resident]:
             # Never evict another adapter of this same stack to make room for this one.
             self._evict_over_budget(keep=versions, extra=1)
             self._load(version)
@@ -210,6 +216,15 @@ class AdapterStore:
         except Exception:  # noqa: BLE001 - nothing of it was injected
             pass
         self.rows.refresh()
+
+
+def adaptable_components(pipe) -> list[str]:
+    """The pipeline's components that take LoRA adapters, as its own LoRA loader declares them
+    (``_lora_loadable_modules``), among those it has."""
+    names = getattr(pipe, "_lora_loadable_modules", None)
+    if not names:
+        raise AdapterError(f"{type(pipe).__name__} has no LoRA loader in diffusers")
+    return [name for name in names if getattr(pipe, name, None) is not None]
 
 
 class _diffusers_warnings:

@@ -29,10 +29,11 @@ class EngineIO:
     """The executor's two sockets: messages from and headers to the scheduler, pixels to the
     frontend."""
 
-    def __init__(self, sock: zmq.Socket, pixels: zmq.Socket, index: int) -> None:
+    def __init__(self, sock: zmq.Socket, pixels: zmq.Socket, index: int,
+                 counts: metrics.EngineMetrics) -> None:
         self.sock, self.pixels = sock, pixels
         self.label = str(index)
-        self.metrics = metrics.engine()
+        self.metrics = counts
         self._sizes: set[str] = set()
 
     def receive(self, block: bool) -> tuple[Kind, Any, list[Any]] | None:
@@ -92,10 +93,10 @@ class EngineIO:
         if seconds is not None:
             m.lora_load_seconds.labels(executor=label).observe(seconds)
 
-    def _size_label(self, signature: tuple) -> str:
-        """"WxH" of a set's signature (model, width, height), bounded in number: sizes are the
+    def _size_label(self, batch_key: tuple) -> str:
+        """"WxH" of a set's batch key (model, width, height), bounded in number: sizes are the
         clients' choice."""
-        size = f"{signature[1]}x{signature[2]}"
+        size = f"{batch_key[1]}x{batch_key[2]}"
         if size not in self._sizes and len(self._sizes) >= metrics.SIZE_LABELS:
             return "other"
         self._sizes.add(size)
@@ -122,7 +123,7 @@ class EngineIO:
             m.step_seconds.labels(executor=label).observe(out.seconds)
             m.step_running_images.labels(executor=label).observe(out.samples)
             m.forward_cost.labels(executor=label).observe(out.cost)
-            m.steps_total.labels(executor=label, size=self._size_label(out.signature)).inc()
+            m.steps_total.labels(executor=label, size=self._size_label(out.batch_key)).inc()
         m.running_sets.labels(executor=label).set(out.sets)
         m.executor_busy_seconds.labels(executor=label).inc(out.seconds)
         for o in out.finished:

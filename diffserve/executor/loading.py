@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.config import ServerConfig
-from diffserve.costs import default_bounds, image_cost, uses_cfg
+from diffserve.costs import ABOVE_ONE, default_bounds, image_cost, uses_cfg
 from diffserve.models.registry import resolve_model, serving_defaults
 from diffserve.protocol import REQUEST_MODE, STEP_MODE, ModelInfo
 from diffserve.tasks import GENERATE, TASKS
@@ -121,10 +121,10 @@ def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: typ
     sched = getattr(getattr(pipe, "scheduler", None), "config", {})
     max_steps = int(sched.get("num_train_timesteps", 1000)) - int(sched.get("steps_offset", 0) or 0)
     guidance = float(guidance if isinstance(guidance, (int, float)) else 5.0)
-    family_name = family.name if family else None
+    rule = family.guidance_rule if family else ABOVE_ONE
     batch_cost, running_cost = default_bounds(
         config.dynamic_batch_max_size, config.max_batch_cost, config.max_running_cost,
-        image_cost(1, 1, 1, 1, uses_cfg(family_name, guidance, "")))
+        image_cost(1, 1, 1, 1, uses_cfg(rule, guidance, "")))
     return ModelInfo(
         name=config.model_name, pipeline_class=type(pipe).__name__,
         width=int(d.get("width", native)), height=int(d.get("height", native)),
@@ -133,22 +133,24 @@ def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: typ
         default_guidance_scale=guidance,
         supports_negative_prompt="negative_prompt" in loaded.accepts,
         device=loaded.device, dtype=loaded.dtype, batching_mode=mode, tasks=tasks,
-        partial_images=family is not None, family=family_name, adapters=adapters or [],
-        max_batch_cost=batch_cost, max_running_cost=running_cost)
+        partial_images=family is not None, family=family.name if family else None,
+        guidance_rule=rule, adapters=adapters or [], max_batch_cost=batch_cost,
+        max_running_cost=running_cost)
 
 
 def task_pipelines(pipe, family: type | None = None) -> dict[str, Any]:
     """Task name -> the pipeline that runs it: the loaded one for generation (and rollouts, where
-    the step engine's ``family`` samples with a flow-matching Euler scheduler), and for every
+    the step engine knows the ``family`` and the rollout sampler the scheduler), and for every
     task that has an auto-pipeline, that pipeline of the loaded one's family, built from its own
     components (no second copy of the weights). A family without one lacks the task."""
     import diffusers
 
+    from diffserve.executor.rollout import samples_with
+
     found: dict[str, Any] = {GENERATE.name: pipe}
     for task in TASKS.values():
         if task.trajectory:
-            if (family is not None and family.flow_matching
-                    and type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"):
+            if family is not None and samples_with(pipe.scheduler):
                 found[task.name] = pipe
             continue
         if task.auto_pipeline is None:

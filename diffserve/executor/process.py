@@ -78,6 +78,7 @@ class ExecutorSpec:
 def run_executor(spec: ExecutorSpec) -> None:
     processes.become(f"diffserve::executor-{spec.index}", spec.parent_pid, spec.config.log_level)
     metrics.record_to(spec.metrics_dir)
+    counts = metrics.EngineMetrics()
     bound_openmp_spin()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -88,7 +89,7 @@ def run_executor(spec: ExecutorSpec) -> None:
     pixels.setsockopt(zmq.LINGER, 5000)
     pixels.connect(spec.frontend_addr)
     try:
-        loop = build_loop(spec, sock, pixels)
+        loop = build_loop(spec, EngineIO(sock, pixels, spec.index, counts))
     except Exception as error:  # noqa: BLE001 - reported to the operator, then exit
         model = spec.config.model
         log.error("could not load model %r:\n%s", model, traceback.format_exc())
@@ -100,53 +101,23 @@ def run_executor(spec: ExecutorSpec) -> None:
     ctx.destroy(linger=5000)
 
 
-def build_loop(spec: ExecutorSpec, sock: zmq.Socket, pixels: zmq.Socket):
+def build_loop(spec: ExecutorSpec, io: EngineIO):
     """Load the model, pick the engine, say READY; the loop that serves it."""
-    from diffserve.executor.families import family_for
-    from diffserve.executor.loading import load_model, model_info, resolve_mode, task_pipelines, token_counter
+    from diffserve.executor.runtime import build_runtime
     from diffserve.protocol import STEP_MODE
 
-    c = spec.config
-    loaded = load_model(c.model, spec.device, c.dtype, spec.torch_threads, spec.index)
-    family_cls = family_for(loaded.pipeline_class)
-    mode = resolve_mode(c.batching_mode, family_cls, loaded.pipeline_class)
-    pipelines = task_pipelines(loaded.pipe, family_cls)
-    family = family_cls(loaded.pipe, pipelines, loaded.call_kwargs) if family_cls else None
-    count = token_counter(loaded.pipe)
-    io = EngineIO(sock, pixels, spec.index)
-    adapters = load_adapters(loaded.pipe, c, io)
-    info = model_info(loaded, c, mode, family_cls, list(pipelines),
-                      list(adapters.current) if adapters else [])
-    if mode == STEP_MODE:
-        from diffserve.executor.step_engine import StepEngine
-
-        loop = StepLoop(StepEngine(family, count, adapters=adapters), io, adapters)
+    rt = build_runtime(spec.config, spec.device, spec.torch_threads, spec.index,
+                       io.count_adapter_event)
+    if rt.mode == STEP_MODE:
+        loop = StepLoop(rt.step_engine(), io, rt.adapters)
     else:
-        from diffserve.executor.request_runner import RequestRunner
-
-        loop = RequestLoop(lambda interrupt, emit: RequestRunner(
-            loaded, pipelines, family, count, interrupt, emit, adapters), io, adapters)
-    log.info("loaded %s (%s) on %s/%s, native %dx%d, %s mode, tasks: %s", c.model,
-             info.pipeline_class, info.device, info.dtype, info.width, info.height, mode,
+        loop = RequestLoop(rt.request_runner, io, rt.adapters)
+    info = rt.info
+    log.info("loaded %s (%s) on %s/%s, native %dx%d, %s mode, tasks: %s", spec.config.model,
+             info.pipeline_class, info.device, info.dtype, info.width, info.height, rt.mode,
              ", ".join(info.tasks))
-    sock.send_multipart(encode(Kind.READY, info))
+    io.sock.send_multipart(encode(Kind.READY, info))
     return loop
-
-
-def load_adapters(pipe, config: ServerConfig, io: "EngineIO"):
-    """The executor's LoRA adapters, the --lora-modules ones loaded and checked; None where the
-    server serves none (nothing of PEFT is then imported or hooked)."""
-    if not (config.lora_modules or config.enable_lora_runtime_updates):
-        return None
-    from diffserve.executor.adapters import AdapterError, AdapterStore
-
-    store = AdapterStore(pipe, config.max_loras, config.max_lora_rank, io.count_adapter_event)
-    for name, path in config.lora_adapters.items():
-        try:
-            store.add(name, path)
-        except AdapterError as error:
-            raise RuntimeError(f"LoRA adapter {name!r} (--lora-modules): {error}") from None
-    return store
 
 
 def apply_adapter_message(adapters, io: EngineIO, kind: Kind, msg) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from diffserve.costs import WITH_NEGATIVE
 from diffserve.executor.adapters import AdapterStore
 from diffserve.executor.families.base import Family, to_uint8
 from diffserve.executor.loading import LoadedModel
@@ -58,7 +59,7 @@ class RequestRunner:
         # Pipelines that encode a missing negative prompt as zeros, not as "", or that guide only
         # with one: a call must not mix requests with and without one, or those without change.
         self.split_negatives = bool(getattr(loaded.pipe.config, "force_zeros_for_empty_prompt", False)
-                                    or (family and family.negative_enables_cfg))
+                                    or (family and family.guidance_rule == WITH_NEGATIVE))
         self.guidance_kwarg = family.guidance_kwarg if family else "guidance_scale"
         self._interrupted = False
         self._sent: set[tuple[str, int, int]] = set()  # previews streamed during this batch

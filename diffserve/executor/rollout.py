@@ -19,6 +19,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+# The scheduler whose steps the sampler replaces: its sigmas and Euler step are what the SDE
+# above generalises; any other scheduler's steps would not match its log-probabilities.
+SAMPLES_WITH = "FlowMatchEulerDiscreteScheduler"
+
+
+def samples_with(scheduler) -> bool:
+    """Whether rollouts can be sampled on a pipeline with this scheduler."""
+    return type(scheduler).__name__ == SAMPLES_WITH
+
 
 def sde_step(x, v, sigma: float, sigma_next: float, sigma_max: float, noise_level: float,
              generators: list):
@@ -73,7 +82,7 @@ class Trajectory:
 
         out: dict[str, Any] = {}
         if "latents" in returns:
-            steps = [_unpacked(family, x, width, height) for x in self.latents]
+            steps = [family.image_latents_of(x, width, height) for x in self.latents]
             out["latents"] = torch.stack(steps, dim=1).numpy()
         if "log_probs" in returns and self.log_probs:
             out["log_probs"] = torch.stack(self.log_probs, dim=1).float().numpy()
@@ -83,17 +92,6 @@ class Trajectory:
         if "images" in returns:
             out["images"] = images
         if "prompt_embeds" in returns:
-            embeds = positive.prompt_embeds[0]
-            mask = getattr(positive, "prompt_embeds_mask", None)
-            if mask is not None:  # padded to the longest prompt it was encoded with: its own
-                embeds = embeds[:int(mask[0].sum())]
-            out["prompt_embeds"] = embeds.float().cpu().numpy()
-            pooled = getattr(positive, "pooled_projections", None)
-            if pooled is not None:
-                out["pooled_prompt_embeds"] = pooled[0].float().cpu().numpy()
+            out.update({name: t.float().cpu().numpy()
+                        for name, t in positive.rows(0, 1).prompt_tensors().items()})
         return out
-
-
-def _unpacked(family, latents, width: int, height: int):
-    x = family.unpack(latents, width, height)
-    return x[:, :, 0] if x.dim() == 5 else x  # Qwen-Image's latents carry a frame axis

@@ -1,13 +1,21 @@
-"""The step engine: a running set of requests that join and leave between denoising steps.
+"""The step engine: running sets of requests that join and leave between denoising steps.
 
-The engine holds one running set per signature that must match within one forward (the size):
-requests of different sizes run at once, each set advancing in turn. One :meth:`StepEngine.step`
-is: drop what was cancelled, pick the set to advance (:mod:`diffserve.executor.fairness`), one
-batched denoiser forward that carries every sample of that set at its own timestep (with its own
-guidance scale and negative prompt), each request's own scheduler step, streamed previews that
-are due, and the retirement (VAE decode) of every request whose schedule has ended. :meth:`StepEngine.admit` adds requests between two steps:
-their prompts are encoded together and each gets its own copy of the noise scheduler and its own
-generators, so a request's images depend on nothing but its own fields.
+The engine holds one running set per batch key (what must match within one forward: the size):
+requests of different sizes run at once, each set advancing in turn. Every step is planned, then
+executed, as an LLM engine core schedules and then runs a step:
+
+- **plan** (:mod:`diffserve.executor.planner`, torch-free): which requests leave (their callers
+  have gone), which of those waiting inside the engine join, and which running set advances
+  (a set policy named by configuration, :mod:`diffserve.policies`);
+- **execute**: the admissions, one batched denoiser forward that carries every sample of the
+  chosen set at its own timestep (with its own guidance scale and negative prompt), each
+  request's own scheduler step, streamed previews that are due, and the retirement (VAE decode)
+  of every request whose schedule has ended.
+
+:meth:`StepEngine.admit` adds requests between two steps: their prompts are encoded together and
+each gets its own copy of the noise scheduler and its own generators, so a request's images
+depend on nothing but its own fields. What a scheduler needs (input scaling, its own noise) is
+asked of the scheduler itself, never of the family.
 
 Every stage fails only the requests that cause an error: a batched stage that raises (the forward,
 a decode) is run again in halves down to single requests (an out-of-memory forward splits until
@@ -18,7 +26,8 @@ LoRA adapters never split the running set: each request holds its own stack of a
 from admission to retirement, its prompt is encoded with that stack, and every row of a forward
 gets only its own request's adapters at its own scales (:mod:`diffserve.executor.adapters`). A
 request whose adapters cannot all be resident yet (every slot is held by running requests) waits
-inside the engine and is admitted at a later step.
+inside the engine and joins at a later step. (The scheduler counts adapter slots when it places
+work, so this happens only when several executors' views race, or an adapter was reloaded.)
 
 No sockets here: the executor process (:mod:`diffserve.executor.process`) feeds it work and sends
 what it returns. It needs torch and a family (:mod:`diffserve.executor.families`), nothing else.
@@ -33,10 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from diffserve.executor.adapters import AdapterStore
-from diffserve.executor.fairness import Progress, next_set
-from diffserve.executor.rollout import Trajectory
 from diffserve.executor.families.base import Encoded, Family, Prepared
+from diffserve.executor.planner import Entry, Planner, StepPlan
 from diffserve.executor.results import Outcome, PartialImage, describe, partial_steps
+from diffserve.executor.rollout import Trajectory
+from diffserve.policies import SetPolicy
+from diffserve.policies.fair import TimeFair
+from diffserve.policies.base import Member
 from diffserve.protocol import STEP_MODE, WorkItem
 from diffserve.samples import chunks, generators, group_by, input_arrays, isolate
 
@@ -48,28 +60,21 @@ class Unit:
     """One work item in the running set: ``k`` images of one request, on its own schedule."""
 
     item: WorkItem
+    batch_key: tuple  # what must match within one forward: the running set it belongs to
     scheduler: Any
     prepared: Prepared
     cfg: bool
     partial_at: dict[int, int]
     admitted_at: float
+    member: Member  # its time since it arrived and its steps, for the choice of set
     prompt_tokens: int = 0
     step: int = 0
     adapters: tuple = ()  # its LoRA stack, in the versions it holds until it leaves
-    progress: Progress | None = None  # its time since it arrived, for the choice of set
     trajectory: Trajectory | None = None  # rollouts: the stochastic sampler's record
-
-    def __post_init__(self) -> None:
-        self.progress = self.progress or Progress(self.admitted_at - self.item.queued_s)
 
     @property
     def request(self):
         return self.item.request
-
-    @property
-    def signature(self) -> tuple:
-        """What must match within one forward: the running set it belongs to."""
-        return self.request.signature(STEP_MODE)
 
     @property
     def cost(self) -> float:
@@ -90,12 +95,22 @@ class Unit:
 
 
 @dataclass
+class Waiting:
+    """A work item handed to the engine that waits inside it for adapter slots."""
+
+    item: WorkItem
+    frames: list[Any]
+    batch_key: tuple
+    member: Member
+
+
+@dataclass
 class StepOutput:
     finished: list[Outcome] = field(default_factory=list)
     partials: list[PartialImage] = field(default_factory=list)
     samples: int = 0  # samples the forward carried
     cost: float = 0.0  # and their cost (diffserve.costs)
-    signature: tuple | None = None  # of the running set it advanced
+    batch_key: tuple | None = None  # of the running set it advanced
     sets: int = 0  # running sets held after the step
     seconds: float = 0.0
 
@@ -104,16 +119,24 @@ def _request_id(unit: Unit) -> str:
     return unit.request.request_id
 
 
+def batch_key_of(item: WorkItem) -> tuple:
+    """The item's running set: the key the queue computed, else (an item that did not come
+    through the scheduler's queue) computed here, once."""
+    return item.batch_key or item.request.batch_key(STEP_MODE)
+
+
 class StepEngine:
     def __init__(self, family: Family, count_tokens: Callable[[str], int] = lambda p: 0,
                  clock: Callable[[], float] = time.perf_counter,
-                 adapters: AdapterStore | None = None) -> None:
+                 adapters: AdapterStore | None = None, policy: SetPolicy | None = None) -> None:
+        """``policy``: which running set a step advances (default: time-fair)."""
         self.family = family
         self.count_tokens = count_tokens
         self.clock = clock
         self.adapters = adapters
+        self.planner = Planner(policy or TimeFair())
         self.units: list[Unit] = []
-        self.deferred: list[tuple[WorkItem, list[Any]]] = []  # waiting for adapter slots
+        self.waiting: list[Waiting] = []  # for adapter slots
         self._cancelled: set[str] = set()
 
     @property
@@ -121,17 +144,20 @@ class StepEngine:
         return sum(u.samples for u in self.units)
 
     def running_sets(self) -> dict[tuple, list[Unit]]:
-        return group_by(self.units, lambda u: u.signature)
+        return group_by(self.units, lambda u: u.batch_key)
 
     def __bool__(self) -> bool:
-        return bool(self.units or self.deferred)
+        return bool(self.units or self.waiting)
 
     # -- admission -------------------------------------------------------------------------
 
-    def admit(self, items: list[WorkItem], inputs: list[list[Any]]) -> list[Outcome]:
+    def admit(self, items: list[WorkItem], inputs: list[list[Any]],
+              arrived: dict[str, float] | None = None) -> list[Outcome]:
         """Add ``items`` (``inputs[i]``: item i's input frames) to the running set. Returns the
-        items that could not be admitted, as failures."""
+        items that could not be admitted, as failures. ``arrived``: when requests that waited
+        inside the engine arrived (a request's time counts from its arrival at the scheduler)."""
         start = self.clock()
+        arrived = {item.request.request_id: start - item.queued_s for item in items} | (arrived or {})
         failed: list[Outcome] = []
         ready, stacks = [], []
         for item, frames in zip(items, inputs):
@@ -141,7 +167,8 @@ class StepEngine:
                 failed.append(Outcome.failed(item, describe(error), self.clock() - start))
                 continue
             if stack is None:
-                self.deferred.append((item, frames))
+                self.waiting.append(Waiting(item, frames, batch_key_of(item),
+                                            Member(arrived[item.request.request_id])))
             else:
                 ready.append((item, frames))
                 stacks.append(stack)
@@ -156,7 +183,8 @@ class StepEngine:
                 try:
                     if isinstance(enc, Exception):
                         raise enc
-                    self.units.append(self._unit(item, frames, enc, start, stack))
+                    self.units.append(self._unit(item, frames, enc, start, stack,
+                                                 arrived[item.request.request_id]))
                 except Exception as error:  # noqa: BLE001 - only this request fails
                     log.warning("could not admit %s: %s", item.request.request_id, error)
                     self._release(stack)
@@ -205,7 +233,7 @@ class StepEngine:
         return encoded
 
     def _unit(self, item: WorkItem, frames: list[Any], encoded: Encoded, start: float,
-              stack: tuple) -> Unit:
+              stack: tuple, arrived: float) -> Unit:
         fam, r = self.family, item.request
         scheduler = fam.new_scheduler()
         gens = generators(r, item.start, item.stop)
@@ -213,8 +241,9 @@ class StepEngine:
                                r.height, gens, encoded, input_arrays(r, frames))
         # A rollout's noise comes from the same generators, after its first latents'.
         trajectory = Trajectory(r.noise_level, gens) if r.task_spec.trajectory else None
-        return Unit(item, scheduler, prepared, prepared.negative is not None,
+        return Unit(item, batch_key_of(item), scheduler, prepared, prepared.negative is not None,
                     partial_steps(r.partial_images, len(prepared.timesteps)), start,
+                    Member(arrived, len(prepared.timesteps)),
                     self.count_tokens(r.prompt), adapters=stack, trajectory=trajectory)
 
     def abandon(self, error: str) -> list[Outcome]:
@@ -222,32 +251,70 @@ class StepEngine:
         its adapters; the engine is empty and usable afterwards."""
         now = self.clock()
         outcomes = [Outcome.failed(u.item, error, now - u.admitted_at) for u in self.units]
-        outcomes += [Outcome.failed(item, error, 0.0) for item, _ in self.deferred]
+        outcomes += [Outcome.failed(w.item, error, 0.0) for w in self.waiting]
         for unit in self.units:
             self._release(unit.adapters)
-        self.units, self.deferred, self._cancelled = [], [], set()
+        self.units, self.waiting, self._cancelled = [], [], set()
         return outcomes
 
     def cancel(self, request_ids: list[str]) -> None:
         """Drop these requests at the next step."""
-        held = {_request_id(u) for u in self.units} | {i.request.request_id for i, _ in self.deferred}
+        held = {_request_id(u) for u in self.units} | {w.item.request.request_id for w in self.waiting}
         self._cancelled.update(rid for rid in request_ids if rid in held)
 
     # -- one step --------------------------------------------------------------------------
 
     def step(self) -> StepOutput:
+        """Plan one step, then execute it."""
         out = StepOutput()
-        self._drop_cancelled(out)
-        if self.deferred:  # adapter slots may have been freed by the last retirements
-            waiting, self.deferred = self.deferred, []
-            out.finished += self.admit([i for i, _ in waiting], [f for _, f in waiting])
+        plan = self.plan()
+        self._leave(plan, out)
+        self._join(plan, out)
+        self._execute(plan, out)
+        out.sets = len(self.running_sets())
+        return out
+
+    def plan(self) -> StepPlan:
+        running = [Entry(_request_id(u), u.batch_key, u.member) for u in self.units]
+        waiting = [Entry(w.item.request.request_id, w.batch_key, w.member,
+                         self._adapters_fit(w.item)) for w in self.waiting]
+        return self.planner.plan(running, waiting, self._cancelled, self.clock())
+
+    def _adapters_fit(self, item: WorkItem) -> bool:
+        return self.adapters is None or self.adapters.fits(item.request.loras)
+
+    def _leave(self, plan: StepPlan, out: StepOutput) -> None:
+        self._cancelled = set()
+        if not plan.leave:
+            return
+        gone = set(plan.leave)
+        for u in [u for u in self.units if _request_id(u) in gone]:
+            self._remove(u, out, Outcome.cancelled(u.item, self.clock() - u.admitted_at))
+        for w in [w for w in self.waiting if w.item.request.request_id in gone]:
+            self.waiting.remove(w)
+            out.finished.append(Outcome.cancelled(w.item, 0.0))
+
+    def _join(self, plan: StepPlan, out: StepOutput) -> None:
+        joining = set(plan.join)
+        if not joining:
+            return
+        now = [w for w in self.waiting if w.item.request.request_id in joining]
+        self.waiting = [w for w in self.waiting if w.item.request.request_id not in joining]
+        out.finished += self.admit([w.item for w in now], [w.frames for w in now],
+                                   {w.item.request.request_id: w.member.arrived_at for w in now})
+
+    def _execute(self, plan: StepPlan, out: StepOutput) -> None:
+        """One step of the planned set: the forward, every member's scheduler step, previews,
+        retirements."""
         if not self.units:
-            return out
+            return
         start = self.clock()
-        sets = self.running_sets()
-        out.signature = next_set({sig: [u.progress for u in units] for sig, units in sets.items()},
-                                 start)
-        units = sets[out.signature]
+        units = [u for u in self.units if u.batch_key == plan.advance]
+        if not units:  # the set it planned for was to be opened by a join that did not fit
+            key = self.planner.choose([Entry(_request_id(u), u.batch_key, u.member)
+                                       for u in self.units], start)
+            units = [u for u in self.units if u.batch_key == key]
+        out.batch_key = units[0].batch_key
         with self.family.torch.inference_mode():
             out.samples, out.cost = sum(u.samples for u in units), sum(u.cost for u in units)
             for unit, noise in self._each(units, self._predict, "the denoiser forward", out):
@@ -256,19 +323,7 @@ class StepEngine:
             self._retire(units, out)
         out.seconds = self.clock() - start
         for unit in units:
-            unit.progress.stepped(out.seconds)
-        out.sets = len(self.running_sets())
-        return out
-
-    def _drop_cancelled(self, out: StepOutput) -> None:
-        if not self._cancelled:
-            return
-        for u in [u for u in self.units if _request_id(u) in self._cancelled]:
-            self._remove(u, out, Outcome.cancelled(u.item, self.clock() - u.admitted_at))
-        for item, frames in [d for d in self.deferred if d[0].request.request_id in self._cancelled]:
-            self.deferred.remove((item, frames))
-            out.finished.append(Outcome.cancelled(item, 0.0))
-        self._cancelled = set()
+            unit.member.stepped(out.seconds)
 
     def _each(self, units: list[Unit], run: Callable[[list[Unit]], list], what: str,
               out: StepOutput) -> list[tuple[Unit, Any]]:
@@ -306,8 +361,9 @@ class StepEngine:
         for u in units:
             t = u.prepared.timesteps[u.step]
             x = torch.cat([u.prepared.latents] * 2) if u.cfg else u.prepared.latents
-            if not fam.flow_matching:
-                x = u.scheduler.scale_model_input(x, t)
+            scale = getattr(u.scheduler, "scale_model_input", None)
+            if scale is not None:  # the scheduler's own rule (flow-matching ones have none)
+                x = scale(x, t)
             inputs.append(x)
             timesteps.append(t.expand(x.shape[0]) if t.dim() == 0 else t.repeat(x.shape[0]))
             guidance.append(torch.full((x.shape[0],), u.request.guidance_scale,

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from diffserve import metrics
+from diffserve import __version__
 from diffserve.config import ServerConfig
 from diffserve.errors import APIError, error_response, internal_error, method_not_allowed, not_found
 from diffserve.frontend.adapter_routes import adapter_routes
@@ -26,16 +26,18 @@ from diffserve.frontend.engine_client import EngineClient
 from diffserve.frontend.image_routes import image_routes
 from diffserve.frontend.info_routes import info_routes
 from diffserve.frontend.serving import Serving
+from diffserve.metrics import FrontendMetrics
 
 
-def create_app(config: ServerConfig, engine: EngineClient,
+def create_app(config: ServerConfig, engine: EngineClient, counts: FrontendMetrics,
                render_metrics: Callable[[], tuple[bytes, str]]) -> FastAPI:
-    app = FastAPI(title="diffserve", version="0.3.0",
+    """``counts``: where the frontend counts requests; ``render_metrics``: the /metrics body."""
+    app = FastAPI(title="diffserve", version=__version__,
                   description="OpenAI-style image generation and editing with dynamic batching.")
     if config.api_key:
         app.add_middleware(BearerAuth, key=config.api_key)
     add_error_handlers(app)
-    serving = Serving(config, engine, metrics.frontend(),
+    serving = Serving(config, engine, counts,
                       ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode"))
     app.include_router(image_routes(serving))
     if config.enable_lora_runtime_updates:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-import json
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from diffserve.rollouts import DEFAULT_RETURN, RETURNABLE
 
 SEED_MAX = 2**32 - 1  # image i of a request uses (seed + i) modulo 2**32
 MAX_PARTIAL_IMAGES = 3
@@ -149,8 +150,8 @@ class RolloutRequest(ImageGenerationRequest):
 
     noise_level: float = Field(0.7, ge=0, le=10, description="The sampler's noise level a; 0 is "
                                "the deterministic sampler (no log-probabilities).")
-    return_: list[Literal["latents", "log_probs", "timesteps", "images", "prompt_embeds"]] = Field(
-        default_factory=lambda: ["latents", "log_probs", "timesteps", "images"], alias="return",
+    return_: list[Literal[RETURNABLE]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: list(DEFAULT_RETURN), alias="return",
         description="Which tensors come back.")
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=False)

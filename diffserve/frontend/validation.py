@@ -11,7 +11,7 @@ from diffserve.config import ServerConfig
 from diffserve.costs import image_cost, uses_cfg
 from diffserve.errors import invalid_request, model_not_found
 from diffserve.frontend.schemas import ImageOptions
-from diffserve.protocol import SEED_MODULUS, ImageRequest, ModelInfo
+from diffserve.protocol import SEED_MODULUS, ImageRequest, ModelInfo, repeated_adapter
 from diffserve.tasks import Task
 
 _SIZE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
@@ -51,10 +51,11 @@ def lora_stack(body: ImageOptions, info: ModelInfo, adapters: Collection[str],
     for i, ref in enumerate(body.loras or ()):
         if ref.name not in adapters:
             raise model_not_found(ref.name, info.name, adapters, f"loras.{i}.name")
-        if any(name == ref.name for name, _ in stack):
-            raise invalid_request(f"adapter {ref.name!r} is named twice (in model and loras, or "
-                                  "twice in loras)", "loras", "duplicate_adapter")
         stack.append((ref.name, float(ref.scale)))
+    repeated = repeated_adapter(stack)
+    if repeated is not None:
+        raise invalid_request(f"adapter {repeated!r} is named twice (in model and loras, or "
+                              "twice in loras)", "loras", "duplicate_adapter")
     if len(stack) > config.max_loras_per_request:
         raise invalid_request(f"{len(stack)} adapters; this server stacks at most "
                               f"{config.max_loras_per_request} per request "
@@ -103,7 +104,7 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
     width, height = parse_size(body.size, info, config)
     guidance = info.default_guidance_scale if body.guidance_scale is None else body.guidance_scale
     negative = body.negative_prompt or ""
-    cfg = uses_cfg(info.family, guidance, negative)
+    cfg = uses_cfg(info.guidance_rule, guidance, negative)
     cost = image_cost(width, height, info.width, info.height, cfg)
     if info.max_batch_cost and cost > info.max_batch_cost:
         raise invalid_request(

@@ -8,40 +8,83 @@ Rules
   and cost (``request.cost`` per image, see :mod:`diffserve.costs`), bounded by
   ``max_batch_cost``. A request larger than the room left is split; its remaining images stay at
   its place in the queue.
-- Requests are grouped by their signature in the engine's batching mode (the fields that mode
-  cannot vary per sample; see :mod:`diffserve.protocol`).
-- The oldest waiting request (the head) is always in the next group taken; the group is filled
-  with later requests of the same signature in arrival order, skipping incompatible ones.
-- A group that fills the room is ready at once. One that does not is ready once its oldest
-  request has waited ``max_delay_s``, or when the caller forces it out (draining at shutdown).
+- Requests are grouped by their batch key in the engine's batching mode (the fields that mode
+  cannot vary per sample; see :mod:`diffserve.protocol`), computed once here when a request
+  enters and carried from then on (:class:`Slice`, then the work item).
+- The queue is ordered by a queue policy (:mod:`diffserve.policies`; first come, first served
+  by default). Its first request (the head) is always in the next group taken; the group is
+  filled with later requests of the same batch key in queue order, skipping incompatible ones.
+- A group that fills the room is ready at once. One that does not is ready once its head has
+  waited ``max_delay_s``, or when the caller forces it out (draining at shutdown).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Protocol
 
+from diffserve.policies import QueuePolicy
+from diffserve.policies.fcfs import FirstCome
 from diffserve.protocol import REQUEST_MODE, ImageRequest
+
+
+class AdapterRoom(Protocol):
+    """Adapter slots left for what a group takes (see :mod:`diffserve.scheduler.slots`)."""
+
+    def fits(self, loras) -> bool: ...
+
+    def take(self, loras) -> None: ...
 
 
 @dataclass
 class _Entry:
     request: ImageRequest
     enqueued_at: float
-    signature: tuple
+    batch_key: tuple
+    rank: tuple  # its place in the queue (the queue policy's rank, then arrival)
     next_index: int = 0  # first image of the request not yet handed out
 
     @property
     def remaining(self) -> int:
         return self.request.n - self.next_index
 
-    def fitting(self, room: int, cost: float) -> int:
-        """How many of its remaining images fit in ``room`` images and ``cost``."""
+    def fitting(self, room: int, cost: float, adapters: AdapterRoom | None = None) -> int:
+        """How many of its remaining images fit in ``room`` images and ``cost`` (none if its
+        adapters do not fit)."""
+        if adapters is not None and not adapters.fits(self.request.loras):
+            return 0
         if self.request.cost > 0 and cost < math.inf:
             room = min(room, math.floor(cost / self.request.cost + 1e-9))
         return max(0, min(room, self.remaining))
+
+
+class _Ordered:
+    """Entries kept sorted by rank: the first, removal and iteration in order."""
+
+    def __init__(self) -> None:
+        self._ranks: list[tuple] = []
+        self._entries: dict[tuple, _Entry] = {}
+
+    def add(self, entry: _Entry) -> None:
+        bisect.insort(self._ranks, entry.rank)
+        self._entries[entry.rank] = entry
+
+    def remove(self, entry: _Entry) -> None:
+        del self._ranks[bisect.bisect_left(self._ranks, entry.rank)]
+        del self._entries[entry.rank]
+
+    def first(self) -> _Entry | None:
+        return self._entries[self._ranks[0]] if self._ranks else None
+
+    def __iter__(self) -> Iterator[_Entry]:
+        return (self._entries[rank] for rank in self._ranks)
+
+    def __bool__(self) -> bool:
+        return bool(self._ranks)
 
 
 @dataclass(frozen=True)
@@ -52,6 +95,7 @@ class Slice:
     start: int
     stop: int
     enqueued_at: float
+    batch_key: tuple = ()
 
     @property
     def size(self) -> int:
@@ -60,7 +104,7 @@ class Slice:
 
 class Batcher:
     def __init__(self, max_batch_size: int, max_delay_s: float, mode: str = REQUEST_MODE,
-                 max_batch_cost: float = math.inf) -> None:
+                 max_batch_cost: float = math.inf, policy: QueuePolicy | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_delay_s < 0:
@@ -69,10 +113,13 @@ class Batcher:
         self.max_batch_cost = max_batch_cost
         self.max_delay_s = max_delay_s
         self.mode = mode
-        # Arrival order over all requests, and per signature (same order), so that taking a
-        # group costs O(group size) however long and mixed the queue is.
+        self.policy = policy or FirstCome()
+        self._arrivals = itertools.count()  # ties of rank go by arrival
+        # Arrival order over all requests (for expiry), queue order over all and per batch key,
+        # so that taking a group costs O(group size) however long and mixed the queue is.
         self._queue: OrderedDict[str, _Entry] = OrderedDict()
-        self._groups: dict[tuple, OrderedDict[str, _Entry]] = {}
+        self._order = _Ordered()
+        self._groups: dict[tuple, _Ordered] = {}
         self._group_counts: dict[tuple, int] = {}
         self._group_cost: dict[tuple, float] = {}
 
@@ -86,17 +133,20 @@ class Batcher:
     def waiting_image_count(self) -> int:
         return sum(self._group_counts.values())
 
-    def add(self, request: ImageRequest, now: float) -> None:
+    def add(self, request: ImageRequest, now: float) -> tuple:
+        """Queue ``request``; its batch key (what it must share with the requests it runs with)."""
         if request.request_id in self._queue:
             raise ValueError(f"request {request.request_id!r} is already waiting")
         if request.n < 1:
             raise ValueError(f"request {request.request_id!r} asks for n={request.n} images")
-        sig = request.signature(self.mode)
-        entry = _Entry(request, now, sig)
+        key = request.batch_key(self.mode)
+        entry = _Entry(request, now, key, (*self.policy.rank(request, now), next(self._arrivals)))
         self._queue[request.request_id] = entry
-        self._groups.setdefault(sig, OrderedDict())[request.request_id] = entry
-        self._group_counts[sig] = self._group_counts.get(sig, 0) + request.n
-        self._group_cost[sig] = self._group_cost.get(sig, 0.0) + request.n * request.cost
+        self._order.add(entry)
+        self._groups.setdefault(key, _Ordered()).add(entry)
+        self._group_counts[key] = self._group_counts.get(key, 0) + request.n
+        self._group_cost[key] = self._group_cost.get(key, 0.0) + request.n * request.cost
+        return key
 
     def abort(self, request_id: str) -> bool:
         """Drop the request's images that have not been taken yet. True if it was waiting."""
@@ -107,28 +157,36 @@ class Batcher:
         return True
 
     def waiting_ids(self) -> Iterator[str]:
-        """Ids of waiting requests, oldest first."""
+        """Ids of waiting requests, oldest first (whatever the queue order)."""
         return iter(self._queue)
 
     def head(self) -> tuple[tuple, float] | None:
-        """(signature, enqueued_at) of the oldest waiting request; None when nothing waits."""
-        entry = self._head()
-        return None if entry is None else (entry.signature, entry.enqueued_at)
+        """(batch key, enqueued_at) of the head; None when nothing waits."""
+        entry = self._order.first()
+        return None if entry is None else (entry.batch_key, entry.enqueued_at)
+
+    def head_id(self) -> str | None:
+        entry = self._order.first()
+        return None if entry is None else entry.request.request_id
+
+    def head_request(self) -> ImageRequest | None:
+        entry = self._order.first()
+        return None if entry is None else entry.request
 
     def is_full(self, room: int | None = None, room_cost: float | None = None) -> bool:
         """Whether the head's group fills ``room`` images or ``room_cost`` (default: a whole
         batch)."""
-        entry = self._head()
+        entry = self._order.first()
         if entry is None:
             return False
-        sig = entry.signature
-        return (self._group_counts[sig] >= (room or self.max_batch_size)
-                or self._group_cost[sig] >= (room_cost or self.max_batch_cost))
+        key = entry.batch_key
+        return (self._group_counts[key] >= (room or self.max_batch_size)
+                or self._group_cost[key] >= (room_cost or self.max_batch_cost))
 
     def time_until_ready(self, now: float, room: int | None = None,
                          room_cost: float | None = None) -> float | None:
         """Seconds until :meth:`next_batch` returns a group; None when nothing waits."""
-        entry = self._head()
+        entry = self._order.first()
         if entry is None:
             return None
         if self.is_full(room, room_cost):
@@ -136,62 +194,70 @@ class Batcher:
         return max(0.0, entry.enqueued_at + self.max_delay_s - now)
 
     def next_batch(self, now: float, force: bool = False, room: int | None = None,
-                   room_cost: float | None = None) -> list[Slice] | None:
+                   room_cost: float | None = None,
+                   adapters: AdapterRoom | None = None) -> list[Slice] | None:
         """Take the head's group, up to ``room`` images and ``room_cost``, if it is ready (or
         ``force``)."""
-        entry = self._head()
+        entry = self._order.first()
         if entry is None:
             return None
         if not force and self.time_until_ready(now, room, room_cost) > 0:
             return None
-        return self._take(entry.signature, room or self.max_batch_size,
-                          room_cost or self.max_batch_cost) or None
+        return self._take(entry.batch_key, room or self.max_batch_size,
+                          room_cost or self.max_batch_cost, adapters) or None
 
-    def take(self, signature: tuple, room: int, room_cost: float = math.inf) -> list[Slice] | None:
+    def take(self, batch_key: tuple, room: int, room_cost: float = math.inf,
+             adapters: AdapterRoom | None = None) -> list[Slice] | None:
         """Take up to ``room`` images (and ``room_cost``) of the head's group at once, but only
-        if the head has ``signature``: a running set may take company, never pass over the
+        if the head has ``batch_key``: a running set may take company, never pass over the
         head. None if not even the head's next image fits."""
-        entry = self._head()
-        if entry is None or entry.signature != signature or entry.fitting(room, room_cost) < 1:
+        entry = self._order.first()
+        if (entry is None or entry.batch_key != batch_key
+                or entry.fitting(room, room_cost, adapters) < 1):
             return None
-        return self._take(signature, room, room_cost)
+        return self._take(batch_key, room, room_cost, adapters)
 
-    def take_group(self, signature: tuple, room: int, room_cost: float = math.inf) -> list[Slice] | None:
-        """Like :meth:`take`, from the group of ``signature`` whatever the head's: only for a
+    def take_group(self, batch_key: tuple, room: int, room_cost: float = math.inf,
+                   adapters: AdapterRoom | None = None) -> list[Slice] | None:
+        """Like :meth:`take`, from the group of ``batch_key`` whatever the head's: only for a
         caller that keeps the head's room for it (see ``SchedulerCore._beside_head``)."""
-        if not self.fits(signature, room, room_cost):
+        if not self.fits(batch_key, room, room_cost, adapters):
             return None
-        return self._take(signature, room, room_cost)
+        return self._take(batch_key, room, room_cost, adapters)
 
-    def fits(self, signature: tuple, room: int, room_cost: float) -> bool:
-        """Whether the next image of the oldest waiting request of ``signature`` fits."""
-        group = self._groups.get(signature)
-        return bool(group) and next(iter(group.values())).fitting(room, room_cost) >= 1
+    def fits(self, batch_key: tuple, room: int, room_cost: float,
+             adapters: AdapterRoom | None = None) -> bool:
+        """Whether the next image of the first waiting request of ``batch_key`` fits."""
+        group = self._groups.get(batch_key)
+        return bool(group) and group.first().fitting(room, room_cost, adapters) >= 1
 
     def head_image_cost(self) -> float:
         """What one more image of the head costs (0 when nothing waits)."""
-        entry = self._head()
+        entry = self._order.first()
         return 0.0 if entry is None else entry.request.cost
 
-    def signatures(self) -> list[tuple]:
-        """The waiting signatures, by the arrival of each one's oldest request."""
-        return sorted(self._groups, key=lambda sig: next(iter(self._groups[sig].values())).enqueued_at)
+    def batch_keys(self) -> list[tuple]:
+        """The waiting batch keys, in the queue order of each one's first request."""
+        return sorted(self._groups, key=lambda key: self._groups[key].first().rank)
 
-    def _take(self, sig: tuple, room: int, room_cost: float) -> list[Slice]:
+    def _take(self, key: tuple, room: int, room_cost: float,
+              adapters: AdapterRoom | None) -> list[Slice]:
         left, left_cost = room, room_cost
         taken: list[Slice] = []
         finished: list[_Entry] = []
-        for entry in self._groups[sig].values():  # arrival order; stops once the room is used
-            count = entry.fitting(left, left_cost)
+        for entry in self._groups[key]:  # queue order; stops once the room is used
+            count = entry.fitting(left, left_cost, adapters)
             if count == 0:
                 break  # what follows waits its turn: the group keeps its order
             taken.append(Slice(entry.request, entry.next_index, entry.next_index + count,
-                               entry.enqueued_at))
+                               entry.enqueued_at, key))
+            if adapters is not None:
+                adapters.take(entry.request.loras)
             entry.next_index += count
             left -= count
             left_cost -= count * entry.request.cost
-            self._group_counts[sig] -= count
-            self._group_cost[sig] -= count * entry.request.cost
+            self._group_counts[key] -= count
+            self._group_cost[key] -= count * entry.request.cost
             if entry.remaining == 0:
                 finished.append(entry)
             if left == 0:
@@ -201,19 +267,15 @@ class Batcher:
             self._unlink(entry, remaining=0)
         return taken
 
-    def _head(self) -> _Entry | None:
-        for entry in self._queue.values():
-            return entry
-        return None
-
     def _unlink(self, entry: _Entry, remaining: int | None = None) -> None:
-        sig = entry.signature
-        group = self._groups[sig]
-        del group[entry.request.request_id]
+        key = entry.batch_key
+        group = self._groups[key]
+        group.remove(entry)
+        self._order.remove(entry)
         if remaining is None:
-            self._group_counts[sig] -= entry.remaining
-            self._group_cost[sig] -= entry.remaining * entry.request.cost
+            self._group_counts[key] -= entry.remaining
+            self._group_cost[key] -= entry.remaining * entry.request.cost
         if not group:
-            del self._groups[sig]
-            del self._group_counts[sig]
-            del self._group_cost[sig]
+            del self._groups[key]
+            del self._group_counts[key]
+            del self._group_cost[key]

@@ -19,6 +19,7 @@ import zmq
 from diffserve import metrics, processes
 from diffserve.config import ServerConfig
 from diffserve.executor.process import ExecutorSpec, run_executor
+from diffserve.policies import queue_policy
 from diffserve.protocol import (
     AdapterSync,
     EngineStatus,
@@ -78,9 +79,11 @@ class SchedulerProc:
         self.spec = spec
         c = self.config = spec.config
         self.core = SchedulerCore(c.dynamic_batch_max_size, c.dynamic_batch_delay_s,
-                                  c.num_executors, c.max_queue_size, c.request_timeout_s)
+                                  c.num_executors, c.max_queue_size, c.request_timeout_s,
+                                  policy=queue_policy(c.scheduling_policy),
+                                  max_loras=c.max_loras if c.serves_adapters else 0)
         self._waits_counted = 0
-        self.metrics = metrics.engine()
+        self.metrics = metrics.EngineMetrics()
         self.metrics.max_queue_size.set(c.max_queue_size)
         for index in range(c.num_executors):
             self.metrics.declare_executor(index)

@@ -118,12 +118,12 @@ class ExecutorSupervisor:
         """Stop every executor at once (the scheduler is failing)."""
         for ex in self.executors:
             if ex.process is not None:
-                processes.stop(ex.process, timeout=1.0)
+                processes.kill(ex.process)
             ex.state = STOPPED
 
     def stop_all(self, ask: Callable[[int], None], timeout_s: float = 5.0) -> None:
         """``ask(index)`` sends an executor its shutdown message; then each gets ``timeout_s``
-        before it is terminated."""
+        before it is killed."""
         running = [ex for ex in self.executors if ex.process is not None and ex.process.is_alive()]
         for ex in running:
             ask(ex.index)

@@ -240,6 +240,9 @@ def test_row_count_and_names_are_checked(setup):
         setup.batched([(), (), [("a", 1.0)]], inputs, shared)
     with pytest.raises(KeyError, match="no LoRA adapter 'nope'"):
         setup.adapters.rows([[("nope", 1.0)]])
+    # The one rule of a stack, as the API's validation applies it: each adapter once.
+    with pytest.raises(ValueError, match="'a' is named twice"):
+        setup.adapters.rows([[("a", 0.5), ("a", 0.5)]])
 
 
 def test_adapters_loaded_later_are_picked_up(tmp_path_factory):

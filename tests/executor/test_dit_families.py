@@ -126,3 +126,21 @@ def test_pixart_sigma_with_other_schedulers_of_its_config(scheduler):
     for group in plan.values():
         for r, _ in group:
             assert max_diff(images[r.request_id], solo(loaded, pipelines, r)) <= 2, r.request_id
+
+
+def test_sana_with_a_flow_matching_euler_scheduler_in_the_step_engine():
+    """The scheduler decides what it needs: flow-matching Euler has no ``scale_model_input``,
+    and the step engine must not ask for it whatever the family usually runs with."""
+    import diffusers
+
+    loaded = load_model("tiny-sana", torch_threads=1)
+    loaded.pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    pipelines = task_pipelines(loaded.pipe)
+    family = family_for(loaded.pipeline_class)(loaded.pipe, pipelines, loaded.call_kwargs)
+    plan = {0: [(make_request(request_id="x", model="tiny-sana", seed=7, steps=5), [])],
+            2: [(make_request(request_id="y", model="tiny-sana", seed=8, steps=3, guidance=2.0,
+                              negative_prompt="ugly"), [])]}
+    images = run(StepEngine(family), plan)
+    for group in plan.values():
+        for r, _ in group:
+            assert max_diff(images[r.request_id], solo(loaded, pipelines, r)) <= 2, r.request_id

@@ -292,12 +292,12 @@ def test_two_sizes_run_at_once_in_sets_of_their_own_and_are_exact():
     engine.admit([WorkItem(r, 0, 1) for r in small[:2]], [[], []])
     out = engine.step()
     engine.admit([WorkItem(r, 0, 1) for r in [*wide, small[2]]], [[]] * 3)
-    seen = {out.signature}
+    seen = {out.batch_key}
     images, forwards = {}, []
     while engine:
         out = engine.step()
-        seen.add(out.signature)
-        forwards.append((out.signature[1:], out.samples, out.sets))
+        seen.add(out.batch_key)
+        forwards.append((out.batch_key[1:], out.samples, out.sets))
         images.update({o.item.request.request_id: o.images for o in out.finished})
     assert forwards[0][0] == (96, 64)  # the new size started at the very next step
     assert forwards[0][2] == 2 and len(seen) == 2  # two running sets at once, taking turns

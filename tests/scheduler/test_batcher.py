@@ -57,7 +57,7 @@ def test_max_size_bounds_the_batch_and_the_rest_stays_in_order():
     assert order == [f"r{i}" for i in range(7)]
 
 
-def test_signature_grouping_and_non_contiguous_selection():
+def test_batch_key_grouping_and_non_contiguous_selection():
     b = Batcher(max_batch_size=4, max_delay_s=0.0)
     b.add(make_request(request_id="a1", width=64), now=0.0)
     b.add(make_request(request_id="b1", width=128), now=0.1)
@@ -194,7 +194,7 @@ def test_request_mode_keeps_calls_with_one_schedule():
 
 def test_take_joins_the_head_group_only_and_never_passes_the_head():
     b = Batcher(max_batch_size=8, max_delay_s=10.0, mode=STEP_MODE)
-    running = make_request(request_id="x").signature(STEP_MODE)
+    running = make_request(request_id="x").batch_key(STEP_MODE)
     b.add(make_request(request_id="big", width=128), now=0.0)
     b.add(make_request(request_id="fits", n=3), now=0.1)
     assert b.take(running, room=4) is None  # the head has another shape: nothing joins

@@ -4,7 +4,7 @@ import pytest
 
 from diffserve.protocol import CANCELLED, FAILED, FINISHED, REQUEST_MODE, STEP_MODE, ItemResult, ItemsDone
 from diffserve.scheduler.core import DELAY, DRAIN, EXECUTOR_FREE, FULL, JOIN, NEW_SET, SchedulerCore
-from helpers import make_request
+from helpers import make_request, run, taken
 
 
 def core(max_size=4, delay=0.0, executors=1, mode=REQUEST_MODE, **kw):
@@ -12,26 +12,6 @@ def core(max_size=4, delay=0.0, executors=1, mode=REQUEST_MODE, **kw):
     for i in range(executors):
         c.executor_ready(i, 0.0)
     return c
-
-
-def run(c, d, errors=None, only=None, now=1.0, seconds=0.1, status=None):
-    """Answer dispatch ``d`` like an executor. ``only``: answer just these request ids (a step
-    engine retiring part of its set)."""
-    errors = errors or {}
-    results = []
-    for item in d.work.items:
-        rid = item.request.request_id
-        if only is not None and rid not in only:
-            continue
-        if rid in errors:
-            results.append(ItemResult(rid, item.start, item.stop, FAILED, seconds, errors[rid]))
-            continue
-        results.append(ItemResult(rid, item.start, item.stop, status or FINISHED, seconds, None, 7))
-    return c.complete(d.executor, ItemsDone(results), now)
-
-
-def taken(dispatches):
-    return [[(i.request.request_id, i.start, i.stop) for i in d.work.items] for d in dispatches]
 
 
 def test_nothing_is_dispatched_until_an_executor_is_ready_and_idle():
@@ -400,11 +380,14 @@ def test_losing_one_executor_fails_only_its_requests():
 
 def test_what_an_image_costs():
     from diffserve.costs import default_bounds, image_cost, uses_cfg
+    from diffserve.executor.families import family_named
+
+    sd, flux = (family_named(name).guidance_rule for name in ("stable-diffusion", "flux"))
 
     assert image_cost(128, 128, 64, 64, cfg=False) == 4.0  # twice the side: four times the cost
     assert image_cost(128, 128, 64, 64, cfg=True) == 8.0  # guidance doubles the rows
     assert image_cost(32, 64, 64, 64, cfg=True) == 1.0
-    assert uses_cfg("stable-diffusion", 5.0, "") and not uses_cfg("stable-diffusion", 1.0, "x")
-    assert not uses_cfg("flux", 5.0, "")  # guidance is an input of Flux's transformer
+    assert uses_cfg(sd, 5.0, "") and not uses_cfg(sd, 1.0, "x")
+    assert not uses_cfg(flux, 5.0, "")  # guidance is an input of Flux's transformer
     assert default_bounds(8, 0, 0, native_image_cost=2.0) == (16.0, 32.0)  # 8 native CFG images
     assert default_bounds(8, 10.0, 12.0, native_image_cost=2.0) == (10.0, 12.0)

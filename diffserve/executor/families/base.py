@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from diffserve.costs import ABOVE_ONE, uses_cfg
 from diffserve.tasks import Task
 
 
@@ -94,6 +95,12 @@ class Conditioning:
     def dtype(self):
         return getattr(self, self._fields(BATCHED, PADDED)[0]).dtype
 
+    def prompt_tensors(self) -> dict[str, Any]:
+        """A one-row conditioning's prompt encoding as a rollout returns it, by name
+        (:mod:`diffserve.rollouts`): ``prompt_embeds`` [L, D] without padding, and
+        ``pooled_prompt_embeds`` [D] where the family has them."""
+        raise NotImplementedError(f"{type(self).__name__} does not return its prompt encoding")
+
 
 @dataclass
 class Encoded:
@@ -130,16 +137,18 @@ class Prepared:
 class Family:
     name: ClassVar[str]
     pipelines: ClassVar[tuple[str, ...]]  # text-to-image pipeline classes this family drives
-    # Flow-matching families (SD3, Flux) neither scale the denoiser's input nor add noise the
-    # DDPM way; the others' schedulers do both.
-    flow_matching: ClassVar[bool] = False
     # Whether the family's own text-to-image pipeline sets the scheduler's begin index to 0 (it
     # decides the first step only for schedules whose first timestep repeats).
     begins_at_index_zero: ClassVar[bool] = False
     # The pipeline keyword the request's guidance_scale is (Qwen-Image: true_cfg_scale).
     guidance_kwarg: ClassVar[str] = "guidance_scale"
-    # Whether classifier-free guidance runs only with a negative prompt (Qwen-Image's rule).
-    negative_enables_cfg: ClassVar[bool] = False
+    # When classifier-free guidance runs (diffserve.costs.GUIDANCE_RULES): with a scale above 1
+    # (most), only with a negative prompt too (Qwen-Image), or never (guidance as an input: Flux).
+    guidance_rule: ClassVar[str] = ABOVE_ONE
+    # The schedule's shift from the image's token count, where the scheduler shifts dynamically:
+    # the default of ``max_shift`` the family's own pipeline passes when the scheduler's config
+    # has none (SD3's differs from Flux's).
+    max_shift: ClassVar[float] = 1.15
 
     def __init__(self, pipe, pipelines: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
         import torch
@@ -163,7 +172,7 @@ class Family:
     @classmethod
     def uses_cfg(cls, guidance_scale: float, negative_prompt: str) -> bool:
         """Whether the family's own pipeline runs classifier-free guidance for these settings."""
-        return guidance_scale > 1 and (bool(negative_prompt) or not cls.negative_enables_cfg)
+        return uses_cfg(cls.guidance_rule, guidance_scale, negative_prompt)
 
     def encode(self, prompts: list[str], negatives: list[str] | None, cfg: bool) -> Encoded:
         """One call of the pipeline's ``encode_prompt`` for several prompts. ``negatives`` is None
@@ -244,19 +253,16 @@ class Family:
 
         return retrieve_timesteps(scheduler, steps, self.device)[0]
 
-    def flow_schedule(self, scheduler, steps: int, width: int, height: int, patch: int = 2):
-        """The flow-matching schedule of Flux and Qwen-Image: sigmas from 1 to 1/steps, shifted
-        by ``mu`` from the image's token count (``patch`` x ``patch`` latent cells a token)."""
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+    def shift(self, scheduler, width: int, height: int, patch: int):
+        """``mu``, the schedule's shift for an image of this size (``patch`` x ``patch`` latent
+        cells a token), by the rule the flow-matching pipelines share."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-        config = scheduler.config
-        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
-        scale = self.pipe.vae_scale_factor
+        config, scale = scheduler.config, self.pipe.vae_scale_factor
         seq_len = (height // scale // patch) * (width // scale // patch)
-        mu = calculate_shift(seq_len, config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
-        return retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)[0]
+        return calculate_shift(seq_len, config.get("base_image_seq_len", 256),
+                               config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                               config.get("max_shift", self.max_shift))
 
     def edit_schedule(self, pipe, scheduler, steps: int, strength: float, width: int, height: int):
         """An edit's schedule: the whole one, cut by ``strength`` by the edit pipeline's own
@@ -293,8 +299,10 @@ class Family:
         return (1 - blend.mask) * proper + blend.mask * latents
 
     def renoise(self, scheduler, image_latents, noise, timestep) -> Any:
+        """The input's latents at the noise level of ``timestep``, by the scheduler's own rule
+        (flow-matching schedulers interpolate, ``scale_noise``; the others ``add_noise``)."""
         t = self.torch.tensor([timestep])
-        if self.flow_matching:
+        if hasattr(scheduler, "scale_noise"):
             return scheduler.scale_noise(image_latents, t, noise)
         return scheduler.add_noise(image_latents, noise, t)
 
@@ -309,6 +317,10 @@ class Family:
     def unpack(self, latents, width: int, height: int):
         """Latents as the VAE takes them (families that pack latents into tokens unpack here)."""
         return latents
+
+    def image_latents_of(self, latents, width: int, height: int):
+        """Latents as an image's [k, C, h, w] (the layout a rollout returns them in)."""
+        return self.unpack(latents, width, height)
 
     def vae_latents(self, latents, task: Task):
         """The denoiser's latents in the VAE's own scale."""

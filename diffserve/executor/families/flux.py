@@ -7,7 +7,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.executor.families.base import Conditioning, Encoded, Family, shared
+from diffserve.costs import NEVER
+from diffserve.executor.families.base import Conditioning, Encoded, shared
+from diffserve.executor.families.packed_flow import PackedFlow
 
 # Position ids of the image tokens, per size: cheap to make, but kept for the sizes in use
 # (sizes are the clients' choice, so the cache is bounded).
@@ -20,20 +22,19 @@ class FluxConditioning(Conditioning):
     pooled_projections: Any
     text_ids: Any = shared()  # the text tokens' position ids: the same for every prompt
 
+    def prompt_tensors(self):
+        return {"prompt_embeds": self.prompt_embeds[0],
+                "pooled_prompt_embeds": self.pooled_projections[0]}
 
-class Flux(Family):
+
+class Flux(PackedFlow):
     name = "flux"
     pipelines = ("FluxPipeline",)
-    flow_matching = True
-    begins_at_index_zero = True
+    guidance_rule = NEVER  # guidance is an input of the transformer; negative prompts are not used
 
     def __init__(self, pipe, pipelines, call_kwargs) -> None:
         super().__init__(pipe, pipelines, call_kwargs)
         self._image_ids: OrderedDict[tuple[int, int], Any] = OrderedDict()
-
-    @classmethod
-    def uses_cfg(cls, guidance_scale, negative_prompt):
-        return False  # guidance is an input of the transformer; negative prompts are not used
 
     def encode(self, prompts, negatives, cfg):
         positive, pooled, text_ids = self.pipe.encode_prompt(
@@ -62,36 +63,6 @@ class Flux(Family):
             encoder_hidden_states=cond.prompt_embeds, pooled_projections=cond.pooled_projections,
             txt_ids=cond.text_ids, img_ids=self._latent_ids(width, height), return_dict=False)[0]
 
-    def unpack(self, latents, width, height):
-        return self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
-
     def vae_latents(self, latents, task):
         config = self.pipe.vae.config
         return latents / config.scaling_factor + config.shift_factor
-
-    def schedule(self, scheduler, steps, width, height):
-        return self.flow_schedule(scheduler, steps, width, height)
-
-    @property
-    def _channels(self) -> int:
-        return self.pipe.transformer.config.in_channels // 4
-
-    def noise_latents(self, k, width, height, dtype, generators):
-        latents, _ = self.pipe.prepare_latents(k, self._channels, height, width, dtype,
-                                               self.device, generators)
-        return latents
-
-    def image_latents(self, pipe, init, start, k, width, height, dtype, generators):
-        latents, _ = pipe.prepare_latents(init, start, k, self._channels, height, width, dtype,
-                                          self.device, generators)
-        return latents
-
-    def inpaint_latents(self, pipe, init, start, full_strength, k, width, height, dtype, generators):
-        latents, noise, image_latents, _ = pipe.prepare_latents(
-            init, start, k, self._channels, height, width, dtype, self.device, generators)
-        return latents, noise, image_latents
-
-    def mask_latents(self, pipe, condition, masked_image, k, width, height, dtype, generators):
-        mask, _ = pipe.prepare_mask_latents(condition, masked_image, k, self._channels, 1, height,
-                                            width, dtype, self.device, generators)
-        return mask

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.executor.families.base import Conditioning, Encoded, Family, padded
+from diffserve.costs import WITH_NEGATIVE
+from diffserve.executor.families.base import Conditioning, Encoded, padded
+from diffserve.executor.families.packed_flow import PackedFlow
 
 
 @dataclass
@@ -20,14 +22,16 @@ class QwenImageConditioning(Conditioning):
     prompt_embeds: Any = padded()
     prompt_embeds_mask: Any = padded()  # 1 for the prompt's own tokens, 0 for padding
 
+    def prompt_tensors(self):
+        # Padded to the longest prompt it was encoded with: its own tokens only.
+        return {"prompt_embeds": self.prompt_embeds[0, :int(self.prompt_embeds_mask[0].sum())]}
 
-class QwenImage(Family):
+
+class QwenImage(PackedFlow):
     name = "qwen-image"
     pipelines = ("QwenImagePipeline",)
-    flow_matching = True
-    begins_at_index_zero = True
     guidance_kwarg = "true_cfg_scale"
-    negative_enables_cfg = True
+    guidance_rule = WITH_NEGATIVE
 
     def _encode(self, prompts: list[str]) -> QwenImageConditioning:
         embeds, mask = self.pipe.encode_prompt(
@@ -53,12 +57,6 @@ class QwenImage(Family):
         # The pipeline keeps the conditional prediction's norm, per token.
         return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
 
-    def schedule(self, scheduler, steps, width, height):
-        return self.flow_schedule(scheduler, steps, width, height)
-
-    def unpack(self, latents, width, height):
-        return self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
-
     def vae_latents(self, latents, task):
         config, torch = self.pipe.vae.config, self.torch
         shape = (1, config.z_dim, 1, 1, 1)
@@ -66,26 +64,8 @@ class QwenImage(Family):
         std = torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
         return latents * std + mean
 
+    def image_latents_of(self, latents, width, height):
+        return self.unpack(latents, width, height)[:, :, 0]  # the VAE's latents carry a frame axis
+
     def vae_decode(self, latents):
         return self.pipe.vae.decode(latents, return_dict=False)[0][:, :, 0]
-
-    @property
-    def _channels(self) -> int:
-        return self.pipe.transformer.config.in_channels // 4
-
-    def noise_latents(self, k, width, height, dtype, generators):
-        return self.pipe.prepare_latents(k, self._channels, height, width, dtype, self.device,
-                                         generators)
-
-    def image_latents(self, pipe, init, start, k, width, height, dtype, generators):
-        return pipe.prepare_latents(init, start, k, self._channels, height, width, dtype,
-                                    self.device, generators)
-
-    def inpaint_latents(self, pipe, init, start, full_strength, k, width, height, dtype, generators):
-        return pipe.prepare_latents(init, start, k, self._channels, height, width, dtype,
-                                    self.device, generators)
-
-    def mask_latents(self, pipe, condition, masked_image, k, width, height, dtype, generators):
-        mask, _ = pipe.prepare_mask_latents(condition, masked_image, k, self._channels, 1, height,
-                                            width, dtype, self.device, generators)
-        return mask

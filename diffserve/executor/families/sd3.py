@@ -13,11 +13,15 @@ class SD3Conditioning(Conditioning):
     prompt_embeds: Any
     pooled_projections: Any
 
+    def prompt_tensors(self):
+        return {"prompt_embeds": self.prompt_embeds[0],
+                "pooled_prompt_embeds": self.pooled_projections[0]}
+
 
 class StableDiffusion3(Family):
     name = "stable-diffusion-3"
     pipelines = ("StableDiffusion3Pipeline",)
-    flow_matching = True
+    max_shift = 1.16  # its pipeline's default, where Flux's is 1.15
 
     def encode(self, prompts, negatives, cfg):
         positive, negative, pooled, negative_pooled = self.pipe.encode_prompt(
@@ -40,19 +44,12 @@ class StableDiffusion3(Family):
         return latents if task.masked else latents + vae.config.shift_factor
 
     def schedule(self, scheduler, steps, width, height):
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
-            calculate_shift,
-            retrieve_timesteps,
-        )
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import retrieve_timesteps
 
         kwargs = {}
-        config = scheduler.config
-        if config.get("use_dynamic_shifting", None):
-            patch, scale = self.pipe.transformer.config.patch_size, self.pipe.vae_scale_factor
-            seq_len = (height // scale // patch) * (width // scale // patch)
-            kwargs["mu"] = calculate_shift(
-                seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5), config.get("max_shift", 1.16))
+        if scheduler.config.get("use_dynamic_shifting", None):
+            kwargs["mu"] = self.shift(scheduler, width, height,
+                                      self.pipe.transformer.config.patch_size)
         return retrieve_timesteps(scheduler, steps, self.device, sigmas=None, **kwargs)[0]
 
     def noise_latents(self, k, width, height, dtype, generators):

@@ -1,10 +1,13 @@
-"""The rule that picks which running set the next step advances, with a fake clock and step
-costs: a new size starts at the next step, a lone rare size is not starved by a busy common one,
-the busy one is not halted by it, and a size whose requests waited longer for room catches up."""
+"""The time-fair set choice (the default --set-policy), with a fake clock and step costs: a new
+size starts at the next step, a lone rare size is not starved by a busy common one, the busy one
+is not halted by it, and a size whose requests waited longer for room catches up."""
 
 from __future__ import annotations
 
-from diffserve.executor.fairness import Progress, next_set
+from diffserve.policies import set_policy
+from diffserve.policies.base import Member
+
+choose = set_policy("fair").choose
 
 
 class Executor:
@@ -12,16 +15,16 @@ class Executor:
 
     def __init__(self, step_cost: dict[str, float]) -> None:
         self.cost, self.now = step_cost, 0.0
-        self.sets: dict[str, list[Progress]] = {}
+        self.sets: dict[str, list[Member]] = {}
         self.order: list[str] = []
 
-    def admit(self, size: str, waited: float = 0.0) -> Progress:
-        p = Progress(self.now - waited)  # it arrived ``waited`` before its admission
+    def admit(self, size: str, waited: float = 0.0) -> Member:
+        p = Member(self.now - waited)  # it arrived ``waited`` before its admission
         self.sets.setdefault(size, []).append(p)
         return p
 
     def step(self, steps_per_request: int = 1000) -> str:
-        size = next_set({k: v for k, v in self.sets.items() if v}, self.now)
+        size = choose({k: v for k, v in self.sets.items() if v}, self.now)
         self.now += self.cost[size]
         for p in self.sets[size]:
             p.stepped(self.cost[size])

@@ -1,0 +1,84 @@
+"""A model ready to serve, built in one place: load the pipeline, pick the family and the
+batching mode, build each task's pipeline, load the LoRA adapters, and describe it all for the
+frontend. The executor process, ``diffserve calibrate`` and the offline benchmark all start here,
+so what they measure is what the server runs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from diffserve.config import ServerConfig
+from diffserve.executor.loading import (
+    LoadedModel,
+    load_model,
+    model_info,
+    resolve_mode,
+    task_pipelines,
+    token_counter,
+)
+from diffserve.protocol import ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    loaded: LoadedModel
+    family: Any  # the step engine's family (an instance), None where it does not know the pipeline
+    pipelines: dict[str, Any]  # task name -> its pipeline
+    mode: str  # the batching mode it serves in
+    info: ModelInfo
+    adapters: Any  # the AdapterStore, None where the server serves no adapters
+    count_tokens: Callable[[str], int]
+    config: ServerConfig
+
+    def step_engine(self, **kwargs):
+        """A step engine over this model, with the configured set policy."""
+        from diffserve.executor.step_engine import StepEngine
+        from diffserve.policies import set_policy
+
+        return StepEngine(self.family, self.count_tokens, adapters=self.adapters,
+                          policy=set_policy(self.config.set_policy), **kwargs)
+
+    def request_runner(self, should_interrupt=lambda: False, emit_partial=lambda partial: None):
+        from diffserve.executor.request_runner import RequestRunner
+
+        return RequestRunner(self.loaded, self.pipelines, self.family, self.count_tokens,
+                             should_interrupt, emit_partial, self.adapters)
+
+
+def build_runtime(config: ServerConfig, device: str | None = None, torch_threads: int = 0,
+                  index: int = 0, on_adapter_event=lambda event, **kw: None) -> Runtime:
+    """The model of ``config`` on ``device`` (default ``config.device``), ready to serve.
+    Raises where it cannot serve as configured (an unknown family with --batching-mode step,
+    an adapter that does not load)."""
+    from diffserve.executor.families import family_for
+
+    loaded = load_model(config.model, device or config.device, config.dtype, torch_threads, index)
+    family_cls = family_for(loaded.pipeline_class)
+    mode = resolve_mode(config.batching_mode, family_cls, loaded.pipeline_class)
+    pipelines = task_pipelines(loaded.pipe, family_cls)
+    family = family_cls(loaded.pipe, pipelines, loaded.call_kwargs) if family_cls else None
+    adapters = load_adapters(loaded.pipe, config, on_adapter_event)
+    info = model_info(loaded, config, mode, family_cls, list(pipelines),
+                      list(adapters.current) if adapters else [])
+    return Runtime(loaded, family, pipelines, mode, info, adapters, token_counter(loaded.pipe),
+                   config)
+
+
+def load_adapters(pipe, config: ServerConfig, on_event):
+    """The LoRA adapters, the --lora-modules ones loaded and checked; None where the server
+    serves none (nothing of PEFT is then imported or hooked)."""
+    if not config.serves_adapters:
+        return None
+    from diffserve.executor.adapters import AdapterError, AdapterStore
+
+    store = AdapterStore(pipe, config.max_loras, config.max_lora_rank, on_event)
+    for name, path in config.lora_adapters.items():
+        try:
+            store.add(name, path)
+        except AdapterError as error:
+            raise RuntimeError(f"LoRA adapter {name!r} (--lora-modules): {error}") from None
+    return store

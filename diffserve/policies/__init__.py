@@ -1,0 +1,46 @@
+"""Scheduling policies, each one file, named by configuration.
+
+Two decisions are policies, and nothing else decides them:
+
+- **queue order** (``--scheduling-policy``): which waiting request is the head, the one the next
+  batch or admission is built around (:class:`~diffserve.policies.base.QueuePolicy`);
+- **set choice** (``--set-policy``, step mode): which running set the next denoising step
+  advances when an executor holds several (:class:`~diffserve.policies.base.SetPolicy`).
+
+A new policy is a file here plus one line in the registry below. Torch-free: the scheduler and
+the executors both read it.
+"""
+
+from __future__ import annotations
+
+from diffserve.policies.base import Member, QueuePolicy, SetPolicy
+from diffserve.policies.fair import TimeFair
+from diffserve.policies.fcfs import FirstCome
+from diffserve.policies.sjf import ShortestJobFirst
+
+QUEUE_POLICIES: dict[str, type[QueuePolicy]] = {
+    FirstCome.name: FirstCome,
+    ShortestJobFirst.name: ShortestJobFirst,
+}
+SET_POLICIES: dict[str, type[SetPolicy]] = {
+    TimeFair.name: TimeFair,
+}
+
+__all__ = ["Member", "QueuePolicy", "SetPolicy", "QUEUE_POLICIES", "SET_POLICIES",
+           "queue_policy", "set_policy"]
+
+
+def queue_policy(name: str, **options) -> QueuePolicy:
+    return _make(QUEUE_POLICIES, name, "--scheduling-policy", options)
+
+
+def set_policy(name: str, **options) -> SetPolicy:
+    return _make(SET_POLICIES, name, "--set-policy", options)
+
+
+def _make(registry: dict, name: str, flag: str, options: dict):
+    try:
+        cls = registry[name]
+    except KeyError:
+        raise ValueError(f"{flag} {name!r} is not one of {', '.join(registry)}") from None
+    return cls(**options)

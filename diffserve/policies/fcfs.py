@@ -1,0 +1,12 @@
+"""First come, first served: the oldest waiting request is the head."""
+
+from __future__ import annotations
+
+from diffserve.policies.base import Job, QueuePolicy
+
+
+class FirstCome(QueuePolicy):
+    name = "fcfs"
+
+    def rank(self, request: Job, enqueued_at: float) -> tuple:
+        return (enqueued_at,)
