@@ -71,6 +71,10 @@ class ServerConfig:
         "any diffusers text-to-image pipeline. step: requests join and leave a running batch "
         "between denoising steps (SD 1.x/2.x, SDXL, SD3, Flux). auto: step where the pipeline's "
         "family is supported, else request.", choices=("auto", "step", "request"))
+    skip_startup_check: bool = option(
+        False, "Step mode: skip the start-up check that runs a two-step request of every task "
+        "through the step engine and through the plain pipeline, and serves in request mode "
+        "(auto; --batching-mode step refuses to start) where they differ.")
     data_parallel_size: int = option(
         0, "Executor processes fed by the one queue, one per device. 0 = one per entry of "
         "--devices, else 1.", ge=0, le=256)

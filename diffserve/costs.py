@@ -10,9 +10,10 @@ from __future__ import annotations
 
 # When a pipeline runs classifier-free guidance (two rows an image):
 ABOVE_ONE = "above_one"  # a guidance scale above 1 (most pipelines; request mode's rule)
+ABOVE_ZERO = "above_zero"  # a scale above 0 (Z-Image, whose scale counts from 0: pos + g(pos-neg))
 WITH_NEGATIVE = "with_negative"  # a scale above 1 and a negative prompt (Qwen-Image's true CFG)
 NEVER = "never"  # guidance is an input of the denoiser, one row an image (Flux)
-GUIDANCE_RULES = (ABOVE_ONE, WITH_NEGATIVE, NEVER)
+GUIDANCE_RULES = (ABOVE_ONE, ABOVE_ZERO, WITH_NEGATIVE, NEVER)
 
 
 def uses_cfg(rule: str, guidance_scale: float, negative_prompt: str) -> bool:
@@ -23,7 +24,7 @@ def uses_cfg(rule: str, guidance_scale: float, negative_prompt: str) -> bool:
         return False
     if rule not in GUIDANCE_RULES:
         raise ValueError(f"unknown guidance rule {rule!r}")
-    return guidance_scale > 1
+    return guidance_scale > (0 if rule == ABOVE_ZERO else 1)
 
 
 def image_cost(width: int, height: int, native_width: int, native_height: int, cfg: bool) -> float:

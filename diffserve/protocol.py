@@ -55,10 +55,14 @@ class ImageRequest:
     model: str = shape()
     width: int = shape()
     height: int = shape()
+    # Instruction edits: how many reference images condition it. Their tokens lengthen every
+    # row's sequence, so requests with different counts never share a forward.
+    references: int = shape(0)
     task: str = call(GENERATE.name)  # a name in diffserve.tasks.TASKS
     num_inference_steps: int = call(20)
     guidance_scale: float = call(5.0)
     strength: float = call(1.0)  # edits: how far from the input image (1.0: ignore it)
+    scheduler: str = call("")  # a sampler name (diffserve.executor.samplers); "": the model's own
     prompt: str = sample("")
     negative_prompt: str = sample("")
     seed: int = sample(0)
@@ -85,7 +89,8 @@ class ImageRequest:
 
     @property
     def input_frames(self) -> int:
-        return len(self.task_spec.inputs)
+        task = self.task_spec
+        return len(task.inputs) + (self.references if task.references else 0)
 
     def seed_of(self, index: int) -> int:
         """The seed of image ``index``: consecutive from the request's seed, wrapping at 2**32."""
@@ -238,6 +243,8 @@ class ModelInfo:
     # requests by it without knowing the families.
     guidance_rule: str = ABOVE_ONE
     adapters: list[str] = field(default_factory=list)  # LoRA adapters served at start
+    max_edit_images: int = 0  # the most input images one edit takes (0: no edits)
+    schedulers: list[str] = field(default_factory=list)  # sampler names a request may pick
     # Admission by cost (diffserve.costs): the bounds with their defaults resolved for this model.
     max_batch_cost: float = 0.0
     max_running_cost: float = 0.0

@@ -45,15 +45,23 @@ def split_inputs(items: Sequence[WorkItem], frames: list[Any]) -> list[list[Any]
 
 
 def input_arrays(request: ImageRequest, frames: list[Any]) -> dict[str, Any]:
-    """A request's input frames as uint8 arrays, by the pipeline keyword of each input."""
+    """A request's input frames as uint8 arrays, by the pipeline keyword of each input; an
+    instruction edit's reference images as a list under ``references``."""
     import numpy as np
 
-    inputs = request.task_spec.inputs
-    if len(frames) != len(inputs):
-        raise ProtocolError(f"a {request.task} request carries {len(inputs)} input frames, "
-                            f"not {len(frames)}")
-    return {spec.name: np.asarray(frame, np.uint8).reshape(spec.shape(request.width, request.height))
-            for spec, frame in zip(inputs, frames)}
+    from diffserve.tasks import REFERENCE
+
+    task = request.task_spec
+    if len(frames) != request.input_frames:
+        raise ProtocolError(f"a {request.task} request carries {request.input_frames} input "
+                            f"frames, not {len(frames)}")
+    size = (request.width, request.height)
+    arrays: dict[str, Any] = {spec.name: np.asarray(frame, np.uint8).reshape(spec.shape(*size))
+                              for spec, frame in zip(task.inputs, frames)}
+    if task.references:
+        arrays[REFERENCE.name] = [np.asarray(frame, np.uint8).reshape(REFERENCE.shape(*size))
+                                  for frame in frames[len(task.inputs):]]
+    return arrays
 
 
 def generators(request: ImageRequest, start: int, stop: int) -> list:

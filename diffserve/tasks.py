@@ -28,6 +28,7 @@ class Input:
 
 IMAGE = Input("image", 3, "image")
 MASK = Input("mask_image", 1, "mask")
+REFERENCE = Input("references", 3, "image")  # each of an instruction edit's images
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class Task:
     # Sampled as a stochastic process whose trajectory and per-step log-probabilities are
     # returned (reinforcement learning); only for families with a flow-matching scheduler.
     trajectory: bool = False
+    # Conditioned on reference images (an instruction edit): its input images are references,
+    # as many as the request carries (ImageRequest.references), after its fixed inputs. Their
+    # tokens travel per row beside the generated ones; denoising starts from noise.
+    references: bool = False
     needs: str = "a pipeline for it in diffusers"  # what a model lacks when it cannot do the task
 
     @property
@@ -60,12 +65,18 @@ IMAGE_TO_IMAGE = Task("image-to-image", (IMAGE,), "AutoPipelineForImage2Image",
 INPAINT = Task("inpaint", (IMAGE, MASK), "AutoPipelineForInpainting",
                "the masked part of an input image redrawn to the prompt")
 
+EDIT = Task("edit", description="the input images edited as the prompt instructs (the model "
+            "conditions on them as references)", references=True,
+            needs="a model whose pipeline conditions on reference images (FLUX.1 Kontext, "
+            "Qwen-Image-Edit, FLUX.2)")
+
 ROLLOUT = Task("rollout", description="a sampled denoising trajectory with per-step "
                "log-probabilities", trajectory=True,
                needs="a flow-matching model the step engine knows (SD3, Flux, Qwen-Image) with "
                "its flow-matching Euler scheduler")
 
-TASKS: dict[str, Task] = {task.name: task for task in (GENERATE, IMAGE_TO_IMAGE, INPAINT, ROLLOUT)}
+TASKS: dict[str, Task] = {task.name: task for task in (GENERATE, IMAGE_TO_IMAGE, INPAINT, EDIT,
+                                                       ROLLOUT)}
 
 
 def task_named(name: str) -> Task:

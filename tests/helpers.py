@@ -13,13 +13,13 @@ def make_request(n: int = 1, *, request_id: str | None = None, width: int = 64, 
                  steps: int = 4, guidance: float = 5.0, prompt: str | None = None, seed: int = 0,
                  model: str = "tiny-sd", negative_prompt: str = "", task: str = "generate",
                  strength: float = 1.0, partial_images: int = 0, loras=(),
-                 cost: float = 1.0) -> ImageRequest:
+                 cost: float = 1.0, references: int = 0, scheduler: str = "") -> ImageRequest:
     rid = request_id or f"r{next(_ids)}"
     return ImageRequest(request_id=rid, model=model, width=width, height=height, task=task,
                         num_inference_steps=steps, guidance_scale=guidance, strength=strength,
                         prompt=prompt or f"prompt of {rid}", negative_prompt=negative_prompt,
                         seed=seed, n=n, partial_images=partial_images, loras=tuple(loras),
-                        cost=cost)
+                        cost=cost, references=references, scheduler=scheduler)
 
 
 def run(c, d, errors=None, only=None, now=1.0, seconds=0.1, status=None):
@@ -40,6 +40,24 @@ def run(c, d, errors=None, only=None, now=1.0, seconds=0.1, status=None):
 
 def taken(dispatches):
     return [[(i.request.request_id, i.start, i.stop) for i in d.work.items] for d in dispatches]
+
+
+def run_plan(engine, plan: dict) -> dict:
+    """Drive a step engine: ``plan[step]`` lists (request, input frames) admitted before that
+    step; every request must finish. Each request's images, by request id."""
+    from diffserve.protocol import WorkItem
+
+    images, step = {}, 0
+    while step == 0 or engine:
+        if step in plan:
+            failed = engine.admit([WorkItem(r, 0, r.n) for r, _ in plan[step]],
+                                  [frames for _, frames in plan[step]])
+            assert not failed, [f.error for f in failed]
+        for o in engine.step().finished:
+            assert o.error is None, o.error
+            images[o.item.request.request_id] = o.images
+        step += 1
+    return images
 
 
 def exit_with(code: int) -> None:

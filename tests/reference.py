@@ -14,11 +14,19 @@ from diffserve.executor.loading import FORCED_KWARGS, LoadedModel
 from diffserve.protocol import ImageRequest
 
 
+# What the documented rules add to a plain call of these pipelines (README, "Instruction edits"):
+# the size asked for, and an input image taken as it is (the server fits it to that size).
+SIZE_BY_AREA = {"FluxKontextPipeline"}
+# Pipelines called for one prompt with the request's images: as one image, or as a list.
+ONE_PROMPT = {"QwenImageEditPipeline": "single", "QwenImageEditPlusPipeline": "list"}
+
+
 def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None, mask=None,
-         start: int = 0, stop: int | None = None) -> np.ndarray:
+         start: int = 0, stop: int | None = None, references=None) -> np.ndarray:
     """Images ``start``..``stop-1`` of ``request`` from one call of the plain pipeline for its task
     (``pipelines``: task name -> pipeline, the loaded one where the task is missing), with the
-    seeds the server uses (image i: seed + i) and nothing else shared."""
+    seeds the server uses (image i: seed + i) and nothing else shared. ``references``: an
+    instruction edit's images (fitted to the request's size), each row gets them."""
     stop = request.n if stop is None else stop
     pipe = pipelines.get(request.task, loaded.pipe)
     accepts = set(inspect.signature(pipe.__call__).parameters)
@@ -39,6 +47,19 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
         kwargs.update(image=[Image.fromarray(image)] * count, strength=request.strength)
     if request.task_spec.masked:
         kwargs["mask_image"] = [Image.fromarray(mask)] * count
+    if type(pipe).__name__ in SIZE_BY_AREA:
+        kwargs["max_area"] = request.width * request.height
+        if references:
+            kwargs["_auto_resize"] = False
+    pictures = [Image.fromarray(r) for r in references or ()]
+    if type(pipe).__name__ in ONE_PROMPT:
+        kwargs.update(prompt=request.prompt, num_images_per_prompt=count,
+                      image=pictures[0] if ONE_PROMPT[type(pipe).__name__] == "single" else pictures)
+        if request.negative_prompt:
+            kwargs["negative_prompt"] = request.negative_prompt
+    elif pictures:
+        (picture,) = pictures  # one image a row
+        kwargs["image"] = [picture] * count
     with torch.inference_mode():
         return to_uint8(pipe(**kwargs).images)
 

@@ -33,13 +33,15 @@ def test_every_request_field_declares_its_batching_role():
 
 
 def test_the_batch_key_follows_the_mode():
-    assert {"model", "width", "height"} == set(fields_with_role(ImageRequest, SHAPE))
-    call = {"num_inference_steps", "guidance_scale", "strength", "task", "loras", "noise_level"}
+    shape = {"model", "width", "height", "references"}
+    assert shape == set(fields_with_role(ImageRequest, SHAPE))
+    call = {"num_inference_steps", "guidance_scale", "strength", "task", "loras", "noise_level",
+            "scheduler"}
     assert call == set(fields_with_role(ImageRequest, CALL))
     assert {"prompt", "negative_prompt", "seed", "n", "returns"} <= set(
         fields_with_role(ImageRequest, SAMPLE))
-    assert set(batch_key_fields(ImageRequest, STEP_MODE)) == {"model", "width", "height"}
-    assert set(batch_key_fields(ImageRequest, REQUEST_MODE)) == {"model", "width", "height"} | call
+    assert set(batch_key_fields(ImageRequest, STEP_MODE)) == shape
+    assert set(batch_key_fields(ImageRequest, REQUEST_MODE)) == shape | call
     a = make_request(prompt="x", seed=1, n=1)
     b = make_request(prompt="y", seed=2, n=4, negative_prompt="z", partial_images=2)
     assert a.batch_key(REQUEST_MODE) == b.batch_key(REQUEST_MODE)

@@ -11,9 +11,10 @@ from typing import Any
 
 from diffserve.config import ServerConfig
 from diffserve.costs import ABOVE_ONE, default_bounds, image_cost, uses_cfg
+from diffserve.executor.samplers import offered
 from diffserve.models.registry import resolve_model, serving_defaults
 from diffserve.protocol import REQUEST_MODE, STEP_MODE, ModelInfo
-from diffserve.tasks import GENERATE, TASKS
+from diffserve.tasks import EDIT, GENERATE, IMAGE_TO_IMAGE, TASKS
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
     import torch
     from diffusers import DiffusionPipeline
 
+    from diffserve.executor.compat import allow_processors_without_torchvision
+
     quiet_libraries()
     if torch_threads:  # 0: torch's default (OMP_NUM_THREADS if set, else the cores)
         torch.set_num_threads(torch_threads)
@@ -75,6 +78,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
         dtype = "float16" if device.startswith("cuda") else "float32"
     path = resolve_model(model)
     defaults = serving_defaults(path)
+    allow_processors_without_torchvision()
     pipe = DiffusionPipeline.from_pretrained(path, dtype=getattr(torch, dtype))
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
@@ -134,31 +138,49 @@ def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: typ
         supports_negative_prompt="negative_prompt" in loaded.accepts,
         device=loaded.device, dtype=loaded.dtype, batching_mode=mode, tasks=tasks,
         partial_images=family is not None, family=family.name if family else None,
-        guidance_rule=rule, adapters=adapters or [], max_batch_cost=batch_cost,
+        max_edit_images=(family.max_references if family and EDIT.name in tasks else
+                         1 if IMAGE_TO_IMAGE.name in tasks else 0),
+        guidance_rule=rule, schedulers=offered(pipe.scheduler) if getattr(pipe, "scheduler", None)
+        else [], adapters=adapters or [], max_batch_cost=batch_cost,
         max_running_cost=running_cost)
 
 
 def task_pipelines(pipe, family: type | None = None) -> dict[str, Any]:
-    """Task name -> the pipeline that runs it: the loaded one for generation (and rollouts, where
-    the step engine knows the ``family`` and the rollout sampler the scheduler), and for every
-    task that has an auto-pipeline, that pipeline of the loaded one's family, built from its own
-    components (no second copy of the weights). A family without one lacks the task."""
+    """Task name -> the pipeline that runs it: the loaded one for generation (unless its family
+    only edits), for instruction edits (where the ``family`` conditions on reference images)
+    and for rollouts (where the step engine knows the ``family`` and the rollout sampler the
+    scheduler); and for image-to-image and inpainting, the auto-pipeline of the loaded one's
+    family, built from its own components (no second copy of the weights), where it has one
+    that redraws an input image by ``strength``. A model without a pipeline lacks the task."""
     import diffusers
 
     from diffserve.executor.rollout import samples_with
 
-    found: dict[str, Any] = {GENERATE.name: pipe}
+    found: dict[str, Any] = {}
+    if family is None or family.generates:
+        found[GENERATE.name] = pipe
     for task in TASKS.values():
         if task.trajectory:
-            if family is not None and samples_with(pipe.scheduler):
+            if family is not None and family.generates and samples_with(pipe.scheduler):
                 found[task.name] = pipe
             continue
-        if task.auto_pipeline is None:
+        if task.references:
+            if family is not None and family.max_references:
+                found[task.name] = pipe
+            continue
+        if task.auto_pipeline is None or (family is not None
+                                          and task.name not in family.strength_tasks):
             continue
         try:
             built = getattr(diffusers, task.auto_pipeline).from_pipe(pipe)
         except (ValueError, KeyError, TypeError) as error:
             log.info("no %s pipeline for %s: %s", task.name, type(pipe).__name__, error)
+            continue
+        if "strength" not in inspect.signature(built.__call__).parameters:
+            # e.g. FLUX.1 Kontext's and Qwen-Image-Edit's own pipelines stand in for their
+            # image-to-image: they edit by instruction (the edit task), not by strength.
+            log.info("no %s pipeline for %s: %s takes no strength", task.name,
+                     type(pipe).__name__, type(built).__name__)
             continue
         built.set_progress_bar_config(disable=True)
         found[task.name] = built

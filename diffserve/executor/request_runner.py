@@ -12,17 +12,19 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable
 
 import numpy as np
 
 from diffserve.costs import WITH_NEGATIVE
 from diffserve.executor.adapters import AdapterStore
-from diffserve.executor.families.base import Family, to_uint8
+from diffserve.executor.families.base import Family, scheduler_swapped, to_uint8
 from diffserve.executor.loading import LoadedModel
+from diffserve.executor.samplers import build as build_sampler
 from diffserve.executor.results import Outcome, PartialImage, describe, partial_steps
 from diffserve.protocol import Work, WorkItem
+from diffserve.tasks import REFERENCE
 from diffserve.samples import chunks, generators, group_by, input_arrays, isolate
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class RequestRunner:
         self.guidance_kwarg = family.guidance_kwarg if family else "guidance_scale"
         self._interrupted = False
         self._sent: set[tuple[str, int, int]] = set()  # previews streamed during this batch
+        self._samplers: dict[str, Any] = {}  # name -> the scheduler for calls that pick it
 
     def execute(self, work: Work, inputs: list[list[Any]]) -> list[Outcome]:
         """Run a batch. If the batched call raises, run each request alone so that only the
@@ -104,12 +107,19 @@ class RequestRunner:
         """Each pair's images, in as few pipeline calls as the pipeline allows."""
         if self._interrupted:  # every caller left during an earlier call: nothing to retry
             return [np.empty(0)] * len(pairs)
-        key = (lambda pair: bool(pair[0].request.negative_prompt)) if self.split_negatives else (
-            lambda pair: None)
+        negatives, alone = self.split_negatives, self._one_request_a_call(pairs[0][0].request)
+        key = lambda pair: (negatives and bool(pair[0].request.negative_prompt),  # noqa: E731
+                            alone and pair[0].request.request_id)
         images: dict[int, np.ndarray] = {}
         for group in group_by(pairs, key).values():
             images.update(zip(map(id, group), self._call(group)))
         return [images[id(pair)] for pair in pairs]
+
+    def _one_request_a_call(self, request) -> bool:
+        """A pipeline that takes one set of references for the whole call (not one per prompt
+        row) edits one request a call, called as for one prompt."""
+        return bool(self.family is not None and not self.family.references_per_row
+                    and request.task_spec.references)
 
     def _call(self, pairs: list[Pair]) -> list[np.ndarray]:
         """One pipeline call for these items; each item's images."""
@@ -130,18 +140,38 @@ class RequestRunner:
             kwargs[self.guidance_kwarg] = first.guidance_scale
         if "negative_prompt" in accepts and any(item.request.negative_prompt for item, _ in samples):
             kwargs["negative_prompt"] = [item.request.negative_prompt for item, _ in samples]
+        if self._one_request_a_call(first):
+            kwargs.update(prompt=first.prompt, num_images_per_prompt=len(samples))
+            if "negative_prompt" in kwargs:
+                kwargs["negative_prompt"] = first.negative_prompt
+        arrays = [input_arrays(item.request, frames) for item, frames in pairs]
         if first.task_spec.inputs:
             kwargs["strength"] = first.strength
-            arrays = [input_arrays(item.request, frames) for item, frames in pairs]
             for spec in first.task_spec.inputs:
                 kwargs[spec.name] = [Image.fromarray(a[spec.name]) for a, (item, _) in
                                      zip(arrays, pairs) for _ in range(item.samples)]
+        if self.family is not None:
+            references = ([[Image.fromarray(r) for r in a[REFERENCE.name]] for a, (item, _) in
+                           zip(arrays, pairs) for _ in range(item.samples)]
+                          if first.task_spec.references else None)
+            kwargs.update(self.family.request_kwargs(first.task_spec, first.width, first.height,
+                                                     references))
         if "callback_on_step_end" in accepts:
             kwargs["callback_on_step_end"] = self._step_callback(samples)
-        with self.torch.inference_mode(), self._adapters(first.loras):
+        with self.torch.inference_mode(), self._adapters(first.loras), self._sampler(pipe, first):
             images = to_uint8(pipe(**kwargs).images)
         check_output(images, len(samples), first.width, first.height, type(pipe).__name__)
         return chunks(images, [item.samples for item, _ in pairs])
+
+    def _sampler(self, pipe, request):
+        """The call with the request's sampler (a batch shares it: it is a call field) in place
+        of the pipeline's scheduler."""
+        if not request.scheduler:
+            return nullcontext()
+        if request.scheduler not in self._samplers:
+            self._samplers[request.scheduler] = build_sampler(self.loaded.pipe.scheduler,
+                                                              request.scheduler)
+        return scheduler_swapped(pipe, self._samplers[request.scheduler])
 
     @contextmanager
     def _adapters(self, loras):

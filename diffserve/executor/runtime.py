@@ -5,20 +5,23 @@ so what they measure is what the server runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from diffserve.config import ServerConfig
+from diffserve.executor import self_check
 from diffserve.executor.loading import (
     LoadedModel,
+    UnsupportedMode,
     load_model,
     model_info,
     resolve_mode,
     task_pipelines,
     token_counter,
 )
-from diffserve.protocol import ModelInfo
+from diffserve.protocol import REQUEST_MODE, STEP_MODE, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +65,26 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
     pipelines = task_pipelines(loaded.pipe, family_cls)
     family = family_cls(loaded.pipe, pipelines, loaded.call_kwargs) if family_cls else None
     adapters = load_adapters(loaded.pipe, config, on_adapter_event)
-    info = model_info(loaded, config, mode, family_cls, list(pipelines),
-                      list(adapters.current) if adapters else [])
-    return Runtime(loaded, family, pipelines, mode, info, adapters, token_counter(loaded.pipe),
-                   config)
+    describe = lambda mode: model_info(  # noqa: E731
+        loaded, config, mode, family_cls, list(pipelines), list(adapters.current) if adapters else [])
+    rt = Runtime(loaded, family, pipelines, mode, describe(mode), adapters,
+                 token_counter(loaded.pipe), config)
+    if mode == STEP_MODE and not config.skip_startup_check:
+        why = self_check.check(rt)
+        if why is not None:
+            if config.batching_mode == STEP_MODE:
+                raise UnsupportedMode(f"--batching-mode step: on this model the step engine does "
+                                      f"not match the plain pipeline ({why}); use "
+                                      "--batching-mode request (or auto)")
+            log.warning("serving in request mode: the start-up check found that on this model "
+                        "the step engine does not match the plain pipeline (%s)", why)
+            rt.mode, rt.info = REQUEST_MODE, describe(REQUEST_MODE)
+    if rt.info.schedulers and not config.skip_startup_check:
+        working, why = self_check.samplers(rt, rt.info.schedulers)
+        for name, reason in why.items():
+            log.info("sampler %s is not offered: %s", name, reason)
+        rt.info = dataclasses.replace(rt.info, schedulers=working)
+    return rt
 
 
 def load_adapters(pipe, config: ServerConfig, on_event):

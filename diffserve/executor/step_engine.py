@@ -50,6 +50,7 @@ from diffserve.policies import SetPolicy
 from diffserve.policies.fair import TimeFair
 from diffserve.policies.base import Member
 from diffserve.protocol import STEP_MODE, WorkItem
+from diffserve.tasks import REFERENCE
 from diffserve.samples import chunks, generators, group_by, input_arrays, isolate
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,8 @@ class StepEngine:
         return failed
 
     def _encode_pairs(self, pairs: list) -> list[Encoded]:
-        return self._encode([item for (item, _), _ in pairs], [stack for _, stack in pairs])
+        return self._encode([item for (item, _), _ in pairs], [stack for _, stack in pairs],
+                            [frames for (_, frames), _ in pairs])
 
     def _acquire(self, item: WorkItem):
         """The item's adapter stack (held from now on), () without adapters, None to wait."""
@@ -213,19 +215,23 @@ class StepEngine:
             return nullcontext()
         return self.adapters.rows.rows(stacks)
 
-    def _encode(self, items: list[WorkItem], stacks: list) -> list[Encoded]:
+    def _encode(self, items: list[WorkItem], stacks: list, frames: list[list[Any]]) -> list[Encoded]:
         """Every item's text conditioning (one row per image), in one encoder call per group:
         the requests with a negative prompt, and the rest (which some families encode
-        differently). Each prompt row is encoded with its own request's adapters."""
+        differently). Each prompt row is encoded with its own request's adapters (and, where the
+        family's text encoder sees them, its reference images)."""
         fam = self.family
         cfg = [fam.uses_cfg(i.request.guidance_scale, i.request.negative_prompt) for i in items]
         negative = lambda i: cfg[i] and bool(items[i].request.negative_prompt)  # noqa: E731
+        seen = ([input_arrays(item.request, f).get(REFERENCE.name) for item, f in zip(items, frames)]
+                if fam.encodes_references else None)
         encoded: list[Encoded | None] = [None] * len(items)
         for with_negative, group in group_by(range(len(items)), negative).items():
+            extra = {"references": [seen[i] for i in group]} if seen is not None else {}
             with self._rows([stacks[i] for i in group]):
                 both = fam.encode([items[i].request.prompt for i in group],
                                   [items[i].request.negative_prompt for i in group] if with_negative
-                                  else None, any(cfg[i] for i in group))
+                                  else None, any(cfg[i] for i in group), **extra)
             for row, i in enumerate(group):
                 k = items[i].samples
                 encoded[i] = Encoded(both.positive.rows(row, row + 1).repeat(k),
@@ -235,7 +241,7 @@ class StepEngine:
     def _unit(self, item: WorkItem, frames: list[Any], encoded: Encoded, start: float,
               stack: tuple, arrived: float) -> Unit:
         fam, r = self.family, item.request
-        scheduler = fam.new_scheduler()
+        scheduler = fam.new_scheduler(r.scheduler)
         gens = generators(r, item.start, item.stop)
         prepared = fam.prepare(r.task_spec, scheduler, r.num_inference_steps, r.strength, r.width,
                                r.height, gens, encoded, input_arrays(r, frames))

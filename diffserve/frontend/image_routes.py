@@ -16,11 +16,11 @@ from diffserve.frontend.bodies import form_body_schema, json_body_schema, parse_
 from diffserve.frontend.schemas import (ImageEditForm, ImageGenerationRequest, ImagesResponse,
                                         RolloutRequest)
 from diffserve.frontend.serving import Accepted, Serving
-from diffserve.frontend.uploads import decode_inputs, parse_form, read_limited
-from diffserve.frontend.validation import to_engine_request
+from diffserve.frontend.uploads import decode_inputs, image_size, parse_form, read_limited
+from diffserve.frontend.validation import fitted_size, to_engine_request
 from diffserve.protocol import ImageRequest
 from diffserve.rollouts import LATENTS_LAYOUT, safetensors_body
-from diffserve.tasks import GENERATE, IMAGE_TO_IMAGE, INPAINT, ROLLOUT
+from diffserve.tasks import EDIT, GENERATE, IMAGE_TO_IMAGE, INPAINT, ROLLOUT, Task
 
 
 def rollout_fields(request: ImageRequest) -> dict:
@@ -30,6 +30,14 @@ def rollout_fields(request: ImageRequest) -> dict:
             "num_inference_steps": request.num_inference_steps,
             "guidance_scale": request.guidance_scale, "noise_level": request.noise_level,
             "loras": [list(pair) for pair in request.loras], "return": list(request.returns)}
+
+
+def edit_task(info, form) -> Task:
+    """What an edit of this model is: inpainting with a mask; else an instruction edit where the
+    model conditions on reference images, image-to-image where it redraws by strength."""
+    if form.mask is not None:
+        return INPAINT
+    return EDIT if EDIT.name in info.tasks else IMAGE_TO_IMAGE
 
 
 def image_routes(serving: Serving) -> APIRouter:
@@ -57,9 +65,16 @@ def image_routes(serving: Serving) -> APIRouter:
                                      "--max-upload-bytes")
             form = await parse_form(http_request.headers, raw, config.max_upload_bytes)
             body = validate(ImageEditForm, form.fields)
-            task = INPAINT if form.mask is not None else IMAGE_TO_IMAGE
-            request = to_engine_request(body, f"edit-{uuid.uuid4().hex}", engine.model_info,
-                                        config, task, engine.adapters)
+            info = engine.model_info
+            task, size = edit_task(info, form), None
+            if task.references:  # without a size, the first input's, fitted to the model
+                size = fitted_size(*image_size(form.images[0], config.max_input_pixels), info,
+                                   config)
+            elif len(form.images) > 1:
+                raise invalid_request(f"{len(form.images)} input images; model {info.name!r} "
+                                      "takes one per edit", "image", "invalid_value")
+            request = to_engine_request(body, f"edit-{uuid.uuid4().hex}", info, config, task,
+                                        engine.adapters, len(form.images), size)
             frames = await asyncio.get_running_loop().run_in_executor(
                 serving.pool, decode_inputs, form, request.width, request.height,
                 config.max_input_pixels)

@@ -27,7 +27,8 @@ def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, 
         info = engine.model_info
         card = dict(created=int(started), pipeline=info.pipeline_class,
                     batching_mode=info.batching_mode, tasks=info.tasks,
-                    partial_images=info.partial_images)
+                    partial_images=info.partial_images, max_edit_images=info.max_edit_images,
+                    schedulers=info.schedulers)
         return ModelList(data=[ModelCard(id=info.name, **card),
                                *(ModelCard(id=name, parent=info.name, **card)
                                  for name in engine.adapters)])

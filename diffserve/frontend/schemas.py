@@ -52,6 +52,8 @@ class ImageOptions(BaseModel):
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0, le=100)
+    scheduler: str | None = Field(None, max_length=64, description="A sampler the model offers "
+                                  "(GET /v1/models lists them); the model's own by default.")
     loras: list[LoraRef] | None = Field(
         None, description="LoRA adapters to apply, in order, each with its scale (see GET "
         "/v1/models for the served ones). model=NAME is the same as one adapter at scale 1.")
@@ -70,8 +72,10 @@ class ImageEditForm(ImageOptions):
 
     model_config = ConfigDict(extra="forbid")
 
-    strength: float = Field(0.8, gt=0, le=1, description="How much of the input image is "
-                            "redrawn: small values stay close to it, 1 starts from pure noise.")
+    strength: float | None = Field(
+        None, gt=0, le=1, description="Image-to-image and inpainting: how much of the input image "
+        "is redrawn, from near 0 (stay close to it) to 1 (start from pure noise); 0.8 unless "
+        "given. Refused for models that edit by instruction, which take none.")
 
     @field_validator("loras", mode="before")
     @classmethod
@@ -120,6 +124,9 @@ class ModelCard(BaseModel):
     batching_mode: str
     tasks: list[str]
     partial_images: bool
+    max_edit_images: int = Field(0, description="The most input images one edit takes.")
+    schedulers: list[str] = Field(default_factory=list, description="Samplers a request may "
+                                  "pick with its scheduler field.")
 
 
 class LoadLoraAdapter(BaseModel):

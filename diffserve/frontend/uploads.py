@@ -1,8 +1,9 @@
 """``/v1/images/edits`` input: the multipart form, and the uploaded image and mask.
 
 Rules (documented in the README):
-- The body is at most ``--max-upload-bytes``; the form has one ``image`` (or one ``image[]``), at
-  most one ``mask``, and text fields that appear once.
+- The body is at most ``--max-upload-bytes``; the form has one or more ``image`` (or ``image[]``)
+  files, at most one ``mask``, and text fields that appear once. How many images a model takes
+  is its own (``max_edit_images`` in ``GET /v1/models``), checked in validation.
 - Images must be PNG, JPEG or WebP. Their width x height is read from the file's header and
   checked against ``--max-input-pixels`` before any pixel is decoded, so a small file that
   expands to a huge image (a decompression bomb) is refused cheaply.
@@ -33,7 +34,7 @@ FILE_FIELDS = (*IMAGE_FIELDS, "mask")
 @dataclass
 class EditForm:
     fields: dict[str, str]
-    image: bytes
+    images: list[bytes]
     mask: bytes | None
 
 
@@ -98,17 +99,15 @@ async def parse_form(headers, body: bytes, limit: int) -> EditForm:
     if not images:
         raise invalid_request("Missing required parameter: 'image' (a PNG, JPEG or WebP file).",
                               "image", "missing_required_parameter")
-    if len(images) > 1:
-        raise invalid_request("This server edits one input image per request; send one 'image'.",
-                              "image", "invalid_value")
     masks = files.get("mask", [])
     if len(masks) > 1:
         raise invalid_request("'mask' is given more than once", "mask", "invalid_value")
-    return EditForm(fields, images[0], masks[0] if masks else None)
+    return EditForm(fields, images, masks[0] if masks else None)
 
 
-def open_image(data: bytes, param: str, max_pixels: int) -> Image.Image:
-    """A decoded upload, checked: a known format, a sane size, pixels that decode."""
+def open_image(data: bytes, param: str, max_pixels: int, header_only: bool = False) -> Image.Image:
+    """A decoded upload, checked: a known format, a sane size, pixels that decode (with
+    ``header_only``, all but the last: the image is opened, not decoded)."""
     if not data:
         raise invalid_request(f"{param!r} is an empty file", param, "invalid_image")
     try:
@@ -128,6 +127,8 @@ def open_image(data: bytes, param: str, max_pixels: int) -> Image.Image:
         raise invalid_request(f"{param!r} is {width}x{height} pixels; this server decodes at most "
                               f"{max_pixels} pixels (--max-input-pixels)", param,
                               "image_too_large")
+    if header_only:
+        return image
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -167,12 +168,18 @@ def mask_pixels(mask: Image.Image, image: Image.Image, width: int, height: int) 
                                            np.uint8))
 
 
+def image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
+    """An upload's width and height, from its header (checked as :func:`open_image` does)."""
+    return open_image(data, "image", max_pixels, header_only=True).size
+
+
 def decode_inputs(form: EditForm, width: int, height: int,
                   max_pixels: int) -> list[Any]:
-    """The raw frames an edit carries to the engine: the image, then the mask if any."""
-    image = open_image(form.image, "image", max_pixels)
-    frames = [image_pixels(image, width, height)]
+    """The raw frames an edit carries to the engine: each image, then the mask if any."""
+    images = [open_image(data, "image", max_pixels) for data in form.images]
+    frames = [image_pixels(image, width, height) for image in images]
     if form.mask is not None:
-        frames.append(mask_pixels(open_image(form.mask, "mask", max_pixels), image, width, height))
+        frames.append(mask_pixels(open_image(form.mask, "mask", max_pixels), images[0], width,
+                                  height))
     return frames
 

@@ -12,7 +12,9 @@ from diffserve.costs import image_cost, uses_cfg
 from diffserve.errors import invalid_request, model_not_found
 from diffserve.frontend.schemas import ImageOptions
 from diffserve.protocol import SEED_MODULUS, ImageRequest, ModelInfo, repeated_adapter
-from diffserve.tasks import Task
+from diffserve.tasks import EDIT, GENERATE, Task
+
+DEFAULT_STRENGTH = 0.8  # image-to-image and inpainting, where a request gives none
 
 _SIZE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
 
@@ -37,6 +39,15 @@ def parse_size(size: str | None, info: ModelInfo, config: ServerConfig) -> tuple
         raise invalid_request(f"size {size!r} is {width * height} pixels; this server allows at "
                               f"most {config.max_image_pixels} pixels", "size", "invalid_size")
     return width, height
+
+
+def fitted_size(width: int, height: int, info: ModelInfo, config: ServerConfig) -> tuple[int, int]:
+    """An input image's size made a valid output size: scaled down (aspect kept) to the side and
+    pixel bounds, then each side rounded down to the model's stride (at least one stride)."""
+    scale = min(1.0, config.max_image_side / max(width, height),
+                (config.max_image_pixels / (width * height)) ** 0.5)
+    stride = info.spatial_stride
+    return tuple(max(stride, int(side * scale) // stride * stride) for side in (width, height))
 
 
 def lora_stack(body: ImageOptions, info: ModelInfo, adapters: Collection[str],
@@ -64,16 +75,29 @@ def lora_stack(body: ImageOptions, info: ModelInfo, adapters: Collection[str],
 
 
 def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
-                      config: ServerConfig, task: Task,
-                      adapters: Collection[str] = ()) -> ImageRequest:
-    """``adapters``: the names of the LoRA adapters served now."""
+                      config: ServerConfig, task: Task, adapters: Collection[str] = (),
+                      references: int = 0, size: tuple[int, int] | None = None) -> ImageRequest:
+    """``adapters``: the names of the LoRA adapters served now; ``references``: an instruction
+    edit's image count; ``size``: the size when the body has none (default: the native one)."""
     loras = lora_stack(body, info, adapters, config)
     if task.name not in info.tasks:
+        if task is GENERATE and EDIT.name in info.tasks:
+            raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) only edits images: "
+                                  "send the image(s) and the instruction to /v1/images/edits",
+                                  None, "unsupported_task")
         raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) cannot do "
                               f"{task.name} ({task.description}): that needs {task.needs} (it "
                               f"supports: {', '.join(info.tasks)})",
                               task.inputs[-1].param if task.inputs else None,
                               "unsupported_task")
+    given_strength = getattr(body, "strength", None)
+    if task.references and given_strength is not None:
+        raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) edits by instruction "
+                              "and takes no strength; leave it out", "strength",
+                              "unsupported_parameter")
+    if task.references and not 1 <= references <= info.max_edit_images:
+        raise invalid_request(f"{references} input images; model {info.name!r} takes at most "
+                              f"{info.max_edit_images} per edit", "image", "invalid_value")
     if body.response_format == "url":
         raise invalid_request("response_format 'url' is not supported by this server; use "
                               "'b64_json'", "response_format", "unsupported_value")
@@ -97,11 +121,18 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
         raise invalid_request(f"num_inference_steps={steps} is above the limit of {limit} "
                               f"(--max-inference-steps, and the model's noise schedule)",
                               "num_inference_steps", "invalid_value")
-    strength = getattr(body, "strength", 1.0)
+    strength = 1.0
+    if task.from_image:
+        strength = DEFAULT_STRENGTH if given_strength is None else given_strength
     if task.from_image and int(steps * strength) < 1:
         raise invalid_request(f"strength={strength:g} with num_inference_steps={steps} leaves no "
                               "denoising step; raise either", "strength", "invalid_value")
-    width, height = parse_size(body.size, info, config)
+    if body.scheduler is not None and body.scheduler not in info.schedulers:
+        raise invalid_request(f"scheduler {body.scheduler!r} is not one this model offers: "
+                              f"{', '.join(info.schedulers) or 'none'}", "scheduler",
+                              "invalid_value")
+    width, height = (size if size and body.size in (None, "auto") else
+                     parse_size(body.size, info, config))
     guidance = info.default_guidance_scale if body.guidance_scale is None else body.guidance_scale
     negative = body.negative_prompt or ""
     cfg = uses_cfg(info.guidance_rule, guidance, negative)
@@ -116,8 +147,10 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
     return ImageRequest(
         request_id=request_id, model=info.name, width=width, height=height, task=task.name,
         num_inference_steps=steps, guidance_scale=float(guidance), strength=float(strength),
+        scheduler=body.scheduler or "",
         prompt=body.prompt, negative_prompt=negative, seed=seed, n=body.n,
         # Previews exist only in a stream; without one they would be decoded for nothing.
         partial_images=body.partial_images if body.stream else 0, loras=loras, cost=cost,
+        references=references if task.references else 0,
         noise_level=float(getattr(body, "noise_level", 0.0)),
         returns=tuple(getattr(body, "return_", None) or ()))

@@ -12,7 +12,7 @@ from diffserve.executor.loading import load_model, task_pipelines
 from diffserve.executor.request_runner import RequestRunner
 from diffserve.executor.step_engine import StepEngine
 from diffserve.protocol import Work, WorkItem
-from helpers import make_request
+from helpers import make_request, run_plan as run
 from reference import max_diff, sample_image, solo
 
 MODELS = ["tiny-qwen-image", "tiny-pixart-sigma", "tiny-sana"]
@@ -32,20 +32,6 @@ def qwen():
     pipelines = task_pipelines(loaded.pipe)
     family = family_for(loaded.pipeline_class)(loaded.pipe, pipelines, loaded.call_kwargs)
     return "tiny-qwen-image", loaded, pipelines, family
-
-
-def run(engine, plan):
-    images, step = {}, 0
-    while step == 0 or engine:
-        if step in plan:
-            failed = engine.admit([WorkItem(r, 0, r.n) for r, _ in plan[step]],
-                                  [frames for _, frames in plan[step]])
-            assert not failed, [f.error for f in failed]
-        for o in engine.step().finished:
-            assert o.error is None, o.error
-            images[o.item.request.request_id] = o.images
-        step += 1
-    return images
 
 
 def test_staggered_mixed_requests_equal_their_solo_pipeline_runs(setup):

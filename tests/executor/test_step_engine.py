@@ -297,7 +297,7 @@ def test_two_sizes_run_at_once_in_sets_of_their_own_and_are_exact():
     while engine:
         out = engine.step()
         seen.add(out.batch_key)
-        forwards.append((out.batch_key[1:], out.samples, out.sets))
+        forwards.append((out.batch_key[1:3], out.samples, out.sets))
         images.update({o.item.request.request_id: o.images for o in out.finished})
     assert forwards[0][0] == (96, 64)  # the new size started at the very next step
     assert forwards[0][2] == 2 and len(seen) == 2  # two running sets at once, taking turns

@@ -40,4 +40,4 @@ def test_the_frontend_imports_no_model_library():
     assert done.returncode == 0, done.stderr
     assert "HEAVY []" in done.stdout, done.stdout
     costs = dict(line.split() for line in done.stdout.splitlines() if not line.startswith("HEAVY"))
-    assert costs == {"above_one": "2.0", "with_negative": "2.0", "never": "1.0"}
+    assert costs == {"above_one": "2.0", "above_zero": "2.0", "with_negative": "2.0", "never": "1.0"}

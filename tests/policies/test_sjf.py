@@ -50,4 +50,4 @@ def test_the_core_dispatches_the_shortest_first_and_its_company_in_policy_order(
         core.add(make_request(request_id=rid, steps=steps), [], 0.1)
     (d,) = core.dispatch(0.2)  # a new set of the 64x64 size, two images of room
     assert [item.request.request_id for item in d.work.items] == ["b", "c"]
-    assert all(item.batch_key == ("tiny-sd", 64, 64) for item in d.work.items)
+    assert all(item.batch_key == ("tiny-sd", 64, 64, 0) for item in d.work.items)

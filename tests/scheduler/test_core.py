@@ -268,7 +268,7 @@ def test_step_mode_a_head_of_another_size_opens_a_set_of_its_own_at_once():
     second, third = c.dispatch(0.3)  # no draining: the other size runs beside, at once
     assert (second.reason, taken([second])) == (NEW_SET, [[("wide", 0, 2)]])
     assert (third.reason, taken([third])) == (JOIN, [[("small-again", 0, 1)]])
-    assert {sig[1:]: rs.samples for sig, rs in c.slots[0].sets.items()} == {(64, 64): 3, (128, 64): 2}
+    assert {sig[1:3]: rs.samples for sig, rs in c.slots[0].sets.items()} == {(64, 64): 3, (128, 64): 2}
 
 
 def test_two_sizes_arriving_interleaved_are_both_running_after_one_dispatch():

@@ -3,16 +3,36 @@
 from __future__ import annotations
 
 from diffserve.executor.families.base import Family
+from diffserve.executor.families.chroma import Chroma
 from diffserve.executor.families.flux import Flux
+from diffserve.executor.families.flux2 import Flux2, Flux2Klein
+from diffserve.executor.families.flux_kontext import FluxKontext
 from diffserve.executor.families.pixart import PixArtSigma
 from diffserve.executor.families.qwen_image import QwenImage
+from diffserve.executor.families.qwen_image_edit import QwenImageEdit, QwenImageEditPlus
 from diffserve.executor.families.sana import Sana
 from diffserve.executor.families.sd import StableDiffusion
 from diffserve.executor.families.sd3 import StableDiffusion3
 from diffserve.executor.families.sdxl import StableDiffusionXL
+from diffserve.executor.families.z_image import ZImage
 
-FAMILIES: tuple[type[Family], ...] = (StableDiffusion, StableDiffusionXL, StableDiffusion3, Flux,
-                                      QwenImage, PixArtSigma, Sana)
+# One line a family; where two could take a pipeline class, the first wins.
+FAMILIES: tuple[type[Family], ...] = (
+    StableDiffusion,
+    StableDiffusionXL,
+    StableDiffusion3,
+    Flux,
+    Flux2,
+    Flux2Klein,
+    FluxKontext,
+    QwenImage,
+    QwenImageEdit,
+    QwenImageEditPlus,
+    PixArtSigma,
+    Sana,
+    ZImage,
+    Chroma,
+)
 
 
 def family_for(pipeline_class: str) -> type[Family] | None:

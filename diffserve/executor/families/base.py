@@ -145,6 +145,18 @@ class Family:
     # When classifier-free guidance runs (diffserve.costs.GUIDANCE_RULES): with a scale above 1
     # (most), only with a negative prompt too (Qwen-Image), or never (guidance as an input: Flux).
     guidance_rule: ClassVar[str] = ABOVE_ONE
+    # Instruction edits (diffserve.tasks.EDIT): the most reference images one takes (0: none),
+    # whether the prompt's encoding sees them (a vision-language text encoder), and whether the
+    # family's pipeline generates without one.
+    max_references: ClassVar[int] = 0
+    encodes_references: ClassVar[bool] = False
+    # The tasks that redraw an input image by strength which the family runs, where diffusers
+    # has a pipeline for them (an edit-by-instruction family takes none).
+    strength_tasks: ClassVar[tuple[str, ...]] = ("image-to-image", "inpaint")
+    # Whether the pipeline takes one reference image per prompt row (edits of several requests
+    # then share a call in request mode); else one list of references for the whole call.
+    references_per_row: ClassVar[bool] = True
+    generates: ClassVar[bool] = True
     # The schedule's shift from the image's token count, where the scheduler shifts dynamically:
     # the default of ``max_shift`` the family's own pipeline passes when the scheduler's config
     # has none (SD3's differs from Flux's).
@@ -159,6 +171,7 @@ class Family:
         self.call_kwargs = call_kwargs
         self.device = pipe._execution_device
         self.dtype = self.denoiser.dtype
+        self._samplers: dict[str, Any] = {}  # name -> a scheduler to copy per request
 
     @property
     def denoiser(self):
@@ -166,18 +179,28 @@ class Family:
 
     # -- per admission ---------------------------------------------------------------------
 
-    def new_scheduler(self):
-        return copy.deepcopy(self.pipe.scheduler)
+    def new_scheduler(self, name: str = ""):
+        """A request's own scheduler: a copy of the pipeline's, or of sampler ``name`` over its
+        config (:mod:`diffserve.executor.samplers`)."""
+        if not name:
+            return copy.deepcopy(self.pipe.scheduler)
+        if name not in self._samplers:
+            from diffserve.executor.samplers import build
+
+            self._samplers[name] = build(self.pipe.scheduler, name)
+        return copy.deepcopy(self._samplers[name])
 
     @classmethod
     def uses_cfg(cls, guidance_scale: float, negative_prompt: str) -> bool:
         """Whether the family's own pipeline runs classifier-free guidance for these settings."""
         return uses_cfg(cls.guidance_rule, guidance_scale, negative_prompt)
 
-    def encode(self, prompts: list[str], negatives: list[str] | None, cfg: bool) -> Encoded:
+    def encode(self, prompts: list[str], negatives: list[str] | None, cfg: bool,
+               references: list[list[np.ndarray]] | None = None) -> Encoded:
         """One call of the pipeline's ``encode_prompt`` for several prompts. ``negatives`` is None
         where the pipeline would get no negative prompt (which some families treat differently
-        from an empty one)."""
+        from an empty one). ``references``: each prompt's reference images, given only to a
+        family that ``encodes_references`` (and None for prompts of generations)."""
         raise NotImplementedError
 
     def prepare(self, task: Task, scheduler, steps: int, strength: float, width: int, height: int,
@@ -187,6 +210,11 @@ class Family:
         timestep ``strength`` leaves; inpainting also keeps what each step blends back in."""
         k, dtype = len(generators), encoded.positive.dtype
         positive, negative = self.request_conditioning(task, width, height, encoded)
+        if task.references:  # their tokens join every row of the request, its CFG rows too
+            extra = self.reference_conditioning(inputs["references"], width, height, k, dtype,
+                                                generators)
+            positive = dataclasses.replace(positive, **extra)
+            negative = None if negative is None else dataclasses.replace(negative, **extra)
         if not task.from_image:
             timesteps = self.schedule(scheduler, steps, width, height)
             if self.begins_at_index_zero:
@@ -216,6 +244,24 @@ class Family:
                              encoded: Encoded) -> tuple[Conditioning, Conditioning | None]:
         """The prompt's conditioning plus what the family adds per request (SDXL: size ids)."""
         return encoded.positive, encoded.negative
+
+    def reference_conditioning(self, references: list[np.ndarray], width: int, height: int,
+                               k: int, dtype, generators: list) -> dict[str, Any]:
+        """Instruction edits (families with ``max_references``): the fields a request's reference
+        images (uint8, height x width x 3, fitted to the output size) add to its conditioning,
+        ``k`` rows each, as its pipeline encodes them."""
+        raise NotImplementedError(f"{self.name} does not condition on reference images")
+
+    def request_kwargs(self, task: Task, width: int, height: int,
+                       references: list[list] | None = None) -> dict[str, Any]:
+        """Request mode: what a call of this family's pipeline needs beyond the common keywords
+        for ``task`` at this size. ``references``: an edit's images (PIL), each row's own list;
+        where the pipeline takes one list for all rows (``references_per_row`` False), the call
+        holds one request's rows, which share it."""
+        if not references:
+            return {}
+        return {"image": [refs[0] for refs in references] if self.references_per_row
+                else references[0]}
 
     # The one call of the family's pipeline helper for each start; signatures differ per family.
 

@@ -45,12 +45,20 @@ class QwenImage(PackedFlow):
         return Encoded(self._encode(prompts), self._encode(negatives) if cfg else None)
 
     def forward(self, latents, timesteps, cond, guidance, width, height):
+        return self.transform(latents, timesteps, cond, [self.grid(width, height)])
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """An image's token grid as the transformer's position ids take it (one frame)."""
         scale = self.pipe.vae_scale_factor
-        shapes = [[(1, height // scale // 2, width // scale // 2)]] * latents.shape[0]
+        return (1, height // scale // 2, width // scale // 2)
+
+    def transform(self, latents, timesteps, cond, grids):
+        """The transformer over ``latents`` whose tokens are the images of ``grids`` in turn."""
         return self.pipe.transformer(
             hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000, guidance=None,
             encoder_hidden_states_mask=cond.prompt_embeds_mask,
-            encoder_hidden_states=cond.prompt_embeds, img_shapes=shapes, return_dict=False)[0]
+            encoder_hidden_states=cond.prompt_embeds, img_shapes=[grids] * latents.shape[0],
+            return_dict=False)[0]
 
     def guide(self, uncond, cond, scale):
         guided = uncond + scale * (cond - uncond)

@@ -11,7 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from diffserve.models.tiny import flux, hunyuandit, pixart, qwen_image, sana, sd, sd3, sdxl
+from diffserve.models.tiny import chroma
+from diffserve.models.tiny import flux
+from diffserve.models.tiny import flux2
+from diffserve.models.tiny import flux_kontext
+from diffserve.models.tiny import hunyuandit
+from diffserve.models.tiny import pixart
+from diffserve.models.tiny import qwen_image
+from diffserve.models.tiny import qwen_image_edit
+from diffserve.models.tiny import sana
+from diffserve.models.tiny import sd
+from diffserve.models.tiny import sd3
+from diffserve.models.tiny import sdxl
+from diffserve.models.tiny import z_image
 from diffserve.models.tiny.common import SERVING_DEFAULTS_FILE
 
 __all__ = ["EMBEDDED", "SERVING_DEFAULTS_FILE"]
@@ -26,13 +38,30 @@ EMBEDDED: dict[str, tuple[str, Callable[[Path], None]]] = {
     "tiny-sd3": ("Stable Diffusion 3 (MM-DiT, flow matching, two CLIPs + T5) with random weights, "
                  "64x64, 4 steps", sd3.build),
     "tiny-flux": ("Flux (MM-DiT, flow matching) with random weights, 64x64, 4 steps", flux.build),
+    "tiny-flux2": ("FLUX.2 [dev] (MM-DiT, flow matching, guidance embedding, Mistral 3 text "
+                   "encoder; edits with reference images) with random weights, 64x64, 4 steps",
+                   flux2.build),
+    "tiny-flux2-klein": ("FLUX.2 [klein] (FLUX.2 with classifier-free guidance, Qwen3 text "
+                         "encoder; edits with reference images) with random weights, 64x64, "
+                         "4 steps", flux2.build_klein),
+    "tiny-flux-kontext": ("FLUX.1 Kontext (Flux with reference-image tokens: instruction edits) "
+                          "with random weights, 64x64, 4 steps", flux_kontext.build),
     "tiny-hunyuandit": ("HunyuanDiT (DiT, BERT + T5) with random weights, 64x64, 4 steps; a regression "
                         "fixture: its pipeline turns a 64x64 request into 1024x1024 unless called "
                         "with use_resolution_binning=False", hunyuandit.build),
     "tiny-qwen-image": ("Qwen-Image (MM-DiT, flow matching, Qwen2.5-VL text encoder) with "
                         "random weights, 64x64, 4 steps", qwen_image.build),
+    "tiny-qwen-image-edit": ("Qwen-Image-Edit (Qwen-Image edited by instruction: the input image "
+                             "through the VAE and the Qwen2.5-VL) with random weights, 64x64, 4 "
+                             "steps", qwen_image_edit.build),
+    "tiny-qwen-image-edit-plus": ("Qwen-Image-Edit-Plus (2509: one to three input images) with "
+                                  "random weights, 64x64, 4 steps", qwen_image_edit.build_plus),
     "tiny-pixart-sigma": ("PixArt-Sigma (DiT with cross-attention, T5) with random weights, "
                           "64x64, 4 steps", pixart.build),
     "tiny-sana": ("Sana (linear-attention DiT, deep-compression VAE, Gemma 2 text encoder) "
                   "with random weights, 64x64, 4 steps", sana.build),
+    "tiny-z-image": ("Z-Image-Turbo (single-stream DiT, flow matching, Qwen3 text encoder) with "
+                     "random weights, 64x64, 4 steps", z_image.build),
+    "tiny-chroma": ("Chroma (Flux-style MM-DiT, flow matching, T5, classifier-free guidance) "
+                    "with random weights, 64x64, 4 steps", chroma.build),
 }
