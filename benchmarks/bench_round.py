@@ -31,7 +31,10 @@ class Bench:
         a = self.args
         opts = {"--model": a.model, "--torch-threads": a.torch_threads, "--log-level": "warning",
                 "--dynamic-batch-max-size": a.max_batch_size, "--dynamic-batch-delay-ms": a.batch_delay_ms,
-                **({"--batching-mode": a.batching_mode} if a.batching_mode else {}), **overrides}
+                **({"--batching-mode": a.batching_mode} if a.batching_mode else {}),
+                **({"--set-policy": a.set_policy} if getattr(a, "set_policy", None) else {}),
+                **({"--scheduling-policy": a.scheduling_policy}
+                   if getattr(a, "scheduling_policy", None) else {}), **overrides}
         args = []
         for flag, value in opts.items():  # a list is a flag that takes several values
             args += [flag, *map(str, value if isinstance(value, (list, tuple)) else [value])]

@@ -26,6 +26,9 @@ one server (or one set of servers) at a time, loaded by bench_serving (see docs/
   ``--rollout-n`` samples sent as one request per prompt (step mode, request mode) and as single
   requests of one sample each (step mode), all at once: samples/s and the time to the last sample
   of a group.
+- ``cache``: ``--step-cache first-block`` at each of ``--cache-thresholds`` and at 0, one server
+  each: saturated img/s, the rows that reused their cache, and each image's PSNR against its
+  uncached twin (``step_cache.py``).
 
 ``--tree DIR`` runs the diffserve servers from another checkout of the project (e.g. a git
 worktree of an earlier commit), so that a change is measured against what it replaced with the
@@ -54,6 +57,7 @@ sys.path.insert(1, str(HERE.parent))  # tools/
 
 from figures import judge, median, ms, ratio  # noqa: E402
 from bench_round import Bench  # noqa: E402
+from step_cache import QUALITY_DB, cache  # noqa: E402
 from traffic import lora, rollout, sizes  # noqa: E402
 
 from diffserve.config import DEFAULT_MODEL  # noqa: E402
@@ -74,6 +78,7 @@ TARGETS = {  # scenario -> (figure, comparison, bound)
               ("saturated img/s mixed, step / request", ">=", 0.95)],
     "rollout": [("samples/s, groups / singles, step", ">=", 1.3),
                 ("samples/s, groups, step / request", ">=", 1.0)],
+    "cache": [(f"best img/s / uncached at PSNR >= {QUALITY_DB:g} dB", ">=", 1.4)],
     "lora": [("saturated img/s, 16 adapters / none, rank 8", ">=", 0.8),
              ("saturated img/s, 16 adapters, step/request, rank 8", ">=", 2.0),
              ("p99 @70%, 16 adapters / none, rank 8", "<=", 1.3)],
@@ -171,7 +176,7 @@ def baseline(b: Bench) -> dict[str, float | None]:
 
 
 SCENARIOS = {"modes": modes, "scale": scale, "baseline": baseline, "overhead": overhead,
-             "lora": lora, "sizes": sizes, "rollout": rollout}
+             "lora": lora, "sizes": sizes, "rollout": rollout, "cache": cache}
 
 
 def plot(summary: dict, loads: list[int], path: Path, title: str) -> bool:
@@ -221,8 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollout-n", type=int, default=16, help="rollout: samples per prompt; also "
                    "the servers' --max-n and --dynamic-batch-max-size.")
     p.add_argument("--rollout-repeats", type=int, default=3, help="rollout: timed repeats per layout.")
+    p.add_argument("--cache-thresholds", type=lambda t: [float(v) for v in t.split(",") if v.strip()],
+                   default=[0.1, 0.3], help="cache: the thresholds besides 0.")
+    p.add_argument("--cache-images", type=int, default=16, help="cache: images compared with "
+                   "their uncached twins per threshold.")
     p.add_argument("--max-batch-size", type=int, default=8, help="--dynamic-batch-max-size.")
     p.add_argument("--batch-delay-ms", type=float, default=8.0, help="--dynamic-batch-delay-ms.")
+    p.add_argument("--set-policy", default=None, help="--set-policy of every server (step mode: "
+                   "which running set a step advances; e.g. sizes with fair, then with srpt).")
+    p.add_argument("--scheduling-policy", default=None, help="--scheduling-policy of every server.")
     p.add_argument("--batching-mode", choices=("auto", "step", "request"), default=None,
                    help="scale, baseline: the servers' mode (default: theirs).")
     p.add_argument("--torch-threads", type=int, default=0, help="Per executor, where a scenario sets none.")

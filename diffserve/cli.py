@@ -27,8 +27,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         if kind is bool:  # a switch; unset stays None so the environment or default applies
             parser.add_argument(flag, dest=f.name, action="store_const", const=True, default=None,
                                 help=help_text)
-        elif kind is tuple:
-            parser.add_argument(flag, dest=f.name, nargs="+", default=None,
+        elif kind is tuple:  # several values after one flag, or the flag repeated
+            parser.add_argument(flag, dest=f.name, nargs="+", action="extend", default=None,
                                 metavar=meta.get("metavar") or "VALUE", help=help_text)
         else:
             parser.add_argument(

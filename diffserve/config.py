@@ -60,11 +60,21 @@ class ServerConfig:
     scheduling_policy: str = option(
         "fcfs", "Order of the waiting queue; its first request is always in the next batch or "
         "admission. fcfs: first come, first served. sjf: shortest job first (images x steps x "
-        "cost), which lowers the mean wait of mixed traffic at the expense of long requests.",
+        "cost), which lowers the mean wait of mixed traffic at the expense of long requests. "
+        "priority: by each request's priority class (lower first; the request's `priority` "
+        "field or its API key's), aging with --priority-aging-s; in step mode a request that "
+        "cannot start pauses running requests of worse classes at the next step.",
         choices=tuple(QUEUE_POLICIES))
+    priority_aging_s: float = option(
+        30.0, "--scheduling-policy priority: a waiting request's priority improves by one class "
+        "every this many seconds, so nothing starves (a request of class p is passed only by "
+        "requests of class q that arrive within (p - q) x this after it). 0 = strict priority.",
+        ge=0, le=86_400)
     set_policy: str = option(
         "fair", "Step mode: which running set (one per size) the next denoising step advances. "
-        "fair: every request loses about the same time to the others.",
+        "fair: every request loses about the same time to the others (processor sharing). srpt: "
+        "the set whose nearest completion comes soonest, unless a request has lost more than its "
+        "own processing time (then its set): a lower mean, a bounded tail.",
         choices=tuple(SET_POLICIES))
     batching_mode: str = option(
         "auto", "How requests share the model. request: one batched pipeline call per batch, for "
@@ -90,8 +100,11 @@ class ServerConfig:
     shutdown_timeout_s: float = option(
         30.0, "On SIGTERM/SIGINT, how long to keep finishing queued and running requests before "
         "answering the rest 503 and exiting.", ge=0, le=86_400)
-    api_key: str = option("", "If set, /v1/* requires `Authorization: Bearer <key>`; /health and "
-                          "/metrics stay open.", env="DIFFSERVE_API_KEY")
+    api_key: tuple[str, ...] = option(
+        (), "API keys, each KEY or KEY:PRIORITY (repeatable; in the environment, comma-separated): "
+        "if set, /v1/* requires `Authorization: Bearer <key>`; /health and /metrics stay open. A "
+        "key's priority class (--scheduling-policy priority) is its requests' default and the best "
+        "they may ask for.", env="DIFFSERVE_API_KEY", metavar="KEY[:PRIORITY]")
     max_body_bytes: int = option(1_048_576, "Largest request body; larger ones get 413.",
                                  ge=1024, le=1 << 30)
     max_n: int = option(10, "Largest `n` (images per request).", ge=1, le=10_000)
@@ -118,6 +131,23 @@ class ServerConfig:
                                 ge=0, le=1024)
     startup_timeout_s: float = option(600.0, "Longest wait for the model to load before giving up.",
                                       ge=1, le=86_400)
+    step_cache: str = option(
+        "off", "Step mode: first-block runs every row through the denoiser's first block and, per "
+        "image, reuses its cached output of the remaining blocks when that block's signal changed "
+        "less than the request's cache_threshold since its last computed step; those rows skip "
+        "the remaining blocks. Each image decides alone; the first and last steps always "
+        "compute.", choices=("off", "first-block"))
+    cache_threshold: float = option(
+        0.0, "--step-cache: the threshold of requests that set no cache_threshold (0: never "
+        "reuse).", ge=0, le=1)
+    compile: bool = option(
+        False, "torch.compile the denoiser's repeated blocks, rows padded to power-of-two "
+        "buckets (CUDA graphs per bucket on CUDA); the native size's buckets compile at start, "
+        "others when first needed.")
+    quantization: str = option(
+        "none", "Quantize the denoiser's linear weights through diffusers' torchao config: "
+        "int8-weight-only (CPU and GPU), fp8-weight-only (GPU). Needs the quantization extra "
+        "(torchao).", choices=("none", "int8-weight-only", "fp8-weight-only"))
     lora_modules: tuple[str, ...] = option(
         (), "LoRA adapters to serve, each NAME=PATH: a .safetensors file or a directory as "
         "diffusers' save_lora_weights writes it (kohya/A1111 layouts too, where diffusers converts "
@@ -134,6 +164,17 @@ class ServerConfig:
         "where one is set; paths only inside --lora-dir).")
     lora_dir: str = option("", "Directory that runtime-loaded adapters must lie in (symlinks "
                            "resolved); required with --enable-lora-runtime-updates.")
+    video_dir: str = option(
+        "", "Video models: the directory of the video jobs (their table in SQLite, MP4s, "
+        "thumbnails, sprite sheets); a restart with the same directory keeps every job. Unset: "
+        "a temporary directory removed at exit.")
+    video_ttl_s: float = option(
+        86_400.0, "Video models: a finished job's files are removed this long after it finished "
+        "(its expires_at); 0 = never.", ge=0, le=365 * 86_400)
+    max_video_jobs: int = option(
+        64, "Video models: most queued video jobs; more get 429.", ge=1, le=1_000_000)
+    max_video_frames: int = option(
+        257, "Video models: largest frame count a job may ask for.", ge=1, le=10_000)
     log_level: str = option("info", "Log level.",
                             choices=("debug", "info", "warning", "error", "critical"))
 
@@ -161,12 +202,28 @@ class ServerConfig:
         if self.max_loras < self.max_loras_per_request:
             raise ConfigError(f"--max-loras={self.max_loras} is below --max-loras-per-request="
                               f"{self.max_loras_per_request}: a request's adapters must fit at once")
+        keys = self.api_keys  # checks each KEY[:PRIORITY]
+        uses_priority = QUEUE_POLICIES[self.scheduling_policy].uses_priority
+        if any(p is not None for p in keys.values()) and not uses_priority:
+            raise ConfigError("--api-key gives a priority, which only --scheduling-policy "
+                              f"priority uses (it is {self.scheduling_policy!r})")
+        if self.step_cache != "off" and self.batching_mode == "request":
+            raise ConfigError(f"--step-cache={self.step_cache} decides per request between "
+                              "denoising steps, which only step mode has; not with "
+                              "--batching-mode request")
+        if self.compile and self.serves_adapters:
+            raise ConfigError("--compile does not take LoRA adapters (--lora-modules, "
+                              "--enable-lora-runtime-updates): each forward's per-row adapter "
+                              "plan would recompile the blocks")
+        if self.cache_threshold and self.step_cache == "off":
+            raise ConfigError(f"--cache-threshold={self.cache_threshold!r} needs --step-cache "
+                              "first-block")
         if self.enable_lora_runtime_updates and not self.lora_dir:
             raise ConfigError("--enable-lora-runtime-updates needs --lora-dir, the one directory "
                               "runtime-loaded adapters may come from")
 
     def __repr__(self) -> str:  # keep the API key out of logs
-        shown = dataclasses.replace(self, api_key="***") if self.api_key else self
+        shown = dataclasses.replace(self, api_key=("***",)) if self.api_key else self
         return "ServerConfig(" + ", ".join(
             f"{f.name}={getattr(shown, f.name)!r}" for f in dataclasses.fields(self)) + ")"
 
@@ -190,6 +247,23 @@ class ServerConfig:
                                   "requests without an adapter, or for adapters past their bound)")
             adapters[name] = path
         return adapters
+
+    @property
+    def api_keys(self) -> dict[str, int | None]:
+        """--api-key as key -> its priority class (None: the request's own, default 0). A key
+        whose last ':'-separated part is an integer gives that priority."""
+        keys: dict[str, int | None] = {}
+        for entry in self.api_key:
+            key, sep, tail = entry.rpartition(":")
+            priority = None
+            if sep and key and tail.lstrip("-").isdigit():
+                priority = int(tail)
+            else:
+                key = entry
+            if not key or any(c.isspace() for c in key):
+                raise ConfigError(f"--api-key entry {entry!r} is not KEY or KEY:PRIORITY")
+            keys[key] = priority
+        return keys
 
     @property
     def serves_adapters(self) -> bool:

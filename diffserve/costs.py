@@ -37,3 +37,17 @@ def default_bounds(max_batch_size: int, max_batch_cost: float, max_running_cost:
     ``max_batch_size`` native images at the model's default guidance, and twice that."""
     batch = max_batch_cost or max_batch_size * native_image_cost
     return batch, max_running_cost or 2 * batch
+
+
+def latent_frames(frames: int, stride: int) -> int:
+    """The latent frames a video VAE with temporal ``stride`` makes of ``frames`` (first frame
+    alone, then one per ``stride``); an image (0 frames) is one."""
+    return (frames - 1) // stride + 1 if frames > 0 else 1
+
+
+def video_cost(width: int, height: int, frames: int, native_width: int, native_height: int,
+               native_frames: int, stride: int, cfg: bool) -> float:
+    """A video's cost: latent frames x latent pixels x rows, in units of one row of the model's
+    native size and frame count."""
+    return (image_cost(width, height, native_width, native_height, cfg)
+            * latent_frames(frames, stride) / latent_frames(native_frames, stride))

@@ -27,9 +27,14 @@ _COST_BUCKETS = (0.25, 0.5, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 # Distinct sizes the per-size step counter keeps apart.
 SIZE_LABELS = 16
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_HOST_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
+CACHE_OUTCOMES = ("hit", "miss")
+COMPILE_PHASES = ("startup", "serving")
 
 # Distinct adapter names the per-adapter request counter keeps apart.
 LORA_LABELS = 64
+# Distinct priority classes the per-class figures keep apart (the rest count as "other").
+PRIORITY_LABELS = 16
 
 # How a request ended, as the frontend counts it (an item's end is diffserve.protocol.ITEM_OUTCOMES).
 REQUEST_OUTCOMES = ("success", "invalid", "rejected", "failed", "cancelled")
@@ -53,6 +58,22 @@ def remove_directory(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+class BoundedLabels:
+    """Label values chosen by clients (adapter names, priority classes), kept apart up to a bound
+    and counted as "other" past it, so that the series stay bounded."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.seen: set[str] = set()
+
+    def label(self, value) -> str:
+        value = str(value)
+        if value not in self.seen and len(self.seen) >= self.bound:
+            return OTHER_ADAPTERS
+        self.seen.add(value)
+        return value
+
+
 class FrontendMetrics:
     """What the frontend itself observes, in a registry of its own process."""
 
@@ -69,24 +90,31 @@ class FrontendMetrics:
         self.request_latency_seconds = Histogram(
             "diffserve_request_latency_seconds", "Time from accepting a request to answering it.",
             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.class_latency_seconds = Histogram(
+            "diffserve_class_request_latency_seconds", "Time from accepting a request to answering "
+            f"it, by its priority class (past {PRIORITY_LABELS} classes, \"other\").",
+            ["priority"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self._classes = BoundedLabels(PRIORITY_LABELS)
         self.lora_requests_total = Counter(
             "diffserve_lora_requests", "Accepted image requests by LoRA adapter (a request "
             f"counts once for each adapter it stacks; past the first {LORA_LABELS} names, the "
             "rest count as \"other\").", ["adapter"], registry=self.registry)
-        self._adapter_labels: set[str] = set()
+        # A bound on the series, whatever names come and go at run time.
+        self._adapter_labels = BoundedLabels(LORA_LABELS)
+        self.video = VideoMetrics(self.registry)  # zero unless the model makes videos
 
     def adapters_used(self, names) -> None:
         """A request's adapters (none: it counts as adapter="none", the base model alone)."""
         for name in list(names) or [NO_ADAPTER]:
-            if name not in self._adapter_labels and len(self._adapter_labels) >= LORA_LABELS:
-                name = OTHER_ADAPTERS  # a bound on the series, whatever names come and go at run time
-            self._adapter_labels.add(name)
-            self.lora_requests_total.labels(adapter=name).inc()
+            self.lora_requests_total.labels(adapter=self._adapter_labels.label(name)).inc()
 
-    def finished(self, outcome: str, seconds: float) -> None:
-        """One request's answer: the one place its outcome and latency are counted."""
+    def finished(self, outcome: str, seconds: float, priority: int | None = None) -> None:
+        """One request's answer: the one place its outcome and latency are counted (by class
+        too, once it has one: a request refused before validation has none)."""
         self.requests_total.labels(status=outcome).inc()
         self.request_latency_seconds.observe(seconds)
+        if priority is not None:
+            self.class_latency_seconds.labels(priority=self._classes.label(priority)).observe(seconds)
 
 
 class EngineMetrics:
@@ -138,6 +166,17 @@ class EngineMetrics:
             "diffserve_images_generated", "Images produced by the executor.", ex)
         self.partial_images_total = Counter(
             "diffserve_partial_images", "Streamed partial images decoded by the executor.", ex)
+        self.class_queue_time_seconds = Histogram(
+            "diffserve_class_queue_time_seconds", "Queue time (arrival to first dispatch) by the "
+            f"request's priority class (past {PRIORITY_LABELS} classes, the rest count as "
+            "\"other\").", ["priority"], buckets=_LATENCY_BUCKETS)
+        self.num_requests_paused = Gauge(
+            "diffserve_num_requests_paused", "Step mode: request items paused to make room for "
+            "better priority classes, waiting to resume.", multiprocess_mode="livesum")
+        self.preemptions_total = Counter(
+            "diffserve_preemptions", "Step mode: request items paused at a step boundary to make "
+            "room for a request of a better priority class (--scheduling-policy priority).",
+            ["executor"])
         self.requests_cancelled_total = Counter(
             "diffserve_requests_cancelled", "Requests dropped because their client went away.")
         self.batches_interrupted_total = Counter(
@@ -158,6 +197,24 @@ class EngineMetrics:
         self.step_retirements_total = Counter(
             "diffserve_step_retirements", "Step mode: requests (or parts of one) that left the "
             "running set, by outcome: finished, cancelled, failed.", ["executor", "outcome"])
+
+        self.step_host_seconds = Histogram(
+            "diffserve_step_host_seconds", "Step mode: the part of one step spent outside the "
+            "denoiser and the VAE (stacking inputs, guidance, each request's sampler step, "
+            "bookkeeping).", ex, buckets=_HOST_BUCKETS)
+
+        # Accelerators.
+        self.step_cache_rows_total = Counter(
+            "diffserve_step_cache_rows", "--step-cache: denoiser rows by outcome: hit (reused its "
+            "image's cache and skipped the blocks after the first) or miss (computed them).",
+            ["executor", "outcome"])
+        self.step_cache_bytes = Gauge(
+            "diffserve_step_cache_bytes", "--step-cache: bytes the running requests' step caches "
+            "hold.", ex, multiprocess_mode="livesum")
+        self.compiles_total = Counter(
+            "diffserve_compiles", "--compile: graphs torch.compile built, at start-up or while "
+            "serving (a shape or bucket first seen then; flat in steady state).",
+            ["executor", "when"])
 
         # Several sizes at once (step mode).
         self.running_sets = Gauge(
@@ -197,6 +254,7 @@ class EngineMetrics:
 
         label = str(index)
         for metric in (self.batch_size, self.batch_execution_seconds, self.executor_busy_seconds,
+                       self.preemptions_total,
                        self.images_generated_total, self.partial_images_total,
                        self.batches_interrupted_total, self.executor_restarts_total,
                        self.step_seconds, self.step_running_images, self.step_admissions_total,
@@ -208,6 +266,12 @@ class EngineMetrics:
             self.dispatches_total.labels(reason=reason, executor=label)
         for outcome in ITEM_OUTCOMES:
             self.step_retirements_total.labels(executor=label, outcome=outcome)
+        for outcome in CACHE_OUTCOMES:
+            self.step_cache_rows_total.labels(executor=label, outcome=outcome)
+        for phase in COMPILE_PHASES:
+            self.compiles_total.labels(executor=label, when=phase)
+        self.step_host_seconds.labels(executor=label)
+        self.step_cache_bytes.labels(executor=label).set(0)
         self.executor_ready.labels(executor=label).set(0)
         self.running_sets.labels(executor=label).set(0)
         self.loras_resident.labels(executor=label).set(0)
@@ -228,3 +292,34 @@ def process_died(pid: int) -> None:
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(pid)
+
+
+VIDEO_STATUSES = ("queued", "in_progress", "completed", "failed")
+_VIDEO_BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+
+
+class VideoMetrics:
+    """The video jobs of a frontend that serves a video model, in the frontend's registry."""
+
+    def __init__(self, registry) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.jobs = Gauge("diffserve_video_jobs", "Video jobs held, by status (failed and completed "
+                          "ones until they expire or are deleted).", ["status"], registry=registry)
+        for status in VIDEO_STATUSES:
+            self.jobs.labels(status=status)
+        self.finished_total = Counter(
+            "diffserve_video_jobs_finished", "Video jobs that ended, by status: completed, failed, "
+            "cancelled (deleted while queued or running).", ["status"], registry=registry)
+        for status in ("completed", "failed", "cancelled"):
+            self.finished_total.labels(status=status)
+        self.video_seconds_total = Counter(
+            "diffserve_video_seconds_generated", "Seconds of video made (frames / fps) by "
+            "completed jobs.", registry=registry)
+        self.queue_seconds = Histogram(
+            "diffserve_video_queue_seconds", "A video job's time from creation to its first "
+            "denoising step.", buckets=_VIDEO_BUCKETS, registry=registry)
+        self.run_seconds = Histogram(
+            "diffserve_video_run_seconds", "A completed video job's time from its first denoising "
+            "step to its files being stored (decode and encode included).",
+            buckets=_VIDEO_BUCKETS, registry=registry)

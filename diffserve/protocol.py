@@ -73,10 +73,21 @@ class ImageRequest:
     loras: tuple[tuple[str, float], ...] = call(())
     # What one image costs a forward (see diffserve.costs), priced by the frontend.
     cost: float = bookkeeping(1.0)
+    # Its priority class (lower runs sooner; diffserve.policies.priority): it orders the queue
+    # and decides preemption, never what is computed.
+    priority: int = bookkeeping(0)
     # Rollouts: the stochastic sampler's noise level (0: the deterministic sampler), and which
     # tensors come back (diffserve.rollouts.RETURNABLE).
     noise_level: float = call(0.0)
     returns: tuple[str, ...] = sample(())
+    # Videos: the frame count (0: an image), and the low-noise expert's guidance scale of a
+    # two-expert model (None: guidance_scale).
+    num_frames: int = shape(0)
+    guidance_scale_2: float | None = call(None)
+    progress: bool = sample(False)  # the executor reports its steps done (Kind.PROGRESS)
+    # The step cache's threshold (diffserve.executor.step_cache): 0 never reuses; None takes
+    # the server's --cache-threshold. Each request decides with its own in a running set.
+    cache_threshold: float | None = call(None)
 
     def batch_key(self, mode: str) -> tuple:
         """What another request must share with this one to run in the same batch (request mode)
@@ -126,6 +137,9 @@ class WorkItem:
     # The request's batch key in the server's batching mode, computed once by the queue (empty
     # where the item did not come through one: the engine computes it once at admission).
     batch_key: tuple = ()
+    # A paused item going back into its executor's running set (that executor holds its state;
+    # if it finished the item before the pause reached it, it drops this).
+    resume: bool = False
 
     def __post_init__(self) -> None:
         # msgpack has no tuples: nested ones (a LoRA stack in a request-mode key) come back as
@@ -161,6 +175,7 @@ class ItemResult:
     execution_s: float  # pipeline time this item took part in (request mode: the whole call)
     error: str | None = None
     prompt_tokens: int = 0
+    cached_steps: list[int] | None = None  # per image, steps that reused its step cache
 
 
 @dataclass(frozen=True)
@@ -181,6 +196,16 @@ class ItemImages:
     stop: int
     width: int
     height: int
+    frames: int = 0  # videos: each frame holds this many images, frame after frame (0: one image)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Executor to frontend: a request's denoising steps done of its total (rate-limited)."""
+
+    request_id: str
+    done: int
+    total: int
 
 
 @dataclass(frozen=True)
@@ -211,6 +236,17 @@ class Partial:
     partial_index: int
     width: int
     height: int
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Scheduler to executor: take these items (request id, first image) out of the running set
+    at the next step boundary and keep their state until they are sent again with ``resume``."""
+
+    items: list[tuple[str, int]]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "items", [tuple(key) for key in self.items])
 
 
 @dataclass(frozen=True)
@@ -248,6 +284,13 @@ class ModelInfo:
     # Admission by cost (diffserve.costs): the bounds with their defaults resolved for this model.
     max_batch_cost: float = 0.0
     max_running_cost: float = 0.0
+    # Videos (0 for image models): the native frame count, the VAE's temporal stride (a frame
+    # count is stride x k + 1) and the frame rate a video is encoded at by default.
+    num_frames: int = 0
+    frame_stride: int = 1
+    fps: int = 0
+    guidance_scale_2: bool = False  # a two-expert model takes guidance_scale_2
+    step_cache: bool = False  # the engine runs a step cache (requests may set cache_threshold)
 
 
 @dataclass(frozen=True)
@@ -309,6 +352,7 @@ class RequestDone:
     request_id: str
     seeds: list[int]
     prompt_tokens: int = 0
+    cached_steps: list[int] | None = None  # per image, where the request ran with a step cache
 
 
 @dataclass(frozen=True)
@@ -358,6 +402,8 @@ class Kind(enum.IntEnum):
     ADAPTER_DONE = 16   # executor -> scheduler -> frontend: AdapterResult
     ADAPTER_SYNC = 17   # scheduler -> executor: AdapterSync
     TENSORS = 18        # executor -> frontend: ItemTensors + one frame per tensor
+    PROGRESS = 20       # executor -> frontend: Progress
+    PAUSE = 19          # scheduler -> executor: Pause
 
 
 PAYLOADS: dict[Kind, type] = {
@@ -367,6 +413,8 @@ PAYLOADS: dict[Kind, type] = {
     Kind.SHUTDOWN: Empty, Kind.FATAL: Fatal, Kind.CANCEL: Cancel, Kind.PARTIAL: Partial,
     Kind.DRAIN: Empty, Kind.IMAGES: ItemImages, Kind.ADAPTER: AdapterCommand,
     Kind.ADAPTER_DONE: AdapterResult, Kind.ADAPTER_SYNC: AdapterSync, Kind.TENSORS: ItemTensors,
+    Kind.PROGRESS: Progress,
+    Kind.PAUSE: Pause,
 }
 
 _ENCODER = msgspec.msgpack.Encoder()

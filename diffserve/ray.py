@@ -70,13 +70,20 @@ def deployment_options(config: ServerConfig, given: dict[str, Any]) -> dict[str,
 
 
 def replica_app(config: ServerConfig):
-    """The ASGI app of one replica: its own engine, started and loaded before it serves."""
+    """The ASGI app of one replica: its own engine, started and loaded before it serves. A video
+    model's replica keeps its jobs in a store of its own (``--video-dir``/replica-<rank>) and
+    reaches the other replicas' jobs through them (:mod:`diffserve.frontend.videos.peers`)."""
     import logging
 
     from diffserve.engine import Engine
     from diffserve.frontend.app import create_app
     from diffserve.frontend.engine_client import StartupError
 
+    from ray import serve
+
+    rank = serve.get_replica_context().rank.rank
+    if config.video_dir:
+        config = dataclasses.replace(config, video_dir=f"{config.video_dir}/replica-{rank}")
     host = Engine(config)
     try:
         host.wait_ready()
@@ -89,18 +96,88 @@ def replica_app(config: ServerConfig):
         # replaces the replica.
         logging.getLogger("diffserve").error("%s; this replica is being replaced", reason)
 
+    peers = None
+    if host.client.model_info.num_frames:
+        from diffserve.frontend.videos.peers import Peers
+
+        directory = _video_directory()
+        peers = Peers(rank, lambda r: directory.address.remote(r), directory.addresses.remote)
+
     @asynccontextmanager
     async def lifespan(app):
         try:
             async with host.serving(engine_failed):
-                yield
+                if peers is None:
+                    yield
+                    return
+                async with _internal_listener(app) as address:
+                    await directory.register.remote(rank, address)
+                    yield
+                await peers.close()
         finally:
             host.stop()
 
-    app = create_app(config, host.client, host.metrics, host.render_metrics)
+    app = create_app(config, host.client, host.metrics, host.render_metrics, peers)
     app.router.lifespan_context = lifespan
     app.state.engine_host = host
     return app
+
+
+class VideoDirectory:
+    """Every replica's internal address by rank (a detached, named actor of the application)."""
+
+    def __init__(self) -> None:
+        self._addresses: dict[int, str] = {}
+
+    def register(self, rank: int, address: str) -> None:
+        self._addresses[rank] = address
+
+    def address(self, rank: int) -> str | None:
+        return self._addresses.get(rank)
+
+    def addresses(self) -> dict[int, str]:
+        return dict(self._addresses)
+
+
+def _video_directory():
+    """The application's directory of replica addresses, made by the first replica to ask. A
+    replica's rank passes to the replica that replaces it, and so does its entry."""
+    import ray
+    from ray import serve
+
+    app_name = serve.get_replica_context().replica_id.deployment_id.app_name
+    return ray.remote(num_cpus=0)(VideoDirectory).options(
+        name=f"diffserve-videos-{app_name}", lifetime="detached", get_if_exists=True).remote()
+
+
+@asynccontextmanager
+async def _internal_listener(app):
+    """The replica's own HTTP address on its node (Ray Serve's proxy fronts every replica as
+    one), where the other replicas pass on requests about the video jobs it holds."""
+    import asyncio
+    import contextlib
+
+    import ray
+    import uvicorn
+
+    class Listener(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # the replica's process keeps its own signal handling
+            yield
+
+    host = ray.util.get_node_ip_address()
+    server = Listener(uvicorn.Config(app, host=host, port=0, lifespan="off", log_level="warning"))
+    task = asyncio.get_running_loop().create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # raises why it could not listen
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        await task
 
 
 def app(args: dict[str, Any]):

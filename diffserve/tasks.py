@@ -27,6 +27,7 @@ class Input:
 
 
 IMAGE = Input("image", 3, "image")
+FIRST_FRAME = Input("image", 3, "input_reference")  # image-to-video: the video's first frame
 MASK = Input("mask_image", 1, "mask")
 REFERENCE = Input("references", 3, "image")  # each of an instruction edit's images
 
@@ -47,6 +48,9 @@ class Task:
     # tokens travel per row beside the generated ones; denoising starts from noise.
     references: bool = False
     needs: str = "a pipeline for it in diffusers"  # what a model lacks when it cannot do the task
+    # Makes a video whose first frame is its input image; the pipeline takes one such image for
+    # the whole call, so request mode calls it one request at a time.
+    first_frame: bool = False
 
     @property
     def from_image(self) -> bool:
@@ -75,8 +79,12 @@ ROLLOUT = Task("rollout", description="a sampled denoising trajectory with per-s
                needs="a flow-matching model the step engine knows (SD3, Flux, Qwen-Image) with "
                "its flow-matching Euler scheduler")
 
+IMAGE_TO_VIDEO = Task("image-to-video", (FIRST_FRAME,), description="a video that starts from "
+                      "the input image", needs="an image-to-video pipeline (e.g. Wan "
+                      "image-to-video)", first_frame=True)
+
 TASKS: dict[str, Task] = {task.name: task for task in (GENERATE, IMAGE_TO_IMAGE, INPAINT, EDIT,
-                                                       ROLLOUT)}
+                                                       ROLLOUT, IMAGE_TO_VIDEO)}
 
 
 def task_named(name: str) -> Task:

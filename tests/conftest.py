@@ -9,3 +9,56 @@ sys.path.insert(1, str(TESTS.parent))
 
 # Embedded models are built once per test session into a private cache, never the user's.
 os.environ.setdefault("DIFFSERVE_CACHE_DIR", str(TESTS.parent / ".cache"))
+# One intra-op thread for torch in this process and the ones it starts (set before torch is
+# imported): the servers, the references and the tools share a few cores, and OpenMP threads
+# that outnumber the free cores slow every one of them down many times over.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# -- servers launched ahead (tests/server.py, Launches) ------------------------------------------
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "server(*args, **kwargs): the test's own `diffserve serve`, taken with the "
+        "own_server fixture and launched ahead of the test (tests/server.py, Launches)")
+
+
+def pytest_collection_finish(session):
+    from server import LAUNCHES
+
+    LAUNCHES.make_plan(session.items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    from server import LAUNCHES
+
+    LAUNCHES.top_up(item.nodeid)
+
+
+def pytest_sessionfinish(session):
+    from server import LAUNCHES, STOPPING
+
+    LAUNCHES.close()
+    failures = STOPPING.check()
+    if failures:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        for failure in failures:
+            if reporter is not None:
+                reporter.write_line(f"SERVER FAILED TO STOP: {failure}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def own_server(request):
+    """The server ``@pytest.mark.server(...)`` declares for this test: launched (maybe not yet
+    ready; ``start()`` or ``with`` waits), stopped after the test if it still runs."""
+    from server import LAUNCHES, STOPPING
+
+    srv = LAUNCHES.take_own(request.node)
+    yield srv
+    if srv.proc.poll() is None:
+        STOPPING.stop(srv)

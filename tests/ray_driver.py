@@ -53,7 +53,8 @@ def pin_authentication() -> None:
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 
 
-def main() -> None:
+def start_cluster() -> tuple[Path, dict]:
+    """A local Ray cluster of this run's own: (its log directory, the environment to reach it)."""
     pin_authentication()
     logs = Path(tempfile.mkdtemp(prefix="diffserve-ray-"))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -63,18 +64,41 @@ def main() -> None:
                     "--num-cpus=4", "--disable-usage-stats", f"--temp-dir={logs / 'ray'}"],
                    check=True, env=env, capture_output=True, timeout=180)
     env["RAY_ADDRESS"] = os.environ["RAY_ADDRESS"] = f"127.0.0.1:{GCS_PORT}"
-    found: dict = {}
-    serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-sd", "num_replicas=2",
-                           "torch_threads=1"], RAY_PORT, logs / "serve.log", env=env, name="serve run")
+    return logs, env
+
+
+def wait_for_replicas(serve: ServerProcess, count: int = 2) -> None:
+    deadline = time.monotonic() + 180
+    while replicas_running() < count:  # /health answers once the first replica is up
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{count} replicas did not come up:\n" + serve.log[-3000:])
+        time.sleep(1)
+
+
+def stop_cluster(env: dict) -> None:
+    import ray
+
+    if ray.is_initialized():  # leave first: a driver whose cluster goes away exits with 1
+        ray.shutdown()
+    # This runs in the test's own PID namespace: `ray stop` sees only the cluster it started.
+    subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def main() -> None:
+    # The plain server needs no cluster: it starts while the cluster does.
     single = ServerProcess.diffserve("--model", "tiny-sd", "--torch-threads", "1",
-                                     log_path=logs / "single.log")
+                                     log_path=Path(tempfile.mkdtemp(prefix="diffserve-single-"))
+                                     / "single.log").launch()
+    env: dict = {}
+    found: dict = {}
     try:
-        with serve, single:
-            deadline = time.monotonic() + 180
-            while replicas_running() < 2:  # /health answers once the first replica is up
-                if time.monotonic() > deadline:
-                    raise RuntimeError("two replicas did not come up:\n" + serve.log[-3000:])
-                time.sleep(1)
+        logs, env = start_cluster()
+        serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-sd",
+                               "num_replicas=2", "torch_threads=1"], RAY_PORT, logs / "serve.log",
+                              env=env, name="serve run")
+        with serve:
+            single.wait_ready()
+            wait_for_replicas(serve)
             bodies = [{"prompt": f"request {i} of {COUNT}", "seed": 40 + 7 * i, "n": 1 + i % 2}
                       for i in range(COUNT)]
             with httpx.Client(timeout=180) as c, ThreadPoolExecutor(COUNT) as pool:
@@ -96,8 +120,9 @@ def main() -> None:
                 found["models"] = c.get(f"{serve.url}/v1/models").json()
                 found["health"] = c.get(f"{serve.url}/health").status_code
     finally:
-        # This runs in the test's own PID namespace: `ray stop` sees only the cluster it started.
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        single.stop()
+        if env:
+            stop_cluster(env)
     print("RESULT " + json.dumps(found), flush=True)
 
 

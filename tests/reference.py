@@ -43,6 +43,12 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
         kwargs.update(height=request.height, width=request.width)
     if request.negative_prompt:
         kwargs["negative_prompt"] = [request.negative_prompt] * count
+    if request.num_frames:
+        kwargs["num_frames"] = request.num_frames
+        if request.guidance_scale_2 is not None:
+            kwargs["guidance_scale_2"] = request.guidance_scale_2
+    if request.task_spec.first_frame:
+        kwargs["image"] = Image.fromarray(image)
     if request.task_spec.from_image:
         kwargs.update(image=[Image.fromarray(image)] * count, strength=request.strength)
     if request.task_spec.masked:
@@ -61,7 +67,8 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
         (picture,) = pictures  # one image a row
         kwargs["image"] = [picture] * count
     with torch.inference_mode():
-        return to_uint8(pipe(**kwargs).images)
+        output = pipe(**kwargs)
+    return to_uint8(output.frames if request.num_frames else output.images)
 
 
 def max_diff(a: np.ndarray, b: np.ndarray) -> int:

@@ -18,7 +18,7 @@ from diffusers import DiffusionPipeline
 from diffserve.models.registry import resolve_model
 from helpers import make_request
 from reference import max_diff, solo, with_adapters
-from server import Server, assert_openai_error, decode, metric, wait_for_metric
+from server import Queue, assert_openai_error, decode, metric, spec, wait_for_metric
 from tools.loras import write_kohya, write_lora
 
 GENERATE = "/v1/images/generations"
@@ -70,11 +70,41 @@ def post(server, body, timeout=120) -> httpx.Response:
         return c.post(GENERATE, json=body)
 
 
+@pytest.fixture(scope="module")
+def servers(lora_dir, tmp_path_factory):
+    """Every server of this module, launched in the order the tests take them (see Queue): their
+    adapters' files, and those the runtime checks look for, are written first."""
+    outside = tmp_path_factory.mktemp("outside")
+    shutil.copytree(lora_dir / "B", outside / "B")
+    os.symlink(outside / "B", lora_dir / "link-out")
+    (lora_dir / "file-link-out").mkdir()  # a directory inside whose weights file is a link out
+    os.symlink(outside / "B" / "pytorch_lora_weights.safetensors",
+               lora_dir / "file-link-out" / "pytorch_lora_weights.safetensors")
+    misfit = tmp_path_factory.mktemp("misfit") / "sdxl"
+    write_lora("tiny-sdxl", misfit, rank=4)
+    served = {mode: spec(*modules(lora_dir, "A", "B", "C"), "--batching-mode", mode,
+                         "--dynamic-batch-max-size", "8", "--dynamic-batch-delay-ms", "50",
+                         "--max-inference-steps", "1000") for mode in ("step", "request")}
+    queue = Queue({
+        **served,
+        # Runtime updates on, with an API key; the adapters' directory is --lora-dir.
+        "runtime": spec(*modules(lora_dir, "A"), "--enable-lora-runtime-updates", "--lora-dir",
+                        str(lora_dir), "--api-key", "k", "--max-inference-steps", "1000"),
+        "off": spec(*modules(lora_dir, "A")),
+        "max-loras": spec(*modules(lora_dir, "A", "B", "C"), "--max-loras", "2",
+                          "--max-loras-per-request", "2", "--batching-mode", "step",
+                          "--dynamic-batch-max-size", "4"),
+        "kohya": spec("--lora-modules", f"K={lora_dir / 'A.kohya.safetensors'}"),
+        "misfit": spec("--lora-modules", f"misfit={misfit}"),
+    })
+    queue.outside = outside
+    yield queue
+    queue.close()
+
+
 @pytest.fixture(scope="module", params=["step", "request"])
-def server(request, lora_dir):
-    with Server(*modules(lora_dir, "A", "B", "C"), "--batching-mode", request.param,
-                "--dynamic-batch-max-size", "8", "--dynamic-batch-delay-ms", "50",
-                "--max-inference-steps", "1000") as srv:
+def server(request, servers):
+    with servers.take(request.param) as srv:
         srv.mode = request.param
         yield srv
 
@@ -154,17 +184,10 @@ def test_edits_take_adapters_too(server):
 
 
 @pytest.fixture(scope="module")
-def runtime(lora_dir, tmp_path_factory):
+def runtime(servers):
     """Runtime updates on, with an API key; the adapters' directory is --lora-dir."""
-    outside = tmp_path_factory.mktemp("outside")
-    shutil.copytree(lora_dir / "B", outside / "B")
-    os.symlink(outside / "B", lora_dir / "link-out")
-    (lora_dir / "file-link-out").mkdir()  # a directory inside whose weights file is a link out
-    os.symlink(outside / "B" / "pytorch_lora_weights.safetensors",
-               lora_dir / "file-link-out" / "pytorch_lora_weights.safetensors")
-    with Server(*modules(lora_dir, "A"), "--enable-lora-runtime-updates", "--lora-dir",
-                str(lora_dir), "--api-key", "k", "--max-inference-steps", "1000") as srv:
-        srv.outside = outside
+    with servers.take("runtime") as srv:
+        srv.outside = servers.outside
         yield srv
 
 
@@ -225,8 +248,8 @@ def test_runtime_updates_need_the_api_key(runtime, lora_dir):
     assert_openai_error(r, 401)
 
 
-def test_runtime_updates_are_off_unless_enabled(lora_dir):
-    with Server(*modules(lora_dir, "A")) as srv, srv.client() as c:
+def test_runtime_updates_are_off_unless_enabled(servers, lora_dir):
+    with servers.take("off") as srv, srv.client() as c:
         r = c.post("/v1/load_lora_adapter", json={"lora_name": "Z", "lora_path": str(lora_dir / "B")})
         assert_openai_error(r, 404)
 
@@ -234,9 +257,8 @@ def test_runtime_updates_are_off_unless_enabled(lora_dir):
 # -- eviction and start-up -------------------------------------------------------------------
 
 
-def test_with_max_loras_2_three_adapters_in_turn_stay_exact(lora_dir, reference):
-    with Server(*modules(lora_dir, "A", "B", "C"), "--max-loras", "2", "--max-loras-per-request",
-                "2", "--batching-mode", "step", "--dynamic-batch-max-size", "4") as srv:
+def test_with_max_loras_2_three_adapters_in_turn_stay_exact(servers, reference):
+    with servers.take("max-loras") as srv:
         asked = [("A", 0), ("B", 1), ("C", 2), ("A", 3), ("C", 4), ("B", 5)]
         with ThreadPoolExecutor(6) as pool:  # at most 2 resident: some wait for a free slot
             responses = list(pool.map(lambda a: post(srv, {"prompt": f"turn {a[1]}", "model": a[0],
@@ -251,16 +273,15 @@ def test_with_max_loras_2_three_adapters_in_turn_stay_exact(lora_dir, reference)
         assert metric(text, "diffserve_loras_resident") <= 2
 
 
-def test_a_kohya_file_serves_like_its_diffusers_twin(lora_dir, reference):
-    with Server("--lora-modules", f"K={lora_dir / 'A.kohya.safetensors'}") as srv:
+def test_a_kohya_file_serves_like_its_diffusers_twin(servers, reference):
+    with servers.take("kohya") as srv:
         r = post(srv, {"prompt": "kohya", "model": "K", "seed": 7, "num_inference_steps": 4})
     assert r.status_code == 200, r.text
     assert max_diff(decode(r.json()["data"][0]["b64_json"]),
                     expected(reference, {"prompt": "kohya", "model": "A"}, 7, 4)) <= 2
 
 
-def test_an_adapter_that_does_not_fit_stops_the_start_naming_it(lora_dir, tmp_path):
-    write_lora("tiny-sdxl", tmp_path / "sdxl", rank=4)
-    srv = Server("--lora-modules", f"misfit={tmp_path / 'sdxl'}").launch()
+def test_an_adapter_that_does_not_fit_stops_the_start_naming_it(servers):
+    srv = servers.take("misfit")  # a tiny-sdxl adapter for tiny-sd
     assert srv.proc.wait(120) == 1
     assert "LoRA adapter 'misfit'" in srv.log, srv.log[-3000:]

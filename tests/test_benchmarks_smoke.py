@@ -11,11 +11,12 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from diffserve.launcher import ServerProcess, free_port
+from diffserve.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -41,15 +42,12 @@ def run_tool(tool: str, *args: str, env: dict[str, str], timeout: float = 120,
 
 
 @pytest.fixture
-def diffserve_url(env, tmp_path):
-    """A diffserve server (tiny-sd, batches of at most 2), always stopped."""
-    server = ServerProcess.diffserve(
-        "--model", "tiny-sd", "--dynamic-batch-max-size", "2", "--torch-threads", "1",
-        "--log-level", "warning", log_path=tmp_path / "diffserve.log",
-        env=env, startup_timeout_s=120, name="smoke server")
-    with server:
-        yield server.url
-    assert server.proc.returncode == 0, server.log[-3000:]
+def diffserve_url(own_server):
+    """A diffserve server (tiny-sd, batches of at most 2; the test's ``server`` mark), always
+    stopped."""
+    server = own_server.start()
+    yield server.url
+    assert server.stop() == 0, server.log[-3000:]
 
 
 @pytest.mark.parametrize("tool", TOOLS)
@@ -81,6 +79,8 @@ def test_bench_offline(env, tmp_path, mode):
     assert (report["width"], report["height"], report["num_inference_steps"]) == (64, 64, 1)
 
 
+@pytest.mark.server("--model", "tiny-sd", "--dynamic-batch-max-size", "2", "--torch-threads", "1",
+                    "--log-level", "warning", env={"OMP_NUM_THREADS": "1"})
 def test_bench_serving(env, tmp_path, diffserve_url):
     out = tmp_path / "serving.json"
     done = run_tool("bench_serving.py", "--base-url", diffserve_url, "--num-prompts", "4",
@@ -116,7 +116,53 @@ def test_bench_serving_reports_unreachable_server(env):
     assert "warm-up" in done.stderr
 
 
-def run_compare(scenario: str, out: Path, *extra: str, env: dict[str, str]) -> dict:
+# Each compare.py run below, by test: the scenario, then its options.
+COMPARES = {
+    "test_compare_modes": ("modes", "--torch-threads", "1", "--loads", "50,80", "--mixed-steps",
+                           "1,2", "--idle-requests", "2"),
+    # --tree: the servers run from that checkout (here this one, by its path: the flag's effect
+    # shows in the servers' command environment, and the run must work through it).
+    "test_compare_overhead_against_another_checkout": (
+        "overhead", "--torch-threads", "1", "--idle-requests", "2", "--tree", str(ROOT)),
+    "test_compare_scale": ("scale",),
+    "test_compare_baseline": ("baseline", "--torch-threads", "1"),
+    "test_compare_lora": ("lora", "--torch-threads", "1", "--lora-counts", "0,2", "--lora-ranks",
+                          "4", "--lora-load", "50"),
+    "test_compare_sizes_against_an_earlier_checkout": (
+        "sizes", "--torch-threads", "1", "--sizes", "64x64,32x32", "--before-tree", str(ROOT),
+        "--sizes-load", "50"),
+    "test_compare_rollout": ("rollout", "--model", "tiny-flux", "--torch-threads", "1",
+                             "--rollout-prompts", "2", "--rollout-n", "3", "--rollout-repeats", "1"),
+}
+COMPARES_AT_ONCE = 2
+# The servers each scenario starts one after another (executors counted): the longest go first.
+SERVER_STARTS = {"scale": 5, "sizes": 3, "baseline": 3, "lora": 2, "rollout": 2, "modes": 2,
+                 "overhead": 2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compares(request, env, tmp_path_factory):
+    """The compare.py runs of the tests selected in this module, started with the module, a few
+    at a time, in the background (the longest first): each spends most of its time starting
+    servers one after another (one core each), so they overlap each other and the module's
+    other tests. A test waits for its own with :func:`compared`."""
+    wanted = [item.originalname for item in request.session.items
+              if item.module is request.module and item.originalname in COMPARES]
+    pool = ThreadPoolExecutor(COMPARES_AT_ONCE)
+    runs: dict[str, Future] = {}
+    for name in sorted(dict.fromkeys(wanted), key=lambda n: -SERVER_STARTS[COMPARES[n][0]]):
+        out = tmp_path_factory.mktemp(COMPARES[name][0])
+        runs[name] = pool.submit(run_compare, COMPARES[name][0], out, *COMPARES[name][1:], env=env)
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def compared(compares: dict[str, Future], request) -> tuple[dict, Path]:
+    """The calling test's compare.py run, checked by :func:`run_compare`: (report, its directory)."""
+    return compares[request.node.originalname].result()
+
+
+def run_compare(scenario: str, out: Path, *extra: str, env: dict[str, str]) -> tuple[dict, Path]:
     done = run_tool("compare.py", scenario, *TINY, *extra, "--output-dir", str(out), env=env, timeout=300)
     assert "| figure | median |" in done.stdout
     report = json.loads((out / f"{scenario}.json").read_text())
@@ -125,12 +171,11 @@ def run_compare(scenario: str, out: Path, *extra: str, env: dict[str, str]) -> d
     assert "error" not in round_["figures"]
     for run in round_["runs"]:
         assert run["completed"] + run["failed"] == run["config"]["num_prompts"]
-    return report
+    return report, out
 
 
-def test_compare_modes(env, tmp_path):
-    report = run_compare("modes", tmp_path, "--torch-threads", "1", "--loads", "50,80", "--mixed-steps",
-                         "1,2", "--idle-requests", "2", env=env)
+def test_compare_modes(compares, request):
+    report, out = compared(compares, request)
     medians = report["summary"]["medians"]
     for mode in ("step", "request"):
         assert medians[f"saturated img/s, {mode}"] > 0
@@ -145,22 +190,19 @@ def test_compare_modes(env, tmp_path):
         import matplotlib  # noqa: F401
     except ImportError:
         return
-    assert (tmp_path / "modes.png").stat().st_size > 0
+    assert (out / "modes.png").stat().st_size > 0
 
 
-def test_compare_overhead_against_another_checkout(env, tmp_path):
-    # --tree: the servers run from that checkout (here this one, by its path: the flag's effect
-    # shows in the servers' command environment, and the run must work through it).
-    report = run_compare("overhead", tmp_path, "--torch-threads", "1", "--idle-requests", "2",
-                         "--tree", str(ROOT), env=env)
+def test_compare_overhead_against_another_checkout(compares, request):
+    report, _ = compared(compares, request)
     medians = report["summary"]["medians"]
     for mode in ("step", "request"):
         assert medians[f"saturated img/s, {mode}"] > 0 and f"idle overhead ms, {mode}" in medians
     assert report["config"]["tree"] == str(ROOT)
 
 
-def test_compare_scale(env, tmp_path):
-    report = run_compare("scale", tmp_path, env=env)
+def test_compare_scale(compares, request):
+    report, _ = compared(compares, request)
     runs = {run["label"]: run for run in report["rounds"][0]["runs"]}
     assert runs["dp2 x 1 thread"]["server_metrics"]["executors"] == 2
     pair = runs["2 servers x 1 thread, round-robin"]
@@ -170,8 +212,8 @@ def test_compare_scale(env, tmp_path):
     assert all(v is not None and v > 0 for v in report["summary"]["medians"].values())
 
 
-def test_compare_baseline(env, tmp_path):
-    report = run_compare("baseline", tmp_path, "--torch-threads", "1", env=env)
+def test_compare_baseline(compares, request):
+    report, _ = compared(compares, request)
     runs = {run["label"]: run for run in report["rounds"][0]["runs"]}
     assert runs["max batch 1"]["server_metrics"]["mean_batch_size"] == 1
     assert runs["naive"]["server_metrics"] is None  # the baseline has no /metrics
@@ -179,9 +221,8 @@ def test_compare_baseline(env, tmp_path):
     assert report["summary"]["medians"]["img/s, diffserve/naive"] > 0
 
 
-def test_compare_lora(env, tmp_path):
-    report = run_compare("lora", tmp_path, "--torch-threads", "1", "--lora-counts", "0,2",
-                         "--lora-ranks", "4", "--lora-load", "50", env=env)
+def test_compare_lora(compares, request):
+    report, _ = compared(compares, request)
     medians = report["summary"]["medians"]
     assert medians["saturated img/s, 2 adapters, step, rank 4"] > 0
     assert medians["saturated img/s, 2 adapters / none, rank 4"] > 0
@@ -191,9 +232,8 @@ def test_compare_lora(env, tmp_path):
     assert all(run["failed"] == 0 for run in runs.values())
 
 
-def test_compare_sizes_against_an_earlier_checkout(env, tmp_path):
-    report = run_compare("sizes", tmp_path, "--torch-threads", "1", "--sizes", "64x64,32x32",
-                         "--before-tree", str(ROOT), "--sizes-load", "50", env=env)
+def test_compare_sizes_against_an_earlier_checkout(compares, request):
+    report, _ = compared(compares, request)
     medians = report["summary"]["medians"]
     for figure in ("p99 ms size 1 (64x64), step", "p99 ms size 2 (32x32), step before",
                    "p99 ms size 2 (32x32) alone", "p99 ms rare alone", "images per forward, uniform",
@@ -204,10 +244,8 @@ def test_compare_sizes_against_an_earlier_checkout(env, tmp_path):
     assert set(report["summary"]["verdicts"]) == {t["figure"] for t in report["targets"]}
 
 
-def test_compare_rollout(env, tmp_path):
-    report = run_compare("rollout", tmp_path, "--model", "tiny-flux", "--torch-threads", "1",
-                         "--rollout-prompts", "2", "--rollout-n", "3", "--rollout-repeats", "1",
-                         env=env)
+def test_compare_rollout(compares, request):
+    report, _ = compared(compares, request)
     medians = report["summary"]["medians"]
     for layout in ("groups, step", "singles, step", "groups, request"):
         assert medians[f"samples/s, {layout}"] > 0

@@ -36,11 +36,12 @@ def per_executor(text: str, name: str) -> list[float]:
 
 
 @pytest.mark.parametrize("mode", ["step", "request"])
-def test_both_executors_serve_and_every_image_is_its_own(mode):
+@pytest.mark.server("--data-parallel-size", "2", "--torch-threads", "1", "--batching-mode", "{mode}",
+                    "--dynamic-batch-max-size", "4")
+def test_both_executors_serve_and_every_image_is_its_own(mode, own_server):
     loaded = load_model("tiny-sd", torch_threads=1)
     bodies = [{"prompt": f"request {i}", "seed": 500 + 13 * i} for i in range(16)]
-    with Server("--data-parallel-size", "2", "--torch-threads", "1", "--batching-mode", mode,
-                "--dynamic-batch-max-size", "4") as srv, srv.client() as c:
+    with own_server as srv, srv.client() as c:
         health = wait_all_ready(srv)
         assert [e["index"] for e in health["executors"]] == [0, 1]
         with ThreadPoolExecutor(len(bodies)) as pool:
@@ -54,9 +55,10 @@ def test_both_executors_serve_and_every_image_is_its_own(mode):
         assert max_diff(decode(r.json()["data"][0]["b64_json"]), expected) <= 2, body
 
 
-def test_killing_one_executor_fails_only_its_requests_and_it_comes_back():
-    with Server("--data-parallel-size", "2", "--torch-threads", "1", "--dynamic-batch-max-size", "2",
-                "--dynamic-batch-delay-ms", "0", "--max-inference-steps", "1000") as srv:
+@pytest.mark.server("--data-parallel-size", "2", "--torch-threads", "1", "--dynamic-batch-max-size",
+                    "2", "--dynamic-batch-delay-ms", "0", "--max-inference-steps", "1000")
+def test_killing_one_executor_fails_only_its_requests_and_it_comes_back(own_server):
+    with own_server as srv:
         wait_all_ready(srv)
         executors = sorted(pids_titled(srv.proc.pid, "diffserve::executor"))
         assert len(executors) == 2

@@ -26,7 +26,6 @@ import httpx
 import pytest
 import yaml
 
-from diffserve.launcher import ServerProcess
 from monitoring import (
     CONFIG,
     OPERATIONS,
@@ -179,12 +178,11 @@ def label_values(prom: Prometheus, definition: str, variables: dict[str, str]) -
     return prom.api(f"label/{label}/values", **{"match[]": selector})
 
 
-def test_every_dashboard_query_and_alert_expression_returns_data(tmp_path):
+@pytest.mark.server("--model", "tiny-sd", "--max-queue-size", "64", "--torch-threads", "1")
+def test_every_dashboard_query_and_alert_expression_returns_data(tmp_path, own_server):
     prometheus = need("prometheus")
     started = time.monotonic()
-    with ServerProcess.diffserve("--model", "tiny-sd", "--max-queue-size", "64",
-                                 "--torch-threads", "1",
-                                 log_path=tmp_path / "server.log") as server:
+    with own_server as server:
         target = f"127.0.0.1:{server.port}"
         config = write_test_config(tmp_path, target)
         with Prometheus(prometheus, config, tmp_path / "tsdb", tmp_path / "prometheus.log") as prom:

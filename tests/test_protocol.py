@@ -33,10 +33,10 @@ def test_every_request_field_declares_its_batching_role():
 
 
 def test_the_batch_key_follows_the_mode():
-    shape = {"model", "width", "height", "references"}
+    shape = {"model", "width", "height", "references", "num_frames"}
     assert shape == set(fields_with_role(ImageRequest, SHAPE))
     call = {"num_inference_steps", "guidance_scale", "strength", "task", "loras", "noise_level",
-            "scheduler"}
+            "scheduler", "guidance_scale_2", "cache_threshold"}
     assert call == set(fields_with_role(ImageRequest, CALL))
     assert {"prompt", "negative_prompt", "seed", "n", "returns"} <= set(
         fields_with_role(ImageRequest, SAMPLE))
@@ -50,7 +50,7 @@ def test_the_batch_key_follows_the_mode():
         changed = dataclasses.replace(a, **change)
         assert changed.batch_key(REQUEST_MODE) != a.batch_key(REQUEST_MODE)
         assert changed.batch_key(STEP_MODE) == a.batch_key(STEP_MODE)
-    for change in ({"width": 128}, {"model": "m"}):
+    for change in ({"width": 128}, {"model": "m"}, {"num_frames": 9}):
         assert dataclasses.replace(a, **change).batch_key(STEP_MODE) != a.batch_key(STEP_MODE)
 
 

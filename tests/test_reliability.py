@@ -12,12 +12,15 @@ import httpx
 import pytest
 
 from server import (
+    LAUNCHES,
     Server,
     assert_openai_error,
     descendants,
     metric,
     pids_titled,
+    serves,
     session_members,
+    spec,
     wait_for_metric,
 )
 
@@ -40,11 +43,12 @@ MODES = ["step", "request"]
 
 
 @pytest.fixture(scope="module", params=MODES)
+@serves(lambda mode: spec("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
+                          "--max-queue-size", "2", "--request-timeout-s", "300",
+                          "--batching-mode", mode))
 def serial_server(request):
     """Batches of one image, so a slow request holds the executor while others queue."""
-    srv = Server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
-                 "--max-queue-size", "2", "--request-timeout-s", "300",
-                 "--batching-mode", request.param).start()
+    srv = LAUNCHES.take(request).start()
     srv.mode = request.param
     yield srv
     assert srv.stop() == 0, srv.log
@@ -100,9 +104,10 @@ def test_running_work_stops_early_when_its_only_client_leaves(serial_server):
     assert post(serial_server, FAST).status_code == 200
 
 
-def test_request_waiting_past_the_timeout_gets_503_and_never_runs():
-    with Server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
-                "--request-timeout-s", "0.5") as srv:
+@pytest.mark.server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
+                    "--request-timeout-s", "0.5")
+def test_request_waiting_past_the_timeout_gets_503_and_never_runs(own_server):
+    with own_server as srv:
         with ThreadPoolExecutor(1) as pool:
             slow = pool.submit(post, srv, SLOW)
             wait_running(srv)
@@ -114,37 +119,37 @@ def test_request_waiting_past_the_timeout_gets_503_and_never_runs():
         assert metric(text, "diffserve_images_generated_total") == 1
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_executor_crash_fails_its_requests_fast_restarts_and_runs_the_queue(mode):
-    with Server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
-                "--batching-mode", mode) as srv:
-        (executor,) = pids_titled(srv.proc.pid, "diffserve::executor")
-        with ThreadPoolExecutor(2) as pool:
-            slow = pool.submit(post, srv, SLOW)
-            wait_running(srv)
-            queued = pool.submit(post, srv, FAST)
-            wait_for_metric(srv, "diffserve_num_requests_waiting", lambda v: v >= 1)
-            killed_at = time.monotonic()
-            os.kill(executor, signal.SIGKILL)
-            failed = slow.result()
-            answered_in = time.monotonic() - killed_at
-            health = httpx.get(srv.url + "/health")
-            done = queued.result()
-        assert_openai_error(failed, 500)
-        assert "executor" in failed.json()["error"]["message"]
-        assert answered_in < 2.0, f"answered {answered_in:.2f} s after the executor died"
-        assert health.status_code == 503
-        assert health.json()["executors"][0]["state"] in ("restarting", "starting")
-        assert done.status_code == 200, done.text  # the queued one ran on the new executor
-        assert httpx.get(srv.url + "/health").status_code == 200
-        assert pids_titled(srv.proc.pid, "diffserve::executor") != [executor]
-        assert httpx.get(srv.url + "/health").json()["executors"][0]["restarts"] == 1
-        text = httpx.get(srv.url + "/metrics").text
-        assert metric(text, "diffserve_executor_restarts_total", executor="0") == 1
+def test_executor_crash_fails_its_requests_fast_restarts_and_runs_the_queue(serial_server):
+    # The last test of its server: the executor it kills is restarted once.
+    srv = serial_server
+    (executor,) = pids_titled(srv.proc.pid, "diffserve::executor")
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(post, srv, SLOW)
+        wait_running(srv)
+        queued = pool.submit(post, srv, FAST)
+        wait_for_metric(srv, "diffserve_num_requests_waiting", lambda v: v >= 1)
+        killed_at = time.monotonic()
+        os.kill(executor, signal.SIGKILL)
+        failed = slow.result()
+        answered_in = time.monotonic() - killed_at
+        health = httpx.get(srv.url + "/health")
+        done = queued.result()
+    assert_openai_error(failed, 500)
+    assert "executor" in failed.json()["error"]["message"]
+    assert answered_in < 2.0, f"answered {answered_in:.2f} s after the executor died"
+    assert health.status_code == 503
+    assert health.json()["executors"][0]["state"] in ("restarting", "starting")
+    assert done.status_code == 200, done.text  # the queued one ran on the new executor
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert pids_titled(srv.proc.pid, "diffserve::executor") != [executor]
+    assert httpx.get(srv.url + "/health").json()["executors"][0]["restarts"] == 1
+    text = httpx.get(srv.url + "/metrics").text
+    assert metric(text, "diffserve_executor_restarts_total", executor="0") == 1
 
 
-def test_scheduler_crash_answers_503_and_the_server_exits_nonzero():
-    srv = Server("--max-inference-steps", "1000").start()
+@pytest.mark.server("--max-inference-steps", "1000")
+def test_scheduler_crash_answers_503_and_the_server_exits_nonzero(own_server):
+    srv = own_server.start()
     root = srv.proc.pid
     try:
         (scheduler,) = pids_titled(root, "diffserve::scheduler")
@@ -166,11 +171,12 @@ def test_scheduler_crash_answers_503_and_the_server_exits_nonzero():
 @pytest.mark.parametrize("mode", ["step", "request"])
 @pytest.mark.parametrize("target", ["frontend", "group"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig, target, mode):
+@pytest.mark.server("--dynamic-batch-max-size", "1", "--shutdown-timeout-s", "600",
+                    "--batching-mode", "{mode}")
+def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig, target, mode, own_server):
     """Either signal, to the frontend alone or to the whole process group (Ctrl-C in a terminal;
     `systemctl stop` with systemd's default KillMode=control-group), drains the same way."""
-    srv = Server("--dynamic-batch-max-size", "1", "--shutdown-timeout-s", "600",
-                 "--batching-mode", mode).start()
+    srv = own_server.start()
     root = srv.proc.pid
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(post, srv, {**SLOW, "num_inference_steps": 60})]
@@ -198,9 +204,10 @@ def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig, target, mode)
     assert " ERROR " not in srv.log and "leaked" not in srv.log, srv.log
 
 
-def test_shutdown_timeout_answers_what_is_left_with_503():
-    srv = Server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
-                 "--shutdown-timeout-s", "0.5").start()
+@pytest.mark.server("--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
+                    "--shutdown-timeout-s", "0.5")
+def test_shutdown_timeout_answers_what_is_left_with_503(own_server):
+    srv = own_server.start()
     root = srv.proc.pid
     with ThreadPoolExecutor(2) as pool:
         slow = pool.submit(post, srv, {**SLOW, "num_inference_steps": 900})
@@ -214,11 +221,15 @@ def test_shutdown_timeout_answers_what_is_left_with_503():
     assert session_members(root) == [], "processes left behind"
 
 
+KEY = "s3cret-key"
+
+
 @pytest.mark.parametrize("how", ["flag", "env"])
-def test_api_key_guards_v1_only(how):
-    key = "s3cret-key"
-    args, env = (["--api-key", key], None) if how == "flag" else ([], {"DIFFSERVE_API_KEY": key})
-    with Server(*args, env=env) as srv, srv.client() as c:
+@pytest.mark.server(lambda how: spec("--api-key", KEY) if how == "flag"
+                    else spec(env={"DIFFSERVE_API_KEY": KEY}))
+def test_api_key_guards_v1_only(how, own_server):
+    key = KEY
+    with own_server as srv, srv.client() as c:
         assert_openai_error(c.post(GENERATE, json=FAST), 401, code="invalid_api_key")
         assert_openai_error(c.get("/v1/models"), 401)
         for bad in ("Bearer wrong", "Basic " + key, key, "Bearer " + key + "x"):
@@ -229,16 +240,18 @@ def test_api_key_guards_v1_only(how):
         assert key not in srv.log
 
 
-def test_oversized_body_gets_413_naming_the_flag_that_bounds_it():
-    with Server("--max-body-bytes", "2048") as srv, srv.client() as c:
+@pytest.mark.server("--max-body-bytes", "2048")
+def test_oversized_body_gets_413_naming_the_flag_that_bounds_it(own_server):
+    with own_server as srv, srv.client() as c:
         r = c.post(GENERATE, content=b'{"prompt": "' + b"x" * 4096 + b'"}')
         error = assert_openai_error(r, 413, code="request_too_large")
         assert "--max-body-bytes" in error["message"], error
         assert c.post(GENERATE, json=FAST).status_code == 200
 
 
-def test_children_die_with_a_killed_frontend():
-    srv = Server().start()
+@pytest.mark.server()
+def test_children_die_with_a_killed_frontend(own_server):
+    srv = own_server.start()
     children = descendants(srv.proc.pid)
     assert len(children) >= 2
     srv.proc.kill()

@@ -18,7 +18,7 @@ from safetensors.numpy import load
 
 from diffserve.client import Client, RolloutError
 from diffserve.models.registry import resolve_model, serving_defaults
-from server import Server, assert_openai_error, decode
+from server import LAUNCHES, assert_openai_error, decode, serves, spec
 
 ROLLOUTS = "/v1/rollouts"
 
@@ -28,10 +28,16 @@ NEGATIVE = {"tiny-qwen-image": "blurry"}
 
 
 @pytest.fixture(scope="module", params=["tiny-flux", "tiny-sd3", "tiny-qwen-image"])
+@serves(lambda model: spec("--model", model, "--max-n", "16", "--dynamic-batch-max-size", "8",
+                           "--batching-mode", "step"))
 def served(request):
-    with Server("--model", request.param, "--max-n", "16", "--dynamic-batch-max-size", "8",
-                "--batching-mode", "step") as srv:
-        pipe = DiffusionPipeline.from_pretrained(resolve_model(request.param))
+    launched = LAUNCHES.take(request)
+    try:
+        pipe = DiffusionPipeline.from_pretrained(resolve_model(request.param))  # while it starts
+    except BaseException:
+        launched.stop()
+        raise
+    with launched as srv:
         srv.model_name, srv.pipe = request.param, pipe
         srv.negative = NEGATIVE.get(request.param, "")
         # The pipelines' own default where the model's serving defaults set none (Qwen-Image).
@@ -179,17 +185,19 @@ def test_the_client_returns_torch_tensors_concurrently_and_retries_when_overload
     assert groups[1].latents.shape[:2] == (4, 5)
 
 
-def test_a_family_without_flow_matching_answers_400():
-    with Server("--model", "tiny-sd") as srv, srv.client() as c:
+@pytest.mark.server("--model", "tiny-sd")
+def test_a_family_without_flow_matching_answers_400(own_server):
+    with own_server as srv, srv.client() as c:
         response = c.post(ROLLOUTS, json={"prompt": "x"})
         error = assert_openai_error(response, 400, code="unsupported_task")
         assert "flow-matching" in error["message"]
         assert "rollout" not in c.get("/v1/models").json()["data"][0]["tasks"]
 
 
-def test_the_client_honours_retry_after_on_a_full_queue():
-    with Server("--model", "tiny-flux", "--max-queue-size", "1", "--dynamic-batch-max-size", "1",
-                "--max-n", "16") as srv:
+@pytest.mark.server("--model", "tiny-flux", "--max-queue-size", "1", "--dynamic-batch-max-size",
+                    "1", "--max-n", "16")
+def test_the_client_honours_retry_after_on_a_full_queue(own_server):
+    with own_server as srv:
         with Client(srv.url, backoff_s=0.05) as client:
             groups = client.rollout([f"prompt {i}" for i in range(6)], n=2, seed=1,
                                     num_inference_steps=6)

@@ -15,14 +15,16 @@ from diffserve.executor.loading import load_model
 from helpers import make_request
 from reference import solo
 from server import (
-    Server,
+    LAUNCHES,
     assert_openai_error,
     decode,
     descendants,
     metric,
     pids_titled,
     process_title,
+    serves,
     session_members,
+    spec,
 )
 
 METRIC_NAMES = [
@@ -33,8 +35,9 @@ METRIC_NAMES = [
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server("--dynamic-batch-max-size", "8", "--dynamic-batch-delay-ms", "50").start()
+@serves(spec("--dynamic-batch-max-size", "8", "--dynamic-batch-delay-ms", "50"))
+def server(request):
+    srv = LAUNCHES.take(request).start()
     pid = srv.proc.pid
     yield srv
     assert srv.stop() == 0, srv.log
@@ -241,8 +244,9 @@ def test_the_openapi_document_reports_the_package_version(server):
         assert c.get("/openapi.json").json()["info"]["version"] == version("diffserve")
 
 
-def test_flux_family_serves_end_to_end():
-    with Server("--model", "tiny-flux", "--dynamic-batch-max-size", "4") as srv, srv.client() as c:
+@pytest.mark.server("--model", "tiny-flux", "--dynamic-batch-max-size", "4")
+def test_flux_family_serves_end_to_end(own_server):
+    with own_server as srv, srv.client() as c:
         r = c.post("/v1/images/generations", json={"prompt": "a flux image", "n": 2, "seed": 3})
         assert r.status_code == 200, r.text
         assert [decode(d["b64_json"]).shape for d in r.json()["data"]] == [(64, 64, 3)] * 2
@@ -254,7 +258,9 @@ def test_flux_family_serves_end_to_end():
     ("./no/such/dir", "no such directory"),
     ("tests", "could not load model"),
 ])
-def test_a_model_that_cannot_load_stops_the_server_with_a_clear_message(model, message):
-    srv = Server("--model", model).launch()
+@pytest.mark.server("--model", "{model}")
+def test_a_model_that_cannot_load_stops_the_server_with_a_clear_message(model, message,
+                                                                       own_server):
+    srv = own_server
     assert srv.proc.wait(120) == 1
     assert message in srv.log, srv.log

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import io
 
 import httpx
@@ -16,9 +17,9 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from diffserve.executor.loading import task_pipelines, load_model
-from diffserve.launcher import ServerProcess
 from helpers import make_request
 from reference import max_diff, solo
+from server import Server
 
 MODEL = "tiny-sd"
 SUBJECTS = ["a cat", "a boat at sea", "a red circle", "noise"]
@@ -33,8 +34,10 @@ def make_plan(count: int, distinct: int) -> list[dict]:
             for i, (prompt, seed, steps) in ((i, jobs[i % distinct]) for i in range(count))]
 
 
-def references(plan: list[dict]) -> dict[tuple[str, int, int], np.ndarray]:
+@functools.lru_cache(maxsize=1)  # both modes' soaks check the same plan
+def references(count: int, distinct: int) -> dict[tuple[str, int, int], np.ndarray]:
     """(prompt, seed of the image, steps) -> the image, each from one plain pipeline call alone."""
+    plan = make_plan(count, distinct)
     loaded = load_model(MODEL, torch_threads=1)
     edits = task_pipelines(loaded.pipe)
     wanted = {(b["prompt"], b["seed"], b["num_inference_steps"], i) for b in plan for i in range(b["n"])}
@@ -64,16 +67,12 @@ def metric(text: str, name: str) -> float:
                if s.name == name)
 
 
-def soak(tmp_path, count: int, concurrency: int, distinct: int, mode: str) -> dict:
+def soak(server: Server, count: int, concurrency: int, distinct: int) -> dict:
+    """``server``: launched (see SERVER), maybe not ready yet."""
     plan = make_plan(count, distinct)
-    server = ServerProcess.diffserve(
-        "--model", MODEL, "--batching-mode", mode, "--dynamic-batch-max-size", "8",
-        "--dynamic-batch-delay-ms", "8", "--torch-threads", "1", "--log-level", "warning",
-        log_path=tmp_path / "server.log", startup_timeout_s=300, name="soak server")
-    server.launch()  # it loads while the references are computed
     try:
-        refs = references(plan)
-        server.wait_ready()
+        refs = references(count, distinct)  # while it loads
+        server.start()
         responses = asyncio.run(send_all(server.url, plan, concurrency))
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
     finally:
@@ -99,12 +98,19 @@ def soak(tmp_path, count: int, concurrency: int, distinct: int, mode: str) -> di
     return {"images": images, "dispatches": dispatches, "worst_pixel_diff": worst}
 
 
+SERVER = pytest.mark.server("--model", MODEL, "--batching-mode", "{mode}",
+                            "--dynamic-batch-max-size", "8", "--dynamic-batch-delay-ms", "8",
+                            "--torch-threads", "1", "--log-level", "warning", timeout_s=300)
+
+
 @pytest.mark.parametrize("mode", ["step", "request"])
-def test_short_soak(tmp_path, mode):
-    soak(tmp_path, count=200, concurrency=32, distinct=24, mode=mode)
+@SERVER
+def test_short_soak(own_server, mode):
+    soak(own_server, count=200, concurrency=32, distinct=24)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["step", "request"])
-def test_full_soak(tmp_path, mode):
-    soak(tmp_path, count=2000, concurrency=64, distinct=64, mode=mode)
+@SERVER
+def test_full_soak(own_server, mode):
+    soak(own_server, count=2000, concurrency=64, distinct=64)

@@ -14,7 +14,17 @@ import pytest
 from diffserve.executor.loading import load_model
 from helpers import make_request
 from reference import max_diff, solo
-from server import Server, assert_openai_error, decode, metric, pids_titled, wait_for_metric
+from server import (
+    LAUNCHES,
+    Server,
+    assert_openai_error,
+    decode,
+    metric,
+    pids_titled,
+    serves,
+    spec,
+    wait_for_metric,
+)
 
 GENERATE = "/v1/images/generations"
 
@@ -25,9 +35,10 @@ def post(server: Server, body: dict, timeout: float = 120) -> httpx.Response:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with Server("--batching-mode", "step", "--dynamic-batch-max-size", "2",
-                "--max-inference-steps", "1000", "--dynamic-batch-delay-ms", "0") as srv:
+@serves(spec("--batching-mode", "step", "--dynamic-batch-max-size", "2",
+             "--max-inference-steps", "1000", "--dynamic-batch-delay-ms", "0"))
+def server(request):
+    with LAUNCHES.take(request) as srv:
         yield srv
 
 
@@ -67,10 +78,11 @@ def test_a_departed_caller_frees_its_slot_and_the_others_are_unchanged(server):
     assert max_diff(decode(response.json()["data"][0]["b64_json"]), expected) <= 2
 
 
-def test_an_executor_crash_mid_run_answers_every_running_request_at_once():
-    # Four guided 64x64 images cost 8: the running set fills the executor's cost budget.
-    with Server("--batching-mode", "step", "--dynamic-batch-max-size", "4",
-                "--max-running-cost", "8", "--max-inference-steps", "1000") as srv:
+# Four guided 64x64 images cost 8: the running set fills the executor's cost budget.
+@pytest.mark.server("--batching-mode", "step", "--dynamic-batch-max-size", "4",
+                    "--max-running-cost", "8", "--max-inference-steps", "1000")
+def test_an_executor_crash_mid_run_answers_every_running_request_at_once(own_server):
+    with own_server as srv:
         (executor,) = pids_titled(srv.proc.pid, "diffserve::executor")
         with ThreadPoolExecutor(5) as pool:
             running = [pool.submit(post, srv, {"prompt": f"r{i}", "num_inference_steps": 600,
@@ -89,25 +101,28 @@ def test_an_executor_crash_mid_run_answers_every_running_request_at_once():
         assert answered_in < 2.0
 
 
-def test_step_mode_on_a_family_it_does_not_know_refuses_to_start():
-    srv = Server("--model", "tiny-hunyuandit", "--batching-mode", "step").launch()
+@pytest.mark.server("--model", "tiny-hunyuandit", "--batching-mode", "step")
+def test_step_mode_on_a_family_it_does_not_know_refuses_to_start(own_server):
+    srv = own_server
     assert srv.proc.wait(120) == 1
     assert "--batching-mode step does not support HunyuanDiTPipeline" in srv.log, srv.log
     assert "Use --batching-mode request" in srv.log
 
 
-def test_request_mode_is_kept_on_request():
-    with Server("--batching-mode", "request") as srv:
+@pytest.mark.server("--batching-mode", "request")
+def test_request_mode_is_kept_on_request(own_server):
+    with own_server as srv:
         assert httpx.get(srv.url + "/v1/models").json()["data"][0]["batching_mode"] == "request"
 
 
-def test_two_sizes_are_in_flight_at_once_on_one_executor_and_exact():
+@pytest.mark.server("--batching-mode", "step", "--dynamic-batch-max-size", "4",
+                    "--dynamic-batch-delay-ms", "0", "--max-inference-steps", "1000")
+def test_two_sizes_are_in_flight_at_once_on_one_executor_and_exact(own_server):
     loaded = load_model("tiny-sd", torch_threads=1)
     bodies = [{"prompt": f"size {size} #{i}", "size": size, "seed": 20 + i,
                "num_inference_steps": 120 if i < 2 else 6}
               for i, size in enumerate(["64x64", "96x64", "64x64", "96x64"])]
-    with Server("--batching-mode", "step", "--dynamic-batch-max-size", "4",
-                "--dynamic-batch-delay-ms", "0", "--max-inference-steps", "1000") as srv:
+    with own_server as srv:
         with ThreadPoolExecutor(4) as pool:
             first = pool.submit(post, srv, bodies[0])
             wait_for_metric(srv, "diffserve_num_requests_running", lambda v: v >= 1)
@@ -128,10 +143,10 @@ def test_two_sizes_are_in_flight_at_once_on_one_executor_and_exact():
         assert max_diff(decode(r.json()["data"][0]["b64_json"]), expected) <= 2, body
 
 
-def test_a_request_over_the_forward_cost_bound_is_split_or_refused():
-    # tiny-sd runs guidance at 5.0 by default: a native 64x64 image costs 2 rows.
-    with Server("--batching-mode", "step", "--max-batch-cost", "4", "--max-running-cost",
-                "8") as srv:
+# tiny-sd runs guidance at 5.0 by default: a native 64x64 image costs 2 rows.
+@pytest.mark.server("--batching-mode", "step", "--max-batch-cost", "4", "--max-running-cost", "8")
+def test_a_request_over_the_forward_cost_bound_is_split_or_refused(own_server):
+    with own_server as srv:
         split = post(srv, {"prompt": "three", "n": 3, "seed": 1})  # 2 per forward at most
         assert split.status_code == 200 and len(split.json()["data"]) == 3
         no_cfg = post(srv, {"prompt": "wide", "size": "128x64", "guidance_scale": 1.0})

@@ -59,7 +59,7 @@ method's fixed op count (two bmm per layer, whatever k) should matter more; not 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Iterator, Sequence
@@ -74,6 +74,9 @@ from diffserve.protocol import repeated_adapter
 
 Stack = Sequence[tuple[str, float]]
 METHODS = ("auto", "loop", "gathered")
+# Row plans kept with their tensors (gathered adapter weights among them): a few running sets'.
+PLANS_KEPT = 4
+SUBSETS_KEPT = 64
 
 
 @dataclass
@@ -86,6 +89,8 @@ class _Plan:
     # adapter -> (rows that use it, their scales); rows None means every row
     groups: dict[str, tuple[list[int] | None, list[float]]] = field(default_factory=dict)
     _tensors: dict = field(default_factory=dict)
+    subsets: dict = field(default_factory=dict)  # rows -> the plan of those rows (narrow())
+    root: "_Plan | None" = None  # a narrowed plan's whole one, whose gathered weights it shares
 
     def __post_init__(self) -> None:
         for i, stack in enumerate(self.stacks):
@@ -114,7 +119,8 @@ class _Plan:
         or an index) and each such row's index into the distinct stacks."""
         key = ("stacks", device)
         if key not in self._tensors:
-            distinct = list(dict.fromkeys(s for s in self.stacks if s))
+            distinct = (list(dict.fromkeys(s for s in self.stacks if s)) if self.root is None
+                        else self.root.stack_rows(device)[0])
             rows = [i for i, s in enumerate(self.stacks) if s]
             which = torch.tensor([distinct.index(self.stacks[i]) for i in rows], device=device)
             self._tensors[key] = distinct, _selection(rows, device), which
@@ -174,6 +180,9 @@ class RowAdapters:
         self.method = method
         self._hooks: dict[LoraLayer, torch.utils.hooks.RemovableHandle] = {}
         self._plan: _Plan | None = None
+        # Plans by their stacks: a running set's rows stay the same from step to step, and so
+        # do the index tensors and gathered adapter weights each plan keeps.
+        self._plans: dict[tuple, _Plan] = {}
         self._seen: tuple = ()
         self.adapters: frozenset[str] = frozenset()
         self._unsupported: dict[str, str] = {}  # adapter -> why it can't be applied per row
@@ -187,7 +196,29 @@ class RowAdapters:
         """Row i of every adapted call gets ``stacks[i]``; every such call must have exactly
         ``len(stacks)`` rows (dim 0). An empty stack is the base model."""
         self._refresh_if_changed()
-        return self._active(_Plan([self._check(s) for s in stacks], len(stacks)))
+        key = tuple(tuple(s) for s in stacks)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = _Plan([self._check(s) for s in stacks], len(stacks))
+            while len(self._plans) >= PLANS_KEPT:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = plan
+        return self._active(plan)
+
+    def narrow(self, rows: Sequence[int]):
+        """Inside :meth:`rows`: the adapted calls that follow carry only ``rows`` of it, in that
+        order (a forward that runs some blocks on part of its rows, or splits between
+        denoisers). Outside one, nothing changes."""
+        plan = self._plan
+        if plan is None or plan.count is None:
+            return nullcontext()
+        key = tuple(rows)
+        if key not in plan.subsets:
+            if len(plan.subsets) >= SUBSETS_KEPT:  # which rows miss a step cache varies
+                plan.subsets.clear()
+            plan.subsets[key] = _Plan([plan.stacks[i] for i in key], len(key),
+                                      root=plan.root or plan)
+        return self._active(plan.subsets[key])
 
     def uniform(self, stack: Stack):
         """Every row of every call gets ``stack``, whatever the batch size."""
@@ -242,6 +273,7 @@ class RowAdapters:
                                                                  with_kwargs=True)
         self.adapters = frozenset(a for layer in found for a in _adapter_names(layer))
         self._seen = self._loaded_names()
+        self._plans = {}  # their gathered weights may be of adapters gone or reloaded
 
     def unsupported(self, adapter: str) -> str | None:
         """Why ``adapter`` can't be applied per row, or None if it can."""
@@ -310,29 +342,44 @@ class RowAdapters:
 
     def _gathered(self, layer: LoraLayer, x: torch.Tensor, out: torch.Tensor, plan: _Plan):
         distinct, rows, which = plan.stack_rows(x.device)
-        pieces = [[(layer.lora_A[a].weight, layer.lora_B[a].weight * (s * _unit_scale(layer, a)))
-                   for a, s in stack if a in layer.lora_A] for stack in distinct]
-        rank = max(sum(A.shape[0] for A, _ in p) for p in pieces)
-        if rank == 0:  # none of the batch's adapters adapts this layer (it may hold none at all)
+        kept, key = (plan.root or plan)._tensors, ("gathered", id(layer), x.device)
+        if key not in kept:
+            kept[key] = _gather(layer, distinct, x)
+        gathered = kept[key]
+        if gathered is None:  # none of the batch's adapters adapts this layer
             return None
-        dtype = next(A.dtype for p in pieces for A, _ in p)
-        # One (rank, in) A and (out, rank) B per distinct stack, zero-padded to the largest rank.
-        A_all = x.new_zeros((len(distinct), rank, layer.in_features), dtype=dtype)
-        B_all = x.new_zeros((len(distinct), layer.out_features, rank), dtype=dtype)
-        for u, p in enumerate(pieces):
-            at = 0
-            for A, B in p:
-                A_all[u, at:at + A.shape[0]] = A
-                B_all[u, :, at:at + A.shape[0]] = B
-                at += A.shape[0]
-        part = _take(x, rows).to(dtype)
+        A_all, B_all = gathered
+        # Per row from the distinct stacks' (kept per plan; the per-row copies are not: rows x
+        # rank x features in every layer would outweigh the adapters themselves).
+        A_rows, B_rows = A_all.index_select(0, which), B_all.index_select(0, which)
+        part = _take(x, rows).to(A_rows.dtype)
         flat = part.reshape(len(part), -1, part.shape[-1])
-        hidden = torch.bmm(flat, A_all.index_select(0, which).transpose(1, 2))
-        B_rows = B_all.index_select(0, which).transpose(1, 2)
+        hidden = torch.bmm(flat, A_rows.transpose(1, 2))
+        B_rows = B_rows.transpose(1, 2)
         if isinstance(rows, slice) and _fusable(layer, out):
             out[rows].view(len(part), -1, out.shape[-1]).baddbmm_(hidden, B_rows)
             return out
         return _add_rows(out, rows, torch.bmm(hidden, B_rows).view(*part.shape[:-1], -1))
+
+
+def _gather(layer: LoraLayer, distinct: list, x: torch.Tensor):
+    """One (rank, in) A and (out, rank) B per distinct stack (B scaled by the stack's scales),
+    zero-padded to the largest rank; None where no stack adapts ``layer``."""
+    pieces = [[(layer.lora_A[a].weight, layer.lora_B[a].weight * (s * _unit_scale(layer, a)))
+               for a, s in stack if a in layer.lora_A] for stack in distinct]
+    rank = max(sum(A.shape[0] for A, _ in p) for p in pieces)
+    if rank == 0:
+        return None
+    dtype = next(A.dtype for p in pieces for A, _ in p)
+    A_all = x.new_zeros((len(distinct), rank, layer.in_features), dtype=dtype)
+    B_all = x.new_zeros((len(distinct), layer.out_features, rank), dtype=dtype)
+    for u, p in enumerate(pieces):
+        at = 0
+        for A, B in p:
+            A_all[u, at:at + A.shape[0]] = A
+            B_all[u, :, at:at + A.shape[0]] = B
+            at += A.shape[0]
+    return A_all, B_all
 
 
 def _gatherable(layer: LoraLayer) -> bool:

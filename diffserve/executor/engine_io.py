@@ -4,6 +4,7 @@ scheduler, pixels and tensors straight to the frontend; and what the loops count
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import zmq
@@ -16,6 +17,7 @@ from diffserve.protocol import (
     ItemsDone,
     Kind,
     Partial,
+    Progress,
     ProtocolError,
     TensorSpec,
     decode,
@@ -23,6 +25,10 @@ from diffserve.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+# A request's progress goes to the frontend at most this often (and at its last step): a short
+# step must not turn into a message storm.
+PROGRESS_INTERVAL_S = 0.25
 
 
 class EngineIO:
@@ -35,6 +41,8 @@ class EngineIO:
         self.label = str(index)
         self.metrics = counts
         self._sizes: set[str] = set()
+        self._progress_sent: dict[str, float] = {}  # request id -> when its progress last went
+        self._compiled = None  # the compiled blocks, whose new graphs are counted
 
     def receive(self, block: bool) -> tuple[Kind, Any, list[Any]] | None:
         try:
@@ -59,8 +67,8 @@ class EngineIO:
                 r = o.item.request
                 # Rows of a contiguous array: sent without a copy.
                 self.pixels.send_multipart(encode(Kind.IMAGES, ItemImages(
-                    r.request_id, o.item.start, o.item.stop, r.width, r.height), list(o.images)),
-                    copy=False)
+                    r.request_id, o.item.start, o.item.stop, r.width, r.height, r.num_frames),
+                    list(o.images)), copy=False)
                 self.metrics.images_generated_total.labels(executor=self.label).inc(len(o.images))
         self.sock.send_multipart(encode(Kind.ITEMS_DONE, ItemsDone([o.result() for o in outcomes])))
 
@@ -80,6 +88,19 @@ class EngineIO:
             partial.request_id, partial.index, partial.partial_index, image.shape[1],
             image.shape[0]), [image]), copy=False)
         self.metrics.partial_images_total.labels(executor=self.label).inc()
+
+    def send_progress(self, request_id: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        last = self._progress_sent.get(request_id)
+        if done < total and last is not None and now - last < PROGRESS_INTERVAL_S:
+            return
+        if done >= total:
+            self._progress_sent.pop(request_id, None)
+        else:
+            if len(self._progress_sent) > 4096:  # ids of requests that left before their end
+                self._progress_sent = {k: t for k, t in self._progress_sent.items() if now - t < 600}
+            self._progress_sent[request_id] = now
+        self.pixels.send_multipart(encode(Kind.PROGRESS, Progress(request_id, done, total)))
 
     def answer_adapter(self, command_id: str, status: int = 200, error: str = "") -> None:
         self.sock.send_multipart(encode(Kind.ADAPTER_DONE, AdapterResult(command_id, status, error)))
@@ -112,6 +133,7 @@ class EngineIO:
         m.executor_busy_seconds.labels(executor=label).inc(seconds)
         if interrupted:
             m.batches_interrupted_total.labels(executor=label).inc()
+        self._count_compiles()
 
     def count_admission(self, seconds: float, admitted: int) -> None:
         self.metrics.executor_busy_seconds.labels(executor=self.label).inc(seconds)
@@ -121,6 +143,7 @@ class EngineIO:
         m, label = self.metrics, self.label
         if out.samples:
             m.step_seconds.labels(executor=label).observe(out.seconds)
+            m.step_host_seconds.labels(executor=label).observe(out.host_seconds)
             m.step_running_images.labels(executor=label).observe(out.samples)
             m.forward_cost.labels(executor=label).observe(out.cost)
             m.steps_total.labels(executor=label, size=self._size_label(out.batch_key)).inc()
@@ -128,3 +151,23 @@ class EngineIO:
         m.executor_busy_seconds.labels(executor=label).inc(out.seconds)
         for o in out.finished:
             m.step_retirements_total.labels(executor=label, outcome=o.status).inc()
+        if out.cache_bytes is not None:  # the server runs a step cache
+            m.step_cache_rows_total.labels(executor=label, outcome="hit").inc(out.cache_hits)
+            m.step_cache_rows_total.labels(executor=label, outcome="miss").inc(out.cache_misses)
+            m.step_cache_bytes.labels(executor=label).set(out.cache_bytes)
+        self._count_compiles()
+
+    def watch_compiles(self, compiled) -> None:
+        """Count ``compiled``'s graphs: those built so far as start-up's, later ones (a size or
+        bucket first seen while serving) as they come."""
+        self._compiled = compiled
+        if compiled is not None:
+            self.metrics.compiles_total.labels(executor=self.label, when="startup").inc(
+                compiled.take_new())
+
+    def _count_compiles(self) -> None:
+        new = self._compiled.take_new() if self._compiled is not None else 0
+        if new:
+            log.info("--compile: %d graphs compiled while serving (a size or batch bucket seen "
+                     "for the first time)", new)
+            self.metrics.compiles_total.labels(executor=self.label, when="serving").inc(new)

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 # Keyword arguments the server always sets, whatever the model directory's defaults say:
 # the server has validated the size, so a pipeline must not silently change it.
 FORCED_KWARGS = {"use_resolution_binning": False}
+DEFAULT_FPS = 16  # Wan's; a video model's diffserve.json may say otherwise
 
 
 class UnsupportedMode(ValueError):
@@ -64,10 +65,15 @@ class LoadedModel:
 
 
 def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_threads: int = 0,
-               index: int = 0) -> LoadedModel:
+               index: int = 0, quantization: str = "none") -> LoadedModel:
+    """``quantization``: a scheme of :mod:`diffserve.executor.quantization` for the denoiser."""
+    # torchao, where installed, is imported with diffusers and warns about its CUDA kernels
+    # at every start on a machine without them.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
     import torch
     from diffusers import DiffusionPipeline
 
+    from diffserve.executor import quantization as quant
     from diffserve.executor.compat import allow_processors_without_torchvision
 
     quiet_libraries()
@@ -79,8 +85,14 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
     path = resolve_model(model)
     defaults = serving_defaults(path)
     allow_processors_without_torchvision()
-    pipe = DiffusionPipeline.from_pretrained(path, dtype=getattr(torch, dtype))
+    quantized = quant.pipeline_config(quantization, path, device)
+    pipe = DiffusionPipeline.from_pretrained(path, dtype=getattr(torch, dtype),
+                                             **({"quantization_config": quantized} if quantized
+                                                else {}))
     pipe.to(device)
+    if quantized:
+        quant.log_weights(quantization, [getattr(pipe, name) for name in quant.DENOISERS
+                                         if getattr(pipe, name, None) is not None])
     pipe.set_progress_bar_config(disable=True)
     accepts = frozenset(inspect.signature(pipe.__call__).parameters)
     for required in ("prompt", "generator", "num_inference_steps", "height", "width"):
@@ -112,11 +124,17 @@ def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: typ
     engine's family class, if any."""
     pipe, d = loaded.pipe, loaded.defaults
     call_defaults = {k: p.default for k, p in inspect.signature(pipe.__call__).parameters.items()}
-    scale = int(getattr(pipe, "vae_scale_factor", 8) or 8)
+    scale = int(getattr(pipe, "vae_scale_factor", None)
+                or getattr(pipe, "vae_scale_factor_spatial", 8) or 8)
     denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
     sample = getattr(pipe, "default_sample_size", None) or getattr(
         getattr(denoiser, "config", None), "sample_size", None) or 64
     native = int(sample) * scale
+    video = video_defaults(pipe, d, call_defaults)
+    if video["num_frames"]:  # video pipelines name their native size in their call's defaults
+        native_w, native_h = (call_defaults.get(side) for side in ("width", "height"))
+        if isinstance(native_w, int) and isinstance(native_h, int):
+            d = {"width": native_w, "height": native_h, **d}
     # Transformer pipelines patchify latents 2x2, so their pixel sizes step by twice the VAE's.
     stride = d.get("spatial_stride") or scale * (2 if getattr(pipe, "transformer", None) else 1)
     guidance = d.get("guidance_scale", call_defaults.get(
@@ -137,12 +155,32 @@ def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: typ
         default_guidance_scale=guidance,
         supports_negative_prompt="negative_prompt" in loaded.accepts,
         device=loaded.device, dtype=loaded.dtype, batching_mode=mode, tasks=tasks,
-        partial_images=family is not None, family=family.name if family else None,
+        partial_images=family is not None and not video["num_frames"],
+        family=family.name if family else None, **video,
         max_edit_images=(family.max_references if family and EDIT.name in tasks else
                          1 if IMAGE_TO_IMAGE.name in tasks else 0),
         guidance_rule=rule, schedulers=offered(pipe.scheduler) if getattr(pipe, "scheduler", None)
         else [], adapters=adapters or [], max_batch_cost=batch_cost,
-        max_running_cost=running_cost)
+        max_running_cost=running_cost,
+        step_cache=mode == STEP_MODE and config.step_cache != "off")
+
+
+def video_defaults(pipe, defaults: dict[str, Any], call_defaults: dict[str, Any]) -> dict[str, Any]:
+    """A video pipeline's (one whose call takes ``num_frames``) native frame count, temporal
+    stride and frame rate, and whether it takes a second guidance scale; zeros for images."""
+    if "num_frames" not in call_defaults:
+        return {"num_frames": 0}
+    frames = defaults.get("num_frames", call_defaults["num_frames"])
+    return {"num_frames": int(frames if isinstance(frames, int) else 49),
+            "frame_stride": int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1),
+            "fps": int(defaults.get("fps", DEFAULT_FPS)),
+            "guidance_scale_2": getattr(pipe, "transformer_2", None) is not None}
+
+
+def takes_first_frame(pipe) -> bool:
+    """A video pipeline conditioned on an input image (its first frame), not redrawing it."""
+    params = inspect.signature(pipe.__call__).parameters
+    return "num_frames" in params and "image" in params and "strength" not in params
 
 
 def task_pipelines(pipe, family: type | None = None) -> dict[str, Any]:
@@ -157,9 +195,13 @@ def task_pipelines(pipe, family: type | None = None) -> dict[str, Any]:
     from diffserve.executor.rollout import samples_with
 
     found: dict[str, Any] = {}
-    if family is None or family.generates:
+    if family.generates if family is not None else not takes_first_frame(pipe):
         found[GENERATE.name] = pipe
     for task in TASKS.values():
+        if task.first_frame:
+            if takes_first_frame(pipe):
+                found[task.name] = pipe
+            continue
         if task.trajectory:
             if family is not None and family.generates and samples_with(pipe.scheduler):
                 found[task.name] = pipe

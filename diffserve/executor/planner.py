@@ -1,4 +1,5 @@
-"""The plan of one denoising step: who leaves, who joins, and which running set advances.
+"""The plan of one denoising step: who leaves, who is paused, who joins, and which running set
+advances.
 
 The step engine (:mod:`diffserve.executor.step_engine`) plans a step here, then executes it
 (admissions, the forward, every request's scheduler step, decodes). Planning reads only the
@@ -24,11 +25,17 @@ class Entry:
     batch_key: Hashable
     member: Member
     ready: bool = True
+    start: int = 0  # its first image: with the request id, the work item it is
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request_id, self.start)
 
 
 @dataclass
 class StepPlan:
     leave: list[str] = field(default_factory=list)  # request ids cancelled: they leave now
+    pause: list[tuple[str, int]] = field(default_factory=list)  # items paused (kept) now
     join: list[str] = field(default_factory=list)  # waiting (deferred) requests admitted now
     advance: Hashable | None = None  # the batch key of the set this step advances
 
@@ -38,17 +45,20 @@ class Planner:
         self.policy = policy
 
     def plan(self, running: Sequence[Entry], waiting: Sequence[Entry], cancelled: set[str],
-             now: float) -> StepPlan:
+             now: float, pausing: set = frozenset()) -> StepPlan:
         """``running``: the requests in running sets; ``waiting``: the ones handed to the engine
         that wait inside it for adapter slots (the last step's retirements may have freed some);
-        ``cancelled``: ids whose callers have gone. The set to advance is chosen among the
-        running requests and those that join now."""
+        ``cancelled``: ids whose callers have gone; ``pausing``: items the scheduler paused to
+        make room for better priority classes. The set to advance is chosen among the running
+        requests that stay and those that join now."""
         plan = StepPlan(leave=[e.request_id for e in (*running, *waiting)
                                if e.request_id in cancelled])
         gone = set(plan.leave)
+        staying = [e for e in running if e.request_id not in gone]
+        plan.pause = [e.key for e in staying if e.key in pausing]
         joining = [e for e in waiting if e.ready and e.request_id not in gone]
         plan.join = [e.request_id for e in joining]
-        plan.advance = self.choose([e for e in running if e.request_id not in gone] + joining, now)
+        plan.advance = self.choose([e for e in staying if e.key not in pausing] + joining, now)
         return plan
 
     def choose(self, entries: Sequence[Entry], now: float) -> Hashable | None:

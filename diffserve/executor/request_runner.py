@@ -41,7 +41,8 @@ class RequestRunner:
                  count_tokens: Callable[[str], int] = lambda p: 0,
                  should_interrupt: Callable[[], bool] = lambda: False,
                  emit_partial: Callable[[PartialImage], None] = lambda partial: None,
-                 adapters: AdapterStore | None = None) -> None:
+                 adapters: AdapterStore | None = None,
+                 emit_progress: Callable[[str, int, int], None] = lambda *progress: None) -> None:
         """``pipelines``: task name -> pipeline (the loaded one for generation). ``family`` only
         decodes previews (None: no previews). ``should_interrupt`` is asked at every denoising
         step whether every caller of the running call has gone; ``emit_partial`` sends a preview
@@ -57,6 +58,7 @@ class RequestRunner:
         self.count_tokens = count_tokens
         self.should_interrupt = should_interrupt
         self.emit_partial = emit_partial
+        self.emit_progress = emit_progress  # (request id, steps done, total) of a video
         self.adapters = adapters
         # Pipelines that encode a missing negative prompt as zeros, not as "", or that guide only
         # with one: a call must not mix requests with and without one, or those without change.
@@ -116,10 +118,10 @@ class RequestRunner:
         return [images[id(pair)] for pair in pairs]
 
     def _one_request_a_call(self, request) -> bool:
-        """A pipeline that takes one set of references for the whole call (not one per prompt
-        row) edits one request a call, called as for one prompt."""
+        """A pipeline that takes one set of references, or one first frame, for the whole call
+        (not one per prompt row) runs one request a call; an edit is called as for one prompt."""
         return bool(self.family is not None and not self.family.references_per_row
-                    and request.task_spec.references)
+                    and request.task_spec.references) or request.task_spec.first_frame
 
     def _call(self, pairs: list[Pair]) -> list[np.ndarray]:
         """One pipeline call for these items; each item's images."""
@@ -140,12 +142,18 @@ class RequestRunner:
             kwargs[self.guidance_kwarg] = first.guidance_scale
         if "negative_prompt" in accepts and any(item.request.negative_prompt for item, _ in samples):
             kwargs["negative_prompt"] = [item.request.negative_prompt for item, _ in samples]
-        if self._one_request_a_call(first):
+        if first.num_frames:
+            kwargs["num_frames"] = first.num_frames
+            if first.guidance_scale_2 is not None and "guidance_scale_2" in accepts:
+                kwargs["guidance_scale_2"] = first.guidance_scale_2
+        if self._one_request_a_call(first) and first.task_spec.references:
             kwargs.update(prompt=first.prompt, num_images_per_prompt=len(samples))
             if "negative_prompt" in kwargs:
                 kwargs["negative_prompt"] = first.negative_prompt
         arrays = [input_arrays(item.request, frames) for item, frames in pairs]
-        if first.task_spec.inputs:
+        if first.task_spec.first_frame:  # one image for the call (one request, one video)
+            kwargs["image"] = Image.fromarray(arrays[0]["image"])
+        elif first.task_spec.inputs:
             kwargs["strength"] = first.strength
             for spec in first.task_spec.inputs:
                 kwargs[spec.name] = [Image.fromarray(a[spec.name]) for a, (item, _) in
@@ -159,8 +167,11 @@ class RequestRunner:
         if "callback_on_step_end" in accepts:
             kwargs["callback_on_step_end"] = self._step_callback(samples)
         with self.torch.inference_mode(), self._adapters(first.loras), self._sampler(pipe, first):
-            images = to_uint8(pipe(**kwargs).images)
-        check_output(images, len(samples), first.width, first.height, type(pipe).__name__)
+            output = pipe(**kwargs)
+        # Video pipelines answer frames (k, frames, H, W, 3) where image ones answer images.
+        images = to_uint8(output.frames if first.num_frames else output.images)
+        check_output(images, len(samples), first.width, first.height, type(pipe).__name__,
+                     first.num_frames)
         return chunks(images, [item.samples for item, _ in pairs])
 
     def _sampler(self, pipe, request):
@@ -193,13 +204,17 @@ class RequestRunner:
 
     def _step_callback(self, samples: list[tuple[WorkItem, int]]):
         wanted = any(item.request.partial_images for item, _ in samples) and self.family is not None
+        reporting = {item.request.request_id for item, _ in samples if item.request.progress}
 
         def on_step_end(pipe, step, timestep, callback_kwargs):
             if self.should_interrupt():
                 self._interrupted = True
                 pipe._interrupt = True
-            elif wanted:
+                return callback_kwargs
+            if wanted:
                 self._partials(pipe, step + 1, samples, callback_kwargs["latents"])
+            for request_id in reporting:
+                self.emit_progress(request_id, step + 1, pipe.num_timesteps)
             return callback_kwargs
 
         return on_step_end
@@ -221,12 +236,16 @@ class RequestRunner:
             self._sent.add((item.request.request_id, i, index))
 
 
-def check_output(images: np.ndarray, count: int, width: int, height: int, pipeline: str) -> None:
-    """A pipeline must give ``count`` images of exactly the requested size: a server that answered
-    with another size would hand out wrong pixels."""
-    if images.ndim != 4 or images.shape[0] != count:
-        raise OutputSizeError(f"{pipeline} returned {images.shape[0] if images.ndim else 0} images "
-                              f"for {count} samples")
-    if images.shape[1:3] != (height, width):
-        raise OutputSizeError(f"{pipeline} returned {images.shape[2]}x{images.shape[1]} images for "
-                              f"a {width}x{height} request")
+def check_output(images: np.ndarray, count: int, width: int, height: int, pipeline: str,
+                 frames: int = 0) -> None:
+    """A pipeline must give ``count`` images (videos of ``frames`` frames) of exactly the
+    requested size: a server that answered with another size would hand out wrong pixels."""
+    if images.ndim != (5 if frames else 4) or images.shape[0] != count:
+        raise OutputSizeError(f"{pipeline} returned {images.shape[0] if images.ndim else 0} "
+                              f"{'videos' if frames else 'images'} for {count} samples")
+    if frames and images.shape[1] != frames:
+        raise OutputSizeError(f"{pipeline} returned {images.shape[1]} frames for a "
+                              f"{frames}-frame request")
+    if images.shape[-3:-1] != (height, width):
+        raise OutputSizeError(f"{pipeline} returned {images.shape[-2]}x{images.shape[-3]} images "
+                              f"for a {width}x{height} request")

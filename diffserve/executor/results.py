@@ -25,11 +25,13 @@ class Outcome:
     execution_s: float
     prompt_tokens: int = 0
     tensors: dict | None = None  # rollouts: the answer's tensors (diffserve.rollouts)
+    cached_steps: list[int] | None = None  # per image, steps that reused its step cache
 
     @classmethod
     def made(cls, item: WorkItem, images, execution_s: float, prompt_tokens: int = 0,
-             tensors: dict | None = None) -> "Outcome":
-        return cls(item, FINISHED, images, None, execution_s, prompt_tokens, tensors)
+             tensors: dict | None = None, cached_steps: list[int] | None = None) -> "Outcome":
+        return cls(item, FINISHED, images, None, execution_s, prompt_tokens, tensors,
+                   cached_steps)
 
     @classmethod
     def failed(cls, item: WorkItem, error: str, execution_s: float) -> "Outcome":
@@ -42,7 +44,8 @@ class Outcome:
     def result(self) -> ItemResult:
         item = self.item
         return ItemResult(item.request.request_id, item.start, item.stop, self.status,
-                          self.execution_s, self.error, self.prompt_tokens)
+                          self.execution_s, self.error, self.prompt_tokens,
+                          list(self.cached_steps) if self.cached_steps is not None else None)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from diffserve.config import ServerConfig
 from diffserve.executor import self_check
+from diffserve.executor.accelerators import compiled_for, step_cache_for, warm_up
 from diffserve.executor.loading import (
     LoadedModel,
     UnsupportedMode,
@@ -36,6 +37,8 @@ class Runtime:
     adapters: Any  # the AdapterStore, None where the server serves no adapters
     count_tokens: Callable[[str], int]
     config: ServerConfig
+    step_cache: Any = None  # over the family's denoisers, where --step-cache runs
+    compiled: Any = None  # the denoisers' compiled blocks, where --compile runs
 
     def step_engine(self, **kwargs):
         """A step engine over this model, with the configured set policy."""
@@ -43,13 +46,15 @@ class Runtime:
         from diffserve.policies import set_policy
 
         return StepEngine(self.family, self.count_tokens, adapters=self.adapters,
-                          policy=set_policy(self.config.set_policy), **kwargs)
+                          policy=set_policy(self.config.set_policy), step_cache=self.step_cache,
+                          cache_threshold=self.config.cache_threshold, **kwargs)
 
-    def request_runner(self, should_interrupt=lambda: False, emit_partial=lambda partial: None):
+    def request_runner(self, should_interrupt=lambda: False, emit_partial=lambda partial: None,
+                       emit_progress=lambda *progress: None):
         from diffserve.executor.request_runner import RequestRunner
 
         return RequestRunner(self.loaded, self.pipelines, self.family, self.count_tokens,
-                             should_interrupt, emit_partial, self.adapters)
+                             should_interrupt, emit_partial, self.adapters, emit_progress)
 
 
 def build_runtime(config: ServerConfig, device: str | None = None, torch_threads: int = 0,
@@ -59,16 +64,19 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
     an adapter that does not load)."""
     from diffserve.executor.families import family_for
 
-    loaded = load_model(config.model, device or config.device, config.dtype, torch_threads, index)
+    loaded = load_model(config.model, device or config.device, config.dtype, torch_threads, index,
+                        config.quantization)
     family_cls = family_for(loaded.pipeline_class)
     mode = resolve_mode(config.batching_mode, family_cls, loaded.pipeline_class)
     pipelines = task_pipelines(loaded.pipe, family_cls)
     family = family_cls(loaded.pipe, pipelines, loaded.call_kwargs) if family_cls else None
     adapters = load_adapters(loaded.pipe, config, on_adapter_event)
+    compiled = compiled_for(config, loaded, family)  # before the step cache wraps the blocks
     describe = lambda mode: model_info(  # noqa: E731
         loaded, config, mode, family_cls, list(pipelines), list(adapters.current) if adapters else [])
     rt = Runtime(loaded, family, pipelines, mode, describe(mode), adapters,
-                 token_counter(loaded.pipe), config)
+                 token_counter(loaded.pipe), config, step_cache_for(config, family, mode),
+                 compiled)
     if mode == STEP_MODE and not config.skip_startup_check:
         why = self_check.check(rt)
         if why is not None:
@@ -79,11 +87,16 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
             log.warning("serving in request mode: the start-up check found that on this model "
                         "the step engine does not match the plain pipeline (%s)", why)
             rt.mode, rt.info = REQUEST_MODE, describe(REQUEST_MODE)
+            if rt.step_cache is not None:
+                log.warning("--step-cache runs in step mode only: serving without it")
+                rt.step_cache.close()
+                rt.step_cache = None
     if rt.info.schedulers and not config.skip_startup_check:
         working, why = self_check.samplers(rt, rt.info.schedulers)
         for name, reason in why.items():
             log.info("sampler %s is not offered: %s", name, reason)
         rt.info = dataclasses.replace(rt.info, schedulers=working)
+    warm_up(rt)
     return rt
 
 

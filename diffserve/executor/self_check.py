@@ -70,7 +70,9 @@ def _request(rt, task_name: str, scheduler: str = "", steps: int = STEPS) -> Ima
         f"startup-check-{task_name}-{scheduler}", info.name, width, height,
         references=1 if task.references else 0, task=task_name, num_inference_steps=steps,
         guidance_scale=info.default_guidance_scale, strength=0.5 if task.from_image else 1.0,
-        scheduler=scheduler, prompt="a start-up check of the step engine", seed=1)
+        scheduler=scheduler, prompt="a start-up check of the step engine", seed=1,
+        # A video model's shortest video past one frame: the temporal layers take part.
+        num_frames=min(info.num_frames, info.frame_stride + 1) if info.num_frames else 0)
 
 
 def _run(rt, requests: list[ImageRequest], step: bool):

@@ -42,9 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from diffserve.executor.adapters import AdapterStore
-from diffserve.executor.families.base import Encoded, Family, Prepared
+from diffserve.executor.families.base import Encoded, Family, Prepared, move_state, moved
 from diffserve.executor.planner import Entry, Planner, StepPlan
 from diffserve.executor.results import Outcome, PartialImage, describe, partial_steps
+from diffserve.executor.running_batch import Layout
 from diffserve.executor.rollout import Trajectory
 from diffserve.policies import SetPolicy
 from diffserve.policies.fair import TimeFair
@@ -72,10 +73,16 @@ class Unit:
     step: int = 0
     adapters: tuple = ()  # its LoRA stack, in the versions it holds until it leaves
     trajectory: Trajectory | None = None  # rollouts: the stochastic sampler's record
+    threshold: float = 0.0  # its step cache's threshold (0: never reuse)
+    cache: Any = None  # its images' step caches (diffserve.executor.step_cache), while it runs
 
     @property
     def request(self):
         return self.item.request
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.item.key
 
     @property
     def cost(self) -> float:
@@ -114,6 +121,11 @@ class StepOutput:
     batch_key: tuple | None = None  # of the running set it advanced
     sets: int = 0  # running sets held after the step
     seconds: float = 0.0
+    host_seconds: float = 0.0  # of ``seconds``, outside the denoiser and the VAE
+    cache_hits: int = 0  # rows of the forward that reused their step cache
+    cache_misses: int = 0  # and rows that computed every block
+    cache_bytes: int | None = None  # held by the step caches after the step (None: none run)
+    progress: list[tuple[str, int, int]] = field(default_factory=list)  # (id, done, total)
 
 
 def _request_id(unit: Unit) -> str:
@@ -129,8 +141,11 @@ def batch_key_of(item: WorkItem) -> tuple:
 class StepEngine:
     def __init__(self, family: Family, count_tokens: Callable[[str], int] = lambda p: 0,
                  clock: Callable[[], float] = time.perf_counter,
-                 adapters: AdapterStore | None = None, policy: SetPolicy | None = None) -> None:
-        """``policy``: which running set a step advances (default: time-fair)."""
+                 adapters: AdapterStore | None = None, policy: SetPolicy | None = None,
+                 step_cache=None, cache_threshold: float = 0.0) -> None:
+        """``policy``: which running set a step advances (default: time-fair). ``step_cache``: a
+        :class:`~diffserve.executor.step_cache.StepCache` over the family's denoisers, and the
+        threshold of requests that name none."""
         self.family = family
         self.count_tokens = count_tokens
         self.clock = clock
@@ -138,7 +153,19 @@ class StepEngine:
         self.planner = Planner(policy or TimeFair())
         self.units: list[Unit] = []
         self.waiting: list[Waiting] = []  # for adapter slots
+        self.paused: dict[tuple[str, int], Unit] = {}  # out of the running sets, state kept
         self._cancelled: set[str] = set()
+        self._pausing: set[tuple[str, int]] = set()
+        self.step_cache = step_cache
+        self.cache_threshold = cache_threshold
+        self._layouts: dict[tuple, Layout] = {}  # per running set, while its members stay
+        self._inner_s = 0.0  # this step's time in the denoiser and the VAE
+        if adapters is not None:
+            family.row_scope.listen(adapters.rows.narrow)
+        if step_cache is not None:
+            family.row_scope.listen(step_cache.narrow)
+            if adapters is not None:
+                step_cache.narrow_rows_with(adapters.rows.narrow)
 
     @property
     def samples(self) -> int:
@@ -148,6 +175,7 @@ class StepEngine:
         return group_by(self.units, lambda u: u.batch_key)
 
     def __bool__(self) -> bool:
+        """Whether there is a step to take (paused items wait for their resume)."""
         return bool(self.units or self.waiting)
 
     # -- admission -------------------------------------------------------------------------
@@ -162,6 +190,9 @@ class StepEngine:
         failed: list[Outcome] = []
         ready, stacks = [], []
         for item, frames in zip(items, inputs):
+            if item.resume:
+                self._resume(item)
+                continue
             try:
                 stack = self._acquire(item)
             except Exception as error:  # noqa: BLE001 - only this request fails
@@ -244,29 +275,59 @@ class StepEngine:
         scheduler = fam.new_scheduler(r.scheduler)
         gens = generators(r, item.start, item.stop)
         prepared = fam.prepare(r.task_spec, scheduler, r.num_inference_steps, r.strength, r.width,
-                               r.height, gens, encoded, input_arrays(r, frames))
+                               r.height, gens, encoded, input_arrays(r, frames),
+                               frames=r.num_frames)
         # A rollout's noise comes from the same generators, after its first latents'.
         trajectory = Trajectory(r.noise_level, gens) if r.task_spec.trajectory else None
+        threshold = self._threshold(r)
         return Unit(item, batch_key_of(item), scheduler, prepared, prepared.negative is not None,
                     partial_steps(r.partial_images, len(prepared.timesteps)), start,
                     Member(arrived, len(prepared.timesteps)),
-                    self.count_tokens(r.prompt), adapters=stack, trajectory=trajectory)
+                    self.count_tokens(r.prompt), adapters=stack, trajectory=trajectory,
+                    threshold=threshold,
+                    cache=self.step_cache.unit(item.samples) if threshold > 0 else None)
+
+    def _threshold(self, r) -> float:
+        """The request's step-cache threshold: its own, else the server's. 0 without a step
+        cache, and for rollouts, whose log-probabilities are of the model's own predictions."""
+        if self.step_cache is None or r.task_spec.trajectory:
+            return 0.0
+        return self.cache_threshold if r.cache_threshold is None else r.cache_threshold
+
+    def _resume(self, item: WorkItem) -> None:
+        """A paused item back into its running set, where it continues from the step it left
+        (an item that finished before its pause came is not here: the resume is dropped)."""
+        if item.key in self._pausing:  # resumed before the pause took effect: it never stops
+            self._pausing.discard(item.key)
+            return
+        unit = self.paused.pop(item.key, None)
+        if unit is not None:
+            self._offload(unit, self.family.device)
+            self.units.append(unit)
 
     def abandon(self, error: str) -> list[Outcome]:
         """Fail everything held (after an error no request's stage accounts for), releasing
         its adapters; the engine is empty and usable afterwards."""
         now = self.clock()
-        outcomes = [Outcome.failed(u.item, error, now - u.admitted_at) for u in self.units]
+        held = [*self.units, *self.paused.values()]
+        outcomes = [Outcome.failed(u.item, error, now - u.admitted_at) for u in held]
         outcomes += [Outcome.failed(w.item, error, 0.0) for w in self.waiting]
-        for unit in self.units:
+        for unit in held:
             self._release(unit.adapters)
-        self.units, self.waiting, self._cancelled = [], [], set()
+        self.units, self.waiting, self.paused, self._cancelled = [], [], {}, set()
         return outcomes
 
     def cancel(self, request_ids: list[str]) -> None:
         """Drop these requests at the next step."""
-        held = {_request_id(u) for u in self.units} | {w.item.request.request_id for w in self.waiting}
+        held = ({_request_id(u) for u in (*self.units, *self.paused.values())}
+                | {w.item.request.request_id for w in self.waiting})
         self._cancelled.update(rid for rid in request_ids if rid in held)
+
+    def pause(self, keys: list[tuple[str, int]]) -> None:
+        """Take these running items out of the running sets at the next step; their latents,
+        schedulers and generators stay with them (off the accelerator) until they resume."""
+        running = {u.key for u in self.units}
+        self._pausing.update(key for key in keys if key in running)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -275,30 +336,60 @@ class StepEngine:
         out = StepOutput()
         plan = self.plan()
         self._leave(plan, out)
+        self._pause(plan)
         self._join(plan, out)
         self._execute(plan, out)
         out.sets = len(self.running_sets())
+        if self.step_cache is not None:
+            out.cache_bytes = self.cache_bytes()
         return out
 
+    def cache_bytes(self) -> int:
+        """Bytes the step caches of the running and paused requests hold."""
+        return sum(u.cache.nbytes for u in (*self.units, *self.paused.values())
+                   if u.cache is not None)
+
     def plan(self) -> StepPlan:
-        running = [Entry(_request_id(u), u.batch_key, u.member) for u in self.units]
+        running = [Entry(_request_id(u), u.batch_key, u.member, start=u.item.start)
+                   for u in self.units]
         waiting = [Entry(w.item.request.request_id, w.batch_key, w.member,
                          self._adapters_fit(w.item)) for w in self.waiting]
-        return self.planner.plan(running, waiting, self._cancelled, self.clock())
+        return self.planner.plan(running, waiting, self._cancelled, self.clock(), self._pausing)
 
     def _adapters_fit(self, item: WorkItem) -> bool:
         return self.adapters is None or self.adapters.fits(item.request.loras)
 
     def _leave(self, plan: StepPlan, out: StepOutput) -> None:
+        gone = set(plan.leave) | {key[0] for key in self.paused if key[0] in self._cancelled}
         self._cancelled = set()
-        if not plan.leave:
+        if not gone:
             return
-        gone = set(plan.leave)
+        for key in [key for key in self.paused if key[0] in gone]:
+            unit = self.paused.pop(key)
+            self.units.append(unit)  # to leave as the running ones do
+            self._remove(unit, out, Outcome.cancelled(unit.item, self.clock() - unit.admitted_at))
         for u in [u for u in self.units if _request_id(u) in gone]:
             self._remove(u, out, Outcome.cancelled(u.item, self.clock() - u.admitted_at))
         for w in [w for w in self.waiting if w.item.request.request_id in gone]:
             self.waiting.remove(w)
             out.finished.append(Outcome.cancelled(w.item, 0.0))
+
+    def _pause(self, plan: StepPlan) -> None:
+        self._pausing = set()
+        for unit in [u for u in self.units if u.key in set(plan.pause)]:
+            self.units.remove(unit)
+            self._offload(unit, "cpu")  # the accelerator's memory goes to the others
+            self.paused[unit.key] = unit
+
+    def _offload(self, unit: Unit, device) -> None:
+        """The unit's state (latents, conditioning, its scheduler's tensors) moved to ``device``:
+        off the accelerator while paused, back on resume. Nothing to do on a CPU."""
+        if self.family.torch.device(self.family.device).type == "cpu":
+            return
+        unit.prepared = moved(unit.prepared, device)
+        move_state(unit.scheduler, device)
+        if unit.cache is not None:
+            unit.cache.to(device)
 
     def _join(self, plan: StepPlan, out: StepOutput) -> None:
         joining = set(plan.join)
@@ -315,6 +406,7 @@ class StepEngine:
         if not self.units:
             return
         start = self.clock()
+        self._inner_s = 0.0
         units = [u for u in self.units if u.batch_key == plan.advance]
         if not units:  # the set it planned for was to be opened by a join that did not fit
             key = self.planner.choose([Entry(_request_id(u), u.batch_key, u.member)
@@ -325,9 +417,14 @@ class StepEngine:
             out.samples, out.cost = sum(u.samples for u in units), sum(u.cost for u in units)
             for unit, noise in self._each(units, self._predict, "the denoiser forward", out):
                 self._advance(unit, noise, out)
+            out.progress = [(_request_id(u), u.step, len(u.prepared.timesteps)) for u in units
+                            if u.request.progress and u in self.units]
             self._partials(units, out)
             self._retire(units, out)
         out.seconds = self.clock() - start
+        out.host_seconds = max(0.0, out.seconds - self._inner_s)
+        if self.step_cache is not None:
+            out.cache_hits, out.cache_misses = self.step_cache.take_counts()
         for unit in units:
             unit.member.stepped(out.seconds)
 
@@ -358,33 +455,37 @@ class StepEngine:
         if unit in self.units:
             self.units.remove(unit)
             self._release(unit.adapters)
+            unit.cache = None  # its step cache goes with it
+            self._layouts.pop(unit.batch_key, None)
             out.finished.append(outcome)
 
     def _predict(self, units: list[Unit]) -> list[Any]:
         """One denoiser forward for ``units``; each unit's noise prediction, guidance applied."""
-        fam, torch = self.family, self.family.torch
-        inputs, timesteps, guidance, conds = [], [], [], []
-        for u in units:
-            t = u.prepared.timesteps[u.step]
-            x = torch.cat([u.prepared.latents] * 2) if u.cfg else u.prepared.latents
-            scale = getattr(u.scheduler, "scale_model_input", None)
-            if scale is not None:  # the scheduler's own rule (flow-matching ones have none)
-                x = scale(x, t)
-            inputs.append(x)
-            timesteps.append(t.expand(x.shape[0]) if t.dim() == 0 else t.repeat(x.shape[0]))
-            guidance.append(torch.full((x.shape[0],), u.request.guidance_scale,
-                                       dtype=torch.float32, device=x.device))
-            conds.extend((u.prepared.negative, u.prepared.positive) if u.cfg else (u.prepared.positive,))
+        fam = self.family
+        layout = self._layouts.get(units[0].batch_key)
+        if layout is None or not layout.matches(units):
+            layout = self._layouts[units[0].batch_key] = Layout(units, fam.torch)
+        latents, timesteps = layout.inputs()
         r = units[0].request  # every unit of one forward has the same size
-        with self._rows([u.adapters for u in units for _ in range(u.rows)]):
-            output = fam.forward(torch.cat(inputs), torch.cat(timesteps),
-                                 type(conds[0]).cat(conds), torch.cat(guidance), r.width, r.height)
-        predictions = []
-        for u, part in zip(units, chunks(output, [u.rows for u in units])):
-            if u.cfg:
-                part = fam.guide(*part.chunk(2), u.request.guidance_scale)
-            predictions.append(part)
-        return predictions
+        start = self.clock()
+        try:
+            with self._rows(layout.stacks), self._cached(layout):
+                output = fam.forward(latents, timesteps, layout.cond, layout.guidance, r.width,
+                                     r.height)
+        finally:
+            self._inner_s += self.clock() - start
+        return layout.predictions(fam, output)
+
+    def _cached(self, layout: Layout):
+        """The step cache's context for one forward: each unit's images, threshold and step."""
+        if self.step_cache is None:
+            return nullcontext()
+        r = layout.units[0].request
+        return self.step_cache.forward(
+            [self.step_cache.entry(u.cache, offset, u.rows, u.samples, u.threshold, u.step,
+                                   len(u.prepared.timesteps))
+             for u, offset in zip(layout.units, layout.offsets)],
+            layout.rows, self.family.cache_tokens(r.width, r.height))
 
     def _advance(self, u: Unit, noise, out: StepOutput) -> None:
         """The unit's own scheduler step (and inpainting blend); an error fails its request only."""
@@ -410,8 +511,13 @@ class StepEngine:
         by_unit: dict[int, Any] = {}
         for group in group_by(units, lambda u: u.request.task).values():
             r = group[0].request
-            pixels = self.family.decode(self.family.torch.cat([u.prepared.latents for u in group]),
-                                        r.width, r.height, r.task_spec)
+            start = self.clock()
+            try:
+                pixels = self.family.decode(
+                    self.family.torch.cat([u.prepared.latents for u in group]), r.width, r.height,
+                    r.task_spec)
+            finally:
+                self._inner_s += self.clock() - start
             by_unit.update(zip(map(id, group), chunks(pixels, [u.samples for u in group])))
         return [by_unit[id(u)] for u in units]
 
@@ -439,4 +545,10 @@ class StepEngine:
                     self._fail(u, out, error, "the rollout's tensors")
                     continue
             self._remove(u, out, Outcome.made(u.item, pixels, now - u.admitted_at,
-                                              u.prompt_tokens, tensors))
+                                              u.prompt_tokens, tensors, self._cached_steps(u)))
+
+    def _cached_steps(self, u: Unit) -> list[int] | None:
+        """Per image, its steps that reused its step cache (None where no step cache runs)."""
+        if self.step_cache is None:
+            return None
+        return list(u.cache.cached) if u.cache is not None else [0] * u.samples

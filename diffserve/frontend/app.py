@@ -30,16 +30,22 @@ from diffserve.metrics import FrontendMetrics
 
 
 def create_app(config: ServerConfig, engine: EngineClient, counts: FrontendMetrics,
-               render_metrics: Callable[[], tuple[bytes, str]]) -> FastAPI:
-    """``counts``: where the frontend counts requests; ``render_metrics``: the /metrics body."""
+               render_metrics: Callable[[], tuple[bytes, str]], video_peers=None) -> FastAPI:
+    """``counts``: where the frontend counts requests; ``render_metrics``: the /metrics body;
+    ``video_peers``: a Ray Serve replica's view of the others, where their video jobs live."""
     app = FastAPI(title="diffserve", version=__version__,
                   description="OpenAI-style image generation and editing with dynamic batching.")
     if config.api_key:
-        app.add_middleware(BearerAuth, key=config.api_key)
+        app.add_middleware(BearerAuth, keys=config.api_keys)
     add_error_handlers(app)
     serving = Serving(config, engine, counts,
                       ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode"))
     app.include_router(image_routes(serving))
+    if getattr(getattr(engine, "model_info", None), "num_frames", 0):  # a video model
+        from diffserve.frontend.videos.setup import video_api
+
+        router, app.state.video_jobs = video_api(serving, counts, video_peers)
+        app.include_router(router)
     if config.enable_lora_runtime_updates:
         app.include_router(adapter_routes(serving))
     app.include_router(info_routes(engine, render_metrics))

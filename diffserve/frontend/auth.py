@@ -7,20 +7,29 @@ import hmac
 from diffserve.errors import error_response, unauthorized
 
 
-class BearerAuth:
-    """``Authorization: Bearer <key>`` on /v1/*; /health, /metrics and the page stay open.
-    A plain ASGI middleware, so it does not get between a handler and disconnect events."""
+PRIORITY = "key_priority"  # where a request's key leaves its priority class: request.state
 
-    def __init__(self, app, key: str) -> None:
+
+class BearerAuth:
+    """``Authorization: Bearer <key>`` on /v1/*; /health, /metrics and the page stay open. The
+    key's priority class, if it has one, goes on to the route in the request's state. A plain
+    ASGI middleware, so it does not get between a handler and disconnect events."""
+
+    def __init__(self, app, keys: dict[str, int | None]) -> None:
         self.app = app
-        self.key = key.encode()
+        self.keys = [(key.encode(), priority) for key, priority in keys.items()]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
-            # compare_digest: the time taken does not tell how much of a guess was right.
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            token = token.strip()
+            # compare_digest, against every key: the time taken tells neither how much of a
+            # guess was right nor which key it came close to.
+            matches = [priority for key, priority in self.keys
+                       if hmac.compare_digest(token, key)]
+            if scheme.lower() != b"bearer" or not matches:
                 await error_response(unauthorized())(scope, receive, send)
                 return
+            scope.setdefault("state", {})[PRIORITY] = matches[0]
         await self.app(scope, receive, send)

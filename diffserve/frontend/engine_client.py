@@ -65,6 +65,14 @@ class PartialEvent:
 
 
 @dataclass
+class ProgressEvent:
+    """The request's denoising steps done of its total (requests that asked for progress)."""
+
+    done: int
+    total: int
+
+
+@dataclass
 class DoneEvent:
     done: RequestDone
     frames: list[Any]  # the request's images, in index order
@@ -99,7 +107,7 @@ class Submission:
         self._client, self.request_id, self._queue = client, request_id, queue
         self.answered = False
 
-    async def next(self) -> PartialEvent | DoneEvent:
+    async def next(self) -> PartialEvent | ProgressEvent | DoneEvent:
         """The next event; raises the engine's error for the request. Cancelling it is safe."""
         event = await self._queue.get()
         if isinstance(event, Exception):
@@ -272,6 +280,10 @@ class EngineClient:
             self._images(msg, buffers)
         elif kind is Kind.TENSORS:
             self._tensors(msg, buffers)
+        elif kind is Kind.PROGRESS:
+            pending = self._pending.get(msg.request_id)
+            if pending is not None:
+                pending.queue.put_nowait(ProgressEvent(msg.done, msg.total))
         elif kind is Kind.PARTIAL:
             pending = self._pending.get(msg.request_id)
             if pending is not None and len(buffers) == 1:

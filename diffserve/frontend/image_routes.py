@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from diffserve.errors import invalid_request
 from diffserve.frontend import streaming
+from diffserve.frontend.auth import PRIORITY
 from diffserve.frontend.bodies import form_body_schema, json_body_schema, parse_json, validate
 from diffserve.frontend.schemas import (ImageEditForm, ImageGenerationRequest, ImagesResponse,
                                         RolloutRequest)
@@ -30,6 +31,11 @@ def rollout_fields(request: ImageRequest) -> dict:
             "num_inference_steps": request.num_inference_steps,
             "guidance_scale": request.guidance_scale, "noise_level": request.noise_level,
             "loras": [list(pair) for pair in request.loras], "return": list(request.returns)}
+
+
+def key_priority(http_request: Request) -> int | None:
+    """The priority class of the API key the request came with (see frontend.auth)."""
+    return getattr(http_request.state, PRIORITY, None)
 
 
 def edit_task(info, form) -> Task:
@@ -51,7 +57,8 @@ def image_routes(serving: Serving) -> APIRouter:
             body = await parse_json(http_request, ImageGenerationRequest, config.max_body_bytes,
                                     "--max-body-bytes")
             request = to_engine_request(body, f"img-{uuid.uuid4().hex}", engine.model_info,
-                                        config, GENERATE, engine.adapters)
+                                        config, GENERATE, engine.adapters,
+                                        key_priority=key_priority(http_request))
             return request, [], body
 
         return await serving.serve(http_request, accept, streaming.GENERATIONS)
@@ -74,7 +81,8 @@ def image_routes(serving: Serving) -> APIRouter:
                 raise invalid_request(f"{len(form.images)} input images; model {info.name!r} "
                                       "takes one per edit", "image", "invalid_value")
             request = to_engine_request(body, f"edit-{uuid.uuid4().hex}", info, config, task,
-                                        engine.adapters, len(form.images), size)
+                                        engine.adapters, len(form.images), size,
+                                        key_priority(http_request))
             frames = await asyncio.get_running_loop().run_in_executor(
                 serving.pool, decode_inputs, form, request.width, request.height,
                 config.max_input_pixels)
@@ -94,7 +102,8 @@ def image_routes(serving: Serving) -> APIRouter:
                                       "stream, no url", "stream" if body.stream else
                                       "response_format", "unsupported_value")
             request = to_engine_request(body, f"roll-{uuid.uuid4().hex}", engine.model_info,
-                                        config, ROLLOUT, engine.adapters)
+                                        config, ROLLOUT, engine.adapters,
+                                        key_priority=key_priority(http_request))
             return request, [], body
 
         def respond(request: ImageRequest, done) -> Response:

@@ -28,7 +28,8 @@ def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, 
         card = dict(created=int(started), pipeline=info.pipeline_class,
                     batching_mode=info.batching_mode, tasks=info.tasks,
                     partial_images=info.partial_images, max_edit_images=info.max_edit_images,
-                    schedulers=info.schedulers)
+                    schedulers=info.schedulers, num_frames=info.num_frames,
+                    frame_stride=info.frame_stride, fps=info.fps)
         return ModelList(data=[ModelCard(id=info.name, **card),
                                *(ModelCard(id=name, parent=info.name, **card)
                                  for name in engine.adapters)])

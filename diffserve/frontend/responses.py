@@ -46,8 +46,8 @@ class ImageAnswer:
         return encode_images(self.pool, frames, r.width, r.height, b.output_format,
                              b.output_compression)
 
-    def _usage(self, text_tokens: int, image_count: int) -> dict:
-        return usage(self.request, self.stride, text_tokens, image_count)
+    def _usage(self, text_tokens: int, image_count: int, cached_steps: int | None = None) -> dict:
+        return usage(self.request, self.stride, text_tokens, image_count, cached_steps)
 
     async def json(self, done: DoneEvent) -> OrjsonResponse:
         encoded = await self._encode(done.frames)
@@ -55,7 +55,9 @@ class ImageAnswer:
             "created": self.created,
             "data": [{"b64_json": b64, "seed": seed} for b64, seed in zip(encoded, done.done.seeds)],
             "output_format": self.body.output_format, "size": self.size, "background": "opaque",
-            "usage": self._usage(done.done.prompt_tokens, self.request.n),
+            "usage": self._usage(done.done.prompt_tokens, self.request.n,
+                                 None if done.done.cached_steps is None
+                                 else sum(done.done.cached_steps)),
         })
 
     def stream(self, first, submission: Submission,
@@ -73,10 +75,10 @@ class ImageAnswer:
                 while True:
                     if isinstance(event, DoneEvent):
                         encoded = await self._encode(event.frames)
-                        tokens = event.done.prompt_tokens
+                        tokens, cached = event.done.prompt_tokens, event.done.cached_steps
                         for i, (b64, seed) in enumerate(zip(encoded, event.done.seeds)):
-                            yield streaming.completed(self.events, common, b64, self._usage(tokens, 1),
-                                                      i, n, seed)
+                            used = self._usage(tokens, 1, None if cached is None else cached[i])
+                            yield streaming.completed(self.events, common, b64, used, i, n, seed)
                         outcome = "success"
                         return
                     (b64,) = await self._encode([event.frame])

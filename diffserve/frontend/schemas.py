@@ -52,11 +52,18 @@ class ImageOptions(BaseModel):
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0, le=100)
+    priority: int | None = Field(None, ge=-1_000_000, le=1_000_000, description="Its priority "
+                                 "class under --scheduling-policy priority: lower runs sooner "
+                                 "(default 0, or the API key's).")
     scheduler: str | None = Field(None, max_length=64, description="A sampler the model offers "
                                   "(GET /v1/models lists them); the model's own by default.")
     loras: list[LoraRef] | None = Field(
         None, description="LoRA adapters to apply, in order, each with its scale (see GET "
         "/v1/models for the served ones). model=NAME is the same as one adapter at scale 1.")
+    cache_threshold: float | None = Field(
+        None, ge=0, le=1, description="With --step-cache: how much an image's first-block "
+        "signal may change since its last computed step for the step to reuse its cache (0: "
+        "never reuse; default --cache-threshold).")
 
 
 class ImageGenerationRequest(ImageOptions):
@@ -94,6 +101,8 @@ class Usage(BaseModel):
     input_tokens_details: dict[str, int]
     output_tokens: int
     total_tokens: int
+    cached_steps: int | None = Field(None, description="Where the request ran with a step "
+                                     "cache: its images' denoising steps that reused it.")
 
 
 class ImageData(BaseModel):
@@ -127,6 +136,10 @@ class ModelCard(BaseModel):
     max_edit_images: int = Field(0, description="The most input images one edit takes.")
     schedulers: list[str] = Field(default_factory=list, description="Samplers a request may "
                                   "pick with its scheduler field.")
+    num_frames: int = Field(0, description="A video model's native frame count (0: an image "
+                            "model; videos are made through /v1/videos).")
+    frame_stride: int = Field(1, description="A video's frame count is frame_stride x k + 1.")
+    fps: int = Field(0, description="A video model's default frame rate.")
 
 
 class LoadLoraAdapter(BaseModel):

@@ -45,9 +45,11 @@ class Serving:
         and answer (as JSON or a stream; ``respond(request, done)`` makes any other answer).
         Its outcome is counted once, when the answer is complete (a stream's at its end)."""
         arrival, start = time.time(), time.perf_counter()
+        request = None
 
         def finished(outcome: str) -> None:
-            self.counts.finished(outcome, time.perf_counter() - start)
+            self.counts.finished(outcome, time.perf_counter() - start,
+                                 None if request is None else request.priority)
 
         outcome, streamed = "cancelled", False
         try:

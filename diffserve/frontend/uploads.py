@@ -52,7 +52,21 @@ async def read_limited(stream, limit: int, declared: str | None, flag: str) -> b
 
 
 async def parse_form(headers, body: bytes, limit: int) -> EditForm:
-    """Split a multipart body into its text fields and its files."""
+    """Split an edit's multipart body into its text fields, its images and its mask."""
+    fields, files = await read_multipart(headers, body, limit, FILE_FIELDS)
+    images = [data for name in IMAGE_FIELDS for data in files.get(name, [])]
+    if not images:
+        raise invalid_request("Missing required parameter: 'image' (a PNG, JPEG or WebP file).",
+                              "image", "missing_required_parameter")
+    masks = files.get("mask", [])
+    if len(masks) > 1:
+        raise invalid_request("'mask' is given more than once", "mask", "invalid_value")
+    return EditForm(fields, images, masks[0] if masks else None)
+
+
+async def read_multipart(headers, body: bytes, limit: int,
+                         file_fields: tuple[str, ...]) -> tuple[dict[str, str], dict[str, list[bytes]]]:
+    """A multipart body's text fields (each once) and its files (``file_fields`` only)."""
     from starlette.formparsers import MultiPartParser
 
     content_type = headers.get("content-type", "")
@@ -83,7 +97,7 @@ async def parse_form(headers, body: bytes, limit: int) -> EditForm:
         fields: dict[str, str] = {}
         files: dict[str, list[bytes]] = {}
         for name, value in form.multi_items():
-            if name in FILE_FIELDS:
+            if name in file_fields:
                 data = await value.read() if hasattr(value, "read") else value.encode()
                 files.setdefault(name, []).append(data)
             elif hasattr(value, "read"):
@@ -95,14 +109,7 @@ async def parse_form(headers, body: bytes, limit: int) -> EditForm:
                 fields[name] = value
     finally:
         await form.close()
-    images = [data for name in IMAGE_FIELDS for data in files.get(name, [])]
-    if not images:
-        raise invalid_request("Missing required parameter: 'image' (a PNG, JPEG or WebP file).",
-                              "image", "missing_required_parameter")
-    masks = files.get("mask", [])
-    if len(masks) > 1:
-        raise invalid_request("'mask' is given more than once", "mask", "invalid_value")
-    return EditForm(fields, images, masks[0] if masks else None)
+    return fields, files
 
 
 def open_image(data: bytes, param: str, max_pixels: int, header_only: bool = False) -> Image.Image:

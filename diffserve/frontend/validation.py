@@ -8,7 +8,8 @@ import secrets
 from typing import Collection
 
 from diffserve.config import ServerConfig
-from diffserve.costs import image_cost, uses_cfg
+from diffserve.policies import QUEUE_POLICIES
+from diffserve.costs import image_cost, uses_cfg, video_cost
 from diffserve.errors import invalid_request, model_not_found
 from diffserve.frontend.schemas import ImageOptions
 from diffserve.protocol import SEED_MODULUS, ImageRequest, ModelInfo, repeated_adapter
@@ -74,12 +75,31 @@ def lora_stack(body: ImageOptions, info: ModelInfo, adapters: Collection[str],
     return tuple(stack)
 
 
+def priority_of(body: ImageOptions, config: ServerConfig, key_priority: int | None) -> int:
+    """The request's priority class: its own, or its API key's, never better than the key's
+    (a better one is lowered to it)."""
+    asked = body.priority
+    if asked not in (None, 0) and not QUEUE_POLICIES[config.scheduling_policy].uses_priority:
+        raise invalid_request(f"priority={asked} needs --scheduling-policy priority (this server "
+                              f"runs {config.scheduling_policy})", "priority", "unsupported_parameter")
+    if key_priority is None:
+        return asked or 0
+    return key_priority if asked is None else max(asked, key_priority)
+
+
 def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
                       config: ServerConfig, task: Task, adapters: Collection[str] = (),
-                      references: int = 0, size: tuple[int, int] | None = None) -> ImageRequest:
+                      references: int = 0, size: tuple[int, int] | None = None,
+                      key_priority: int | None = None, frames: int = 0) -> ImageRequest:
     """``adapters``: the names of the LoRA adapters served now; ``references``: an instruction
-    edit's image count; ``size``: the size when the body has none (default: the native one)."""
+    edit's image count; ``size``: the size when the body has none (default: the native one);
+    ``key_priority``: the priority class of the API key it came with."""
     loras = lora_stack(body, info, adapters, config)
+    if bool(frames) != bool(info.num_frames):  # ``frames``: a video's, checked by the caller
+        made, route = (("videos", "POST /v1/videos") if info.num_frames else
+                       ("images", "/v1/images/generations or /v1/images/edits"))
+        raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) makes {made}: use "
+                              f"{route}", None, "unsupported_task")
     if task.name not in info.tasks:
         if task is GENERATE and EDIT.name in info.tasks:
             raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) only edits images: "
@@ -136,21 +156,33 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
     guidance = info.default_guidance_scale if body.guidance_scale is None else body.guidance_scale
     negative = body.negative_prompt or ""
     cfg = uses_cfg(info.guidance_rule, guidance, negative)
-    cost = image_cost(width, height, info.width, info.height, cfg)
+    cost = (video_cost(width, height, frames, info.width, info.height, info.num_frames,
+                       info.frame_stride, cfg) if frames
+            else image_cost(width, height, info.width, info.height, cfg))
     if info.max_batch_cost and cost > info.max_batch_cost:
         raise invalid_request(
             f"size {width}x{height} costs {cost:g} per image ({'with' if cfg else 'without'} "
             f"classifier-free guidance, in rows of the native {info.width}x{info.height}), above "
             f"the {info.max_batch_cost:g} one denoiser forward may carry (--max-batch-cost)",
             "size", "invalid_size")
+    threshold = getattr(body, "cache_threshold", None)
+    if threshold:
+        if not info.step_cache:
+            raise invalid_request("cache_threshold needs a server that runs a step cache "
+                                  "(--step-cache, in step mode)", "cache_threshold",
+                                  "unsupported_parameter")
+        if task.trajectory:
+            raise invalid_request("rollouts are never cached: their log-probabilities are of the "
+                                  "model's own predictions", "cache_threshold",
+                                  "unsupported_parameter")
     seed = body.seed if body.seed is not None else secrets.randbelow(SEED_MODULUS)
     return ImageRequest(
         request_id=request_id, model=info.name, width=width, height=height, task=task.name,
         num_inference_steps=steps, guidance_scale=float(guidance), strength=float(strength),
-        scheduler=body.scheduler or "",
+        scheduler=body.scheduler or "", priority=priority_of(body, config, key_priority),
         prompt=body.prompt, negative_prompt=negative, seed=seed, n=body.n,
         # Previews exist only in a stream; without one they would be decoded for nothing.
         partial_images=body.partial_images if body.stream else 0, loras=loras, cost=cost,
-        references=references if task.references else 0,
-        noise_level=float(getattr(body, "noise_level", 0.0)),
+        references=references if task.references else 0, num_frames=frames,
+        noise_level=float(getattr(body, "noise_level", 0.0)), cache_threshold=threshold,
         returns=tuple(getattr(body, "return_", None) or ()))

@@ -12,6 +12,7 @@ class Job(Protocol):
     n: int
     num_inference_steps: int
     cost: float
+    priority: int
 
 
 class QueuePolicy:
@@ -23,6 +24,12 @@ class QueuePolicy:
     priority, say, counts each priority level as so many seconds of arrival time)."""
 
     name: ClassVar[str]
+    uses_priority: ClassVar[bool] = False  # whether a request's priority field means anything
+
+    @classmethod
+    def from_config(cls, config) -> "QueuePolicy":
+        """The policy with its options from the server's configuration."""
+        return cls()
 
     def rank(self, request: Job, enqueued_at: float) -> tuple:
         raise NotImplementedError

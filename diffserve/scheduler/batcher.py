@@ -32,12 +32,14 @@ from diffserve.policies.fcfs import FirstCome
 from diffserve.protocol import REQUEST_MODE, ImageRequest
 
 
-class AdapterRoom(Protocol):
-    """Adapter slots left for what a group takes (see :mod:`diffserve.scheduler.slots`)."""
+class Seat(Protocol):
+    """What an executor offers a group beyond images and cost: which executor it is (a paused
+    item resumes only where its state is) and its adapter slots (see
+    :mod:`diffserve.scheduler.slots`)."""
 
-    def fits(self, loras) -> bool: ...
+    def admits(self, request: ImageRequest, pinned: int | None) -> bool: ...
 
-    def take(self, loras) -> None: ...
+    def take(self, request: ImageRequest) -> None: ...
 
 
 @dataclass
@@ -47,19 +49,31 @@ class _Entry:
     batch_key: tuple
     rank: tuple  # its place in the queue (the queue policy's rank, then arrival)
     next_index: int = 0  # first image of the request not yet handed out
+    stop: int | None = None  # a paused item: its images end here (else the request's n)
+    pinned: int | None = None  # a paused item: the executor that holds its state
+    key: str = ""  # its place in the queue's index: the request id, or the paused item's key
+
+    def __post_init__(self) -> None:
+        self.key = self.request.request_id if self.pinned is None else paused_key(
+            self.request.request_id, self.next_index)
 
     @property
     def remaining(self) -> int:
-        return self.request.n - self.next_index
+        return (self.request.n if self.stop is None else self.stop) - self.next_index
 
-    def fitting(self, room: int, cost: float, adapters: AdapterRoom | None = None) -> int:
-        """How many of its remaining images fit in ``room`` images and ``cost`` (none if its
-        adapters do not fit)."""
-        if adapters is not None and not adapters.fits(self.request.loras):
+    def fitting(self, room: int, cost: float, seat: Seat | None = None) -> int:
+        """How many of its remaining images fit in ``room`` images and ``cost`` (none if the
+        seat does not admit it; a paused item all or none)."""
+        if seat is not None and not seat.admits(self.request, self.pinned):
             return 0
         if self.request.cost > 0 and cost < math.inf:
             room = min(room, math.floor(cost / self.request.cost + 1e-9))
-        return max(0, min(room, self.remaining))
+        count = max(0, min(room, self.remaining))
+        return count if self.pinned is None or count == self.remaining else 0
+
+
+def paused_key(request_id: str, start: int) -> str:
+    return f"{request_id}#{start}"
 
 
 class _Ordered:
@@ -89,13 +103,15 @@ class _Ordered:
 
 @dataclass(frozen=True)
 class Slice:
-    """Images ``start``..``stop-1`` of ``request``, taken together."""
+    """Images ``start``..``stop-1`` of ``request``, taken together (``resume``: a paused item
+    going back into its executor's running set)."""
 
     request: ImageRequest
     start: int
     stop: int
     enqueued_at: float
     batch_key: tuple = ()
+    resume: bool = False
 
     @property
     def size(self) -> int:
@@ -122,9 +138,15 @@ class Batcher:
         self._groups: dict[tuple, _Ordered] = {}
         self._group_counts: dict[tuple, int] = {}
         self._group_cost: dict[tuple, float] = {}
+        self._paused: dict[str, set[str]] = {}  # request id -> its paused items' keys
 
     def __len__(self) -> int:
-        return len(self._queue)
+        """Requests waiting to start (paused items aside)."""
+        return len(self._queue) - self.paused_count
+
+    @property
+    def paused_count(self) -> int:
+        return sum(map(len, self._paused.values()))
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._queue
@@ -140,25 +162,51 @@ class Batcher:
         if request.n < 1:
             raise ValueError(f"request {request.request_id!r} asks for n={request.n} images")
         key = request.batch_key(self.mode)
-        entry = _Entry(request, now, key, (*self.policy.rank(request, now), next(self._arrivals)))
-        self._queue[request.request_id] = entry
-        self._order.add(entry)
-        self._groups.setdefault(key, _Ordered()).add(entry)
-        self._group_counts[key] = self._group_counts.get(key, 0) + request.n
-        self._group_cost[key] = self._group_cost.get(key, 0.0) + request.n * request.cost
+        self._link(_Entry(request, now, key, (*self.policy.rank(request, now),
+                                              next(self._arrivals))))
         return key
 
-    def abort(self, request_id: str) -> bool:
-        """Drop the request's images that have not been taken yet. True if it was waiting."""
-        entry = self._queue.pop(request_id, None)
+    def add_paused(self, request: ImageRequest, start: int, stop: int, batch_key: tuple,
+                   enqueued_at: float, executor: int) -> None:
+        """Queue images ``start``..``stop-1`` of a request paused on ``executor``: at the rank its
+        request had (ahead of newer requests of its class), taken only as a whole and only by
+        that executor, which holds its state."""
+        entry = _Entry(request, enqueued_at, batch_key,
+                       (*self.policy.rank(request, enqueued_at), next(self._arrivals)),
+                       start, stop, executor)
+        self._paused.setdefault(request.request_id, set()).add(entry.key)
+        self._link(entry)
+
+    def unpause(self, request_id: str, start: int) -> bool:
+        """Drop a paused item that ended meanwhile (its executor finished it before the pause
+        reached it). Whether it was queued."""
+        key = paused_key(request_id, start)
+        entry = self._queue.pop(key, None)
         if entry is None:
             return False
         self._unlink(entry)
         return True
 
+    def _link(self, entry: _Entry) -> None:
+        key, request = entry.batch_key, entry.request
+        self._queue[entry.key] = entry
+        self._order.add(entry)
+        self._groups.setdefault(key, _Ordered()).add(entry)
+        self._group_counts[key] = self._group_counts.get(key, 0) + entry.remaining
+        self._group_cost[key] = self._group_cost.get(key, 0.0) + entry.remaining * request.cost
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request's images that have not been taken yet (its paused items too). True
+        if it was waiting."""
+        keys = [request_id, *self._paused.get(request_id, ())]
+        entries = [e for e in map(self._queue.pop, keys, [None] * len(keys)) if e is not None]
+        for entry in entries:
+            self._unlink(entry)
+        return bool(entries)
+
     def waiting_ids(self) -> Iterator[str]:
-        """Ids of waiting requests, oldest first (whatever the queue order)."""
-        return iter(self._queue)
+        """Ids of requests waiting to start, oldest first (whatever the queue order)."""
+        return (key for key, entry in self._queue.items() if entry.pinned is None)
 
     def head(self) -> tuple[tuple, float] | None:
         """(batch key, enqueued_at) of the head; None when nothing waits."""
@@ -194,8 +242,7 @@ class Batcher:
         return max(0.0, entry.enqueued_at + self.max_delay_s - now)
 
     def next_batch(self, now: float, force: bool = False, room: int | None = None,
-                   room_cost: float | None = None,
-                   adapters: AdapterRoom | None = None) -> list[Slice] | None:
+                   room_cost: float | None = None, seat: Seat | None = None) -> list[Slice] | None:
         """Take the head's group, up to ``room`` images and ``room_cost``, if it is ready (or
         ``force``)."""
         entry = self._order.first()
@@ -204,32 +251,31 @@ class Batcher:
         if not force and self.time_until_ready(now, room, room_cost) > 0:
             return None
         return self._take(entry.batch_key, room or self.max_batch_size,
-                          room_cost or self.max_batch_cost, adapters) or None
+                          room_cost or self.max_batch_cost, seat) or None
 
     def take(self, batch_key: tuple, room: int, room_cost: float = math.inf,
-             adapters: AdapterRoom | None = None) -> list[Slice] | None:
+             seat: Seat | None = None) -> list[Slice] | None:
         """Take up to ``room`` images (and ``room_cost``) of the head's group at once, but only
         if the head has ``batch_key``: a running set may take company, never pass over the
         head. None if not even the head's next image fits."""
         entry = self._order.first()
         if (entry is None or entry.batch_key != batch_key
-                or entry.fitting(room, room_cost, adapters) < 1):
+                or entry.fitting(room, room_cost, seat) < 1):
             return None
-        return self._take(batch_key, room, room_cost, adapters)
+        return self._take(batch_key, room, room_cost, seat)
 
     def take_group(self, batch_key: tuple, room: int, room_cost: float = math.inf,
-                   adapters: AdapterRoom | None = None) -> list[Slice] | None:
+                   seat: Seat | None = None) -> list[Slice] | None:
         """Like :meth:`take`, from the group of ``batch_key`` whatever the head's: only for a
         caller that keeps the head's room for it (see ``SchedulerCore._beside_head``)."""
-        if not self.fits(batch_key, room, room_cost, adapters):
+        if not self.fits(batch_key, room, room_cost, seat):
             return None
-        return self._take(batch_key, room, room_cost, adapters)
+        return self._take(batch_key, room, room_cost, seat)
 
-    def fits(self, batch_key: tuple, room: int, room_cost: float,
-             adapters: AdapterRoom | None = None) -> bool:
+    def fits(self, batch_key: tuple, room: int, room_cost: float, seat: Seat | None = None) -> bool:
         """Whether the next image of the first waiting request of ``batch_key`` fits."""
         group = self._groups.get(batch_key)
-        return bool(group) and group.first().fitting(room, room_cost, adapters) >= 1
+        return bool(group) and group.first().fitting(room, room_cost, seat) >= 1
 
     def head_image_cost(self) -> float:
         """What one more image of the head costs (0 when nothing waits)."""
@@ -240,19 +286,18 @@ class Batcher:
         """The waiting batch keys, in the queue order of each one's first request."""
         return sorted(self._groups, key=lambda key: self._groups[key].first().rank)
 
-    def _take(self, key: tuple, room: int, room_cost: float,
-              adapters: AdapterRoom | None) -> list[Slice]:
+    def _take(self, key: tuple, room: int, room_cost: float, seat: Seat | None) -> list[Slice]:
         left, left_cost = room, room_cost
         taken: list[Slice] = []
         finished: list[_Entry] = []
         for entry in self._groups[key]:  # queue order; stops once the room is used
-            count = entry.fitting(left, left_cost, adapters)
+            count = entry.fitting(left, left_cost, seat)
             if count == 0:
                 break  # what follows waits its turn: the group keeps its order
             taken.append(Slice(entry.request, entry.next_index, entry.next_index + count,
-                               entry.enqueued_at, key))
-            if adapters is not None:
-                adapters.take(entry.request.loras)
+                               entry.enqueued_at, key, resume=entry.pinned is not None))
+            if seat is not None:
+                seat.take(entry.request)
             entry.next_index += count
             left -= count
             left_cost -= count * entry.request.cost
@@ -263,11 +308,16 @@ class Batcher:
             if left == 0:
                 break
         for entry in finished:
-            del self._queue[entry.request.request_id]
+            del self._queue[entry.key]
             self._unlink(entry, remaining=0)
         return taken
 
     def _unlink(self, entry: _Entry, remaining: int | None = None) -> None:
+        if entry.pinned is not None:
+            paused = self._paused[entry.request.request_id]
+            paused.discard(entry.key)
+            if not paused:
+                del self._paused[entry.request.request_id]
         key = entry.batch_key
         group = self._groups[key]
         group.remove(entry)

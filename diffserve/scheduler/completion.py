@@ -33,11 +33,16 @@ class Completion:
         finished: list[Finished] = []
         for result in done.items:
             key = (result.request_id, result.start)
-            item = slot.get(key)
-            if item is None or item.stop != result.stop:
-                finished.extend(self._violation(slot, key, result, executor))
-                continue
-            slot.take(key)
+            if key in slot.paused and slot.paused[key][0].stop == result.stop:
+                # It ended before the pause reached its executor: it needs no resuming.
+                item = slot.unpause(key)[0]
+                self.batcher.unpause(*key)
+            else:
+                item = slot.get(key)
+                if item is None or item.stop != result.stop:
+                    finished.extend(self._violation(slot, key, result, executor))
+                    continue
+                slot.take(key)
             tracked = self.requests.get(result.request_id)
             if tracked is None:
                 continue  # aborted or failed meanwhile: its images are dropped
@@ -50,6 +55,9 @@ class Completion:
             tracked.made += item.samples
             tracked.execution_s += result.execution_s
             tracked.prompt_tokens = max(tracked.prompt_tokens, result.prompt_tokens)
+            if result.cached_steps is not None:
+                tracked.cached_steps = (tracked.cached_steps or {}) | dict(
+                    zip(range(result.start, result.stop), result.cached_steps))
             if tracked.made == tracked.request.n:
                 finished.append(self._done(tracked))
         self._settle(slot, now)
@@ -67,8 +75,12 @@ class Completion:
     def _done(self, tracked) -> Finished:
         r = tracked.request
         del self.requests[r.request_id]
+        cached = tracked.cached_steps
         return Finished(done=RequestDone(r.request_id, [r.seed_of(i) for i in range(r.n)],
-                                         tracked.prompt_tokens), execution_s=tracked.execution_s)
+                                         tracked.prompt_tokens,
+                                         None if cached is None else
+                                         [cached.get(i, 0) for i in range(r.n)]),
+                        execution_s=tracked.execution_s)
 
     def _settle(self, slot: ExecutorSlot, now: float) -> None:
         if not slot.items:
@@ -84,7 +96,7 @@ class Completion:
         """An executor died: every request it held fails; the queue and the others go on."""
         slot = self.slots[executor]
         slot.ready = False
-        return self._release(slot, list(slot.items), now, 500, message)
+        return self._release(slot, [*slot.items, *slot.paused], now, 500, message)
 
     def _release(self, slot: ExecutorSlot, keys: list[tuple[str, int]], now: float, status: int,
                  message: str) -> list[Finished]:
@@ -92,6 +104,8 @@ class Completion:
         for key in keys:
             if key in slot.items:
                 slot.take(key)
+            if key in slot.paused:
+                slot.unpause(key)
             finished.extend(self._fail(key[0], status, message))
         self._settle(slot, now)
         return finished

@@ -51,6 +51,7 @@ class _Tracked:
     made: int = 0  # images finished (their pixels went to the frontend)
     execution_s: float = 0.0  # pipeline time of the items that made its images, summed
     prompt_tokens: int = 0
+    cached_steps: dict[int, int] | None = None  # image -> its steps that reused a step cache
 
 
 class SchedulerCore(Placement, Completion):
@@ -68,6 +69,9 @@ class SchedulerCore(Placement, Completion):
         self.max_running_cost = max_running_cost
         self.max_loras = max_loras
         self.policy = policy
+        self.policy_uses_priority = bool(policy and policy.uses_priority)
+        self.preemptions = 0  # items paused to make room for better classes (step mode)
+        self._pauses: list[tuple[int, list[tuple[str, int]]]] = []
         self.waits_for_room = 0  # heads that had to wait for running-cost room (step mode)
         self._waiting_head: str | None = None
         self.batcher = Batcher(max_batch_size, max_delay_s, mode, max_batch_cost, policy)
@@ -108,6 +112,10 @@ class SchedulerCore(Placement, Completion):
         return len({key[0] for slot in self.slots for key in slot.items})
 
     @property
+    def num_paused(self) -> int:
+        return sum(len(slot.paused) for slot in self.slots)
+
+    @property
     def any_ready(self) -> bool:
         return any(slot.ready for slot in self.slots)
 
@@ -145,6 +153,9 @@ class SchedulerCore(Placement, Completion):
             return False
         self._cancels.extend((slot.index, Cancel([request_id])) for slot in self.slots
                              if slot.holds(request_id))
+        for slot in self.slots:  # its paused parts: the cancel drops their state there
+            for key in [key for key in slot.paused if key[0] == request_id]:
+                slot.unpause(key)
         return True
 
     def start_drain(self) -> None:

@@ -3,7 +3,7 @@ queue, and final answers for the frontend."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from diffserve.protocol import RequestDone, RequestFailed, Work
@@ -23,6 +23,7 @@ class Dispatch:
     frames: list[Any]
     reason: str
     queue_times_s: list[float]  # one per request dispatched for the first time
+    priorities: list[int] = field(default_factory=list)  # and its priority class
 
 
 @dataclass(frozen=True)

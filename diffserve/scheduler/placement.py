@@ -20,12 +20,13 @@ takes work out of the queue and places it on executors.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from diffserve.protocol import STEP_MODE, Work, WorkItem
 from diffserve.scheduler.batcher import Slice
 from diffserve.scheduler.decisions import DELAY, DRAIN, EXECUTOR_FREE, FULL, JOIN, NEW_SET, Dispatch
-from diffserve.scheduler.slots import AdapterRoom, ExecutorSlot, RunningSet
+from diffserve.scheduler.slots import ExecutorSlot, RunningSet, Seat
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class _Placement:
     room: int         # images the head's group may bring
     room_cost: float  # and their cost
     joins: bool       # into a running set of the head's batch key
-    adapters: AdapterRoom | None  # and the adapter slots it may fill
+    seat: Seat        # the executor, and the adapter slots it may fill
 
 
 class Placement:
@@ -47,7 +48,7 @@ class Placement:
         free."""
         if not slot.ready:
             return None
-        adapters = slot.adapter_room(self.max_loras, reserve_adapters)
+        seat = slot.seat(self.max_loras, reserve_adapters)
         if not slot.sets:  # idle: a new batch or set, by the batching rules
             room, room_cost = self.max_batch_size, min(self.max_batch_cost, self.max_running_cost)
         elif self.mode != STEP_MODE:
@@ -57,9 +58,9 @@ class Placement:
             room = self.max_batch_size - running.samples
             room_cost = min(self.max_batch_cost - running.cost,
                             self.max_running_cost - slot.cost - reserve)
-        if not self.batcher.fits(batch_key, room, room_cost, adapters):
+        if not self.batcher.fits(batch_key, room, room_cost, seat):
             return None
-        return _Placement(slot, room, room_cost, batch_key in slot.sets, adapters)
+        return _Placement(slot, room, room_cost, batch_key in slot.sets, seat)
 
     def _place(self, batch_key: tuple, reserve: float = 0.0, reserve_adapters=(),
                busy_only: bool = False) -> _Placement | None:
@@ -89,6 +90,8 @@ class Placement:
         while (head := self.batcher.head()) is not None:
             batch_key, enqueued_at = head
             placed = self._place(batch_key)
+            if placed is None and self.mode == STEP_MODE and self.policy_uses_priority:
+                placed = self._preempt_for(batch_key)
             if placed is None:
                 self._head_waits()
                 if self.mode == STEP_MODE:
@@ -96,7 +99,7 @@ class Placement:
                 break
             slot = placed.slot
             if slot.sets:  # a busy executor takes it at its next step, into a set of its own size
-                slices = self.batcher.take(batch_key, placed.room, placed.room_cost, placed.adapters)
+                slices = self.batcher.take(batch_key, placed.room, placed.room_cost, placed.seat)
                 reason = JOIN if placed.joins else NEW_SET
             else:
                 wait = self.batcher.time_until_ready(now, placed.room, placed.room_cost)
@@ -106,7 +109,7 @@ class Placement:
                           DRAIN if wait > 0 else EXECUTOR_FREE
                           if slot.free_since > enqueued_at + self.max_delay_s else DELAY)
                 slices = self.batcher.next_batch(now, True, placed.room, placed.room_cost,
-                                                 placed.adapters)
+                                                 placed.seat)
             sent.append(self._assign(slot, slices, reason, now))
         return sent
 
@@ -126,7 +129,7 @@ class Placement:
             while (placed := self._place(batch_key, reserve, reserve_adapters,
                                          busy_only=True)) is not None:
                 slices = self.batcher.take_group(batch_key, placed.room, placed.room_cost,
-                                                 placed.adapters)
+                                                 placed.seat)
                 if not slices:
                     break
                 sent.append(self._assign(placed.slot, slices, JOIN if placed.joins else NEW_SET,
@@ -142,14 +145,59 @@ class Placement:
             self.waits_for_room += 1
 
     def _assign(self, slot: ExecutorSlot, slices: list[Slice], reason: str, now: float) -> Dispatch:
-        items, frames, queue_times = [], [], []
+        items, frames, queue_times, classes = [], [], [], []
         for sl in slices:
             tracked = self.requests[sl.request.request_id]
             if tracked.first_dispatch_at is None:
                 tracked.first_dispatch_at = now
                 queue_times.append(now - tracked.enqueued_at)
-            item = WorkItem(sl.request, sl.start, sl.stop, now - tracked.enqueued_at, sl.batch_key)
+                classes.append(sl.request.priority)
+            if sl.resume:  # its state is there: it goes back into its running set
+                item, _ = slot.unpause((sl.request.request_id, sl.start))
+                item = dataclasses.replace(item, resume=True)
+            else:
+                item = WorkItem(sl.request, sl.start, sl.stop, now - tracked.enqueued_at,
+                                sl.batch_key)
+                frames.extend(tracked.frames)
             items.append(item)
-            frames.extend(tracked.frames)
             slot.put(item, sl.batch_key)
-        return Dispatch(slot.index, Work(next(self._work_ids), items), frames, reason, queue_times)
+        return Dispatch(slot.index, Work(next(self._work_ids), items), frames, reason, queue_times,
+                        classes)
+
+    # -- preemption (step mode, priority classes) -------------------------------------------
+
+    def _preempt_for(self, batch_key: tuple) -> _Placement | None:
+        """Room for the head by pausing running items of worse priority classes, the worst and
+        then the youngest first, as few as will do, on the executor where the fewest will; the
+        pauses are sent before the head's work (:meth:`take_pauses`). None where pausing every
+        worse item on an executor would not make room."""
+        head = self.batcher.head_request()
+        best = None
+        for slot in self.slots:
+            if not slot.ready:
+                continue
+            victims = sorted((key for key, (item, _) in slot.items.items()
+                              if item.request.priority > head.priority),
+                             key=lambda key: (-slot.items[key][0].request.priority,
+                                              -self.requests[key[0]].enqueued_at))
+            for count in range(1, len(victims) + 1):
+                if self._room(slot.without(set(victims[:count])), batch_key) is not None:
+                    if best is None or count < len(best[1]):
+                        best = (slot, victims[:count])
+                    break
+        if best is None:
+            return None
+        slot, keys = best
+        for key in keys:
+            item = slot.pause(key)
+            tracked = self.requests[key[0]]
+            self.batcher.add_paused(item.request, item.start, item.stop,
+                                    slot.paused[key][1], tracked.enqueued_at, slot.index)
+        self._pauses.append((slot.index, keys))
+        self.preemptions += len(keys)
+        return self._room(slot, batch_key)
+
+    def take_pauses(self) -> list[tuple[int, list[tuple[str, int]]]]:
+        """Pauses decided since the last call: (executor, item keys), to send before any work."""
+        pauses, self._pauses = self._pauses, []
+        return pauses

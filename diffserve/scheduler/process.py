@@ -19,9 +19,10 @@ import zmq
 from diffserve import metrics, processes
 from diffserve.config import ServerConfig
 from diffserve.executor.process import ExecutorSpec, run_executor
-from diffserve.policies import queue_policy
+from diffserve.policies import queue_policy_for
 from diffserve.protocol import (
     AdapterSync,
+    Pause,
     EngineStatus,
     Fatal,
     Kind,
@@ -80,10 +81,11 @@ class SchedulerProc:
         c = self.config = spec.config
         self.core = SchedulerCore(c.dynamic_batch_max_size, c.dynamic_batch_delay_s,
                                   c.num_executors, c.max_queue_size, c.request_timeout_s,
-                                  policy=queue_policy(c.scheduling_policy),
+                                  policy=queue_policy_for(c),
                                   max_loras=c.max_loras if c.serves_adapters else 0)
         self._waits_counted = 0
         self.metrics = metrics.EngineMetrics()
+        self.classes = metrics.BoundedLabels(metrics.PRIORITY_LABELS)
         self.metrics.max_queue_size.set(c.max_queue_size)
         for index in range(c.num_executors):
             self.metrics.declare_executor(index)
@@ -138,6 +140,7 @@ class SchedulerProc:
             self._dispatch(now)
             self.metrics.num_requests_waiting.set(self.core.num_waiting)
             self.metrics.num_requests_running.set(self.core.num_running)
+            self.metrics.num_requests_paused.set(self.core.num_paused)
 
     def _poll_timeout_ms(self) -> int | None:
         sleep_s, timeout_ms = split_wait(self.core.time_until_wakeup(time.monotonic()))
@@ -264,14 +267,19 @@ class SchedulerProc:
         if self.core.waits_for_room > self._waits_counted:
             self.metrics.set_waits_total.inc(self.core.waits_for_room - self._waits_counted)
             self._waits_counted = self.core.waits_for_room
+        for index, keys in self.core.take_pauses():  # before the work they make room for
+            self._send_executor(index, encode(Kind.PAUSE, Pause(keys)))
+            self.metrics.preemptions_total.labels(executor=str(index)).inc(len(keys))
         for d in dispatched:
             label = str(d.executor)
             self._send_executor(d.executor, encode(Kind.WORK, d.work, d.frames))
             self.metrics.batch_size.labels(executor=label).observe(
                 sum(item.samples for item in d.work.items))
             self.metrics.dispatches_total.labels(reason=d.reason, executor=label).inc()
-            for q in d.queue_times_s:
+            for q, priority in zip(d.queue_times_s, d.priorities):
                 self.metrics.queue_time_seconds.observe(q)
+                self.metrics.class_queue_time_seconds.labels(
+                    priority=self.classes.label(priority)).observe(q)
 
     def _send_cancels(self) -> None:
         for index, cancel in self.core.take_cancels():

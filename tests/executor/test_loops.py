@@ -38,6 +38,9 @@ class MemoryIO:
     def send_partial(self, partial) -> None:
         pass
 
+    def send_progress(self, *progress) -> None:
+        pass
+
     def count_call(self, seconds: float, interrupted: bool) -> None:
         self.calls.append(interrupted)
 
@@ -56,7 +59,7 @@ def runner_parts():
 def loop_for(runner_parts, io: MemoryIO) -> RequestLoop:
     loaded, pipelines, family = runner_parts
 
-    def make(interrupt, emit):
+    def make(interrupt, emit, progress):
         def interrupt_and_deliver():
             io.inbox.extend(io.during_call)  # arrives while the call runs
             io.during_call = []

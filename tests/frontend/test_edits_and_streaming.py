@@ -16,7 +16,7 @@ from diffserve.executor.loading import task_pipelines, load_model
 from tools.shapes import data
 from helpers import make_request
 from reference import max_diff, solo
-from server import Server, assert_openai_error, decode, metric, wait_for_metric
+from server import LAUNCHES, assert_openai_error, decode, metric, serves, spec, wait_for_metric
 
 SIZE = data.IMAGE_SIZE
 EDITS = "/v1/images/edits"
@@ -43,10 +43,10 @@ def transparent_right_half() -> bytes:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with Server("--dynamic-batch-delay-ms", "50", "--max-upload-bytes", str(1 << 20),
-                "--max-input-pixels", "1000000", "--max-inference-steps", "1000",
-                model=None) as srv:
+@serves(spec("--dynamic-batch-delay-ms", "50", "--max-upload-bytes", str(1 << 20),
+             "--max-input-pixels", "1000000", "--max-inference-steps", "1000", model=None))
+def server(request):
+    with LAUNCHES.take(request) as srv:
         yield srv
 
 
@@ -294,8 +294,9 @@ def test_the_image_is_fitted_to_the_requested_size(server):
     assert decode(r.json()["data"][0]["b64_json"]).shape == (SIZE, SIZE, 3)
 
 
-def test_a_model_without_task_pipelines_answers_400():
-    with Server("--model", "tiny-hunyuandit") as srv:
+@pytest.mark.server("--model", "tiny-hunyuandit")
+def test_a_model_without_task_pipelines_answers_400(own_server):
+    with own_server as srv:
         card = httpx.get(srv.url + "/v1/models").json()["data"][0]
         assert card["tasks"] == ["generate"] and card["batching_mode"] == "request"
         assert card["partial_images"] is False

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server import Server
+from server import LAUNCHES, serves, spec
 
 FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format",
           "output_compression", "user", "seed", "negative_prompt", "num_inference_steps",
@@ -42,12 +42,13 @@ bodies = st.one_of(
 )
 
 
+# Small bounds so that the valid bodies the fuzzer finds are cheap to serve.
 @pytest.fixture(scope="module")
-def server():
-    # Small bounds so that the valid bodies the fuzzer finds are cheap to serve.
-    with Server("--max-inference-steps", "2", "--max-image-side", "64", "--max-n", "2",
-                "--max-prompt-chars", "200", "--dynamic-batch-delay-ms", "0",
-                "--max-upload-bytes", "100000", "--max-input-pixels", "1000000") as srv:
+@serves(spec("--max-inference-steps", "2", "--max-image-side", "64", "--max-n", "2",
+             "--max-prompt-chars", "200", "--dynamic-batch-delay-ms", "0",
+             "--max-upload-bytes", "100000", "--max-input-pixels", "1000000"))
+def server(request):
+    with LAUNCHES.take(request) as srv:
         with srv.client(timeout=60) as client:
             yield client
 

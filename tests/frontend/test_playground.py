@@ -4,36 +4,22 @@ a streamed generation with previews, the status bar, an edit with a painted mask
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
-import os
 import re
 
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from diffserve.launcher import ServerProcess
-
-CHROMIUM = "/usr/bin/chromium"
-if not os.path.exists(CHROMIUM) or importlib.util.find_spec("playwright") is None:
-    pytest.skip("the playground test drives Debian's Chromium through Playwright; install them "
-                "with `apt-get install chromium` and `pip install playwright` (no browser "
-                "download is needed)", allow_module_level=True)
-
+from browser import launch, open_playground, playground_server  # skips without Chromium
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 PROMPT = "a red circle on a blue background"
-TIMEOUT_MS = 30_000
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("playground") / "server.log"
-    with ServerProcess.diffserve("--model", "shapes", "--torch-threads", "1",
-                                 log_path=log) as srv:
+    with playground_server(tmp_path_factory, "shapes") as srv:
         yield srv
 
 
@@ -41,20 +27,14 @@ def server(tmp_path_factory):
 def browser(tmp_path_factory):
     profile = tmp_path_factory.mktemp("chromium-profile")
     with sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(profile), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
-            viewport={"width": 1200, "height": 900})
+        context = launch(playwright, profile)
         yield context
         context.close()
 
 
 @pytest.fixture
 def page(browser, server):
-    page = browser.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    page.set_default_timeout(TIMEOUT_MS)
-    page.goto(server.url + "/")
+    page, errors = open_playground(browser, server.url)
     # The model card has loaded once Edit is enabled (the shapes model edits and inpaints).
     expect(page.locator("#edit")).to_be_enabled()
     yield page

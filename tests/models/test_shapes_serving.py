@@ -5,17 +5,20 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from diffserve.config import DEFAULT_MODEL
 from tools.shapes import data
 from tools.shapes.evaluate import classify, parse_prompt
-from server import Server, decode, metric
+from server import decode, metric
 
 
 def test_default_model_is_the_trained_shapes_model():
     assert DEFAULT_MODEL == "shapes"
 
 
-def test_every_image_of_a_mixed_batch_has_its_own_prompts_colours():
+@pytest.mark.server("--dynamic-batch-max-size", "8", "--dynamic-batch-delay-ms", "50", model=None)
+def test_every_image_of_a_mixed_batch_has_its_own_prompts_colours(own_server):
     train, held_out = data.split_combos()
     # No two requests share both colours, so an image sent to the wrong caller shows.
     combos, pairs = [], set()
@@ -25,7 +28,7 @@ def test_every_image_of_a_mixed_batch_has_its_own_prompts_colours():
             combos.append(combo)
     bodies = [{"prompt": c.prompt, "seed": 100 + i, "n": 1 + (i % 4 == 0)}
               for i, c in enumerate(combos)]
-    with Server("--dynamic-batch-max-size", "8", "--dynamic-batch-delay-ms", "50", model=None) as srv:
+    with own_server as srv:
         with srv.client() as c:
             models = c.get("/v1/models").json()["data"]
             assert [m["id"] for m in models] == ["shapes"]

@@ -18,7 +18,7 @@ def order(batcher: Batcher) -> list[str]:
 
 
 def test_the_registry_names_every_policy_once():
-    assert set(QUEUE_POLICIES) == {"fcfs", "sjf"}
+    assert set(QUEUE_POLICIES) == {"fcfs", "sjf", "priority"}
     assert all(cls.name == name for name, cls in QUEUE_POLICIES.items())
 
 
@@ -50,4 +50,4 @@ def test_the_core_dispatches_the_shortest_first_and_its_company_in_policy_order(
         core.add(make_request(request_id=rid, steps=steps), [], 0.1)
     (d,) = core.dispatch(0.2)  # a new set of the 64x64 size, two images of room
     assert [item.request.request_id for item in d.work.items] == ["b", "c"]
-    assert all(item.batch_key == ("tiny-sd", 64, 64, 0) for item in d.work.items)
+    assert all(item.batch_key == item.request.batch_key(STEP_MODE) for item in d.work.items)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from diffserve.protocol import CANCELLED, FAILED, FINISHED, REQUEST_MODE, STEP_MODE, ItemResult, ItemsDone
+from diffserve.protocol import CANCELLED, FINISHED, REQUEST_MODE, STEP_MODE, ItemResult, ItemsDone
 from diffserve.scheduler.core import DELAY, DRAIN, EXECUTOR_FREE, FULL, JOIN, NEW_SET, SchedulerCore
 from helpers import make_request, run, taken
 

@@ -14,6 +14,7 @@ from diffserve.executor.families.sana import Sana
 from diffserve.executor.families.sd import StableDiffusion
 from diffserve.executor.families.sd3 import StableDiffusion3
 from diffserve.executor.families.sdxl import StableDiffusionXL
+from diffserve.executor.families.wan import Wan, WanImageToVideo
 from diffserve.executor.families.z_image import ZImage
 
 # One line a family; where two could take a pipeline class, the first wins.
@@ -32,6 +33,8 @@ FAMILIES: tuple[type[Family], ...] = (
     Sana,
     ZImage,
     Chroma,
+    Wan,
+    WanImageToVideo,
 )
 
 

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from diffserve.costs import ABOVE_ONE, uses_cfg
+from diffserve.executor.row_scope import RowScope
 from diffserve.tasks import Task
 
 
@@ -74,7 +75,11 @@ class Conditioning:
                                             for name in self._fields(BATCHED, PADDED)})
 
     def rows(self, start: int, stop: int) -> "Conditioning":
-        return dataclasses.replace(self, **{name: getattr(self, name)[start:stop]
+        return self.select(slice(start, stop))
+
+    def select(self, index) -> "Conditioning":
+        """The rows at ``index`` (a slice, or a tensor of row numbers)."""
+        return dataclasses.replace(self, **{name: getattr(self, name)[index]
                                             for name in self._fields(BATCHED, PADDED)})
 
     @classmethod
@@ -134,6 +139,31 @@ class Prepared:
     blend: Blend | None = None
 
 
+def moved(value, device):
+    """``value`` with every tensor in it on ``device``: tensors, dataclasses (a Conditioning, a
+    Prepared), lists, tuples and dicts, and an object's attributes (a scheduler's state: its
+    sigmas, a multistep solver's past outputs). Anything else is left as it is."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: moved(getattr(value, f.name), device)
+                                             for f in dataclasses.fields(value) if f.init})
+    if isinstance(value, (list, tuple)):
+        return type(value)(moved(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: moved(v, device) for k, v in value.items()}
+    return value
+
+
+def move_state(scheduler, device) -> None:
+    """A scheduler's tensors (and lists of them) moved to ``device`` in place."""
+    for name, value in vars(scheduler).items():
+        if name != "config":
+            setattr(scheduler, name, moved(value, device))
+
+
 class Family:
     name: ClassVar[str]
     pipelines: ClassVar[tuple[str, ...]]  # text-to-image pipeline classes this family drives
@@ -172,6 +202,7 @@ class Family:
         self.device = pipe._execution_device
         self.dtype = self.denoiser.dtype
         self._samplers: dict[str, Any] = {}  # name -> a scheduler to copy per request
+        self.row_scope = RowScope()  # narrowed where a forward splits between denoisers
 
     @property
     def denoiser(self):
@@ -204,10 +235,12 @@ class Family:
         raise NotImplementedError
 
     def prepare(self, task: Task, scheduler, steps: int, strength: float, width: int, height: int,
-                generators: list, encoded: Encoded, inputs: dict[str, np.ndarray]) -> Prepared:
+                generators: list, encoded: Encoded, inputs: dict[str, np.ndarray],
+                frames: int = 0) -> Prepared:
         """A request's schedule and first latents, in the order of the family's own pipelines:
         generation starts from noise; image-to-image from the input image noised to the first
-        timestep ``strength`` leaves; inpainting also keeps what each step blends back in."""
+        timestep ``strength`` leaves; inpainting also keeps what each step blends back in.
+        ``frames``: a video's frame count (video families; 0 for an image)."""
         k, dtype = len(generators), encoded.positive.dtype
         positive, negative = self.request_conditioning(task, width, height, encoded)
         if task.references:  # their tokens join every row of the request, its CFG rows too
@@ -331,6 +364,22 @@ class Family:
     def guide(self, uncond, cond, scale: float):
         """Classifier-free guidance of one request's rows."""
         return uncond + scale * (cond - uncond)
+
+    @property
+    def denoisers(self) -> list:
+        """Every denoiser a forward may call (Wan 2.2 has two experts)."""
+        return [self.denoiser]
+
+    def cache_tokens(self, width: int, height: int) -> int | None:
+        """The step cache's tokens: the leading tokens of the denoiser's hidden states that an
+        image's signal and cache cover (None: all of them; a family whose hidden states also
+        carry tokens padded across the forward names its image tokens)."""
+        return None
+
+    def guidance_scale(self, request, timestep) -> float:
+        """The guidance scale of ``request``'s step at ``timestep`` (two-expert models switch
+        it with the expert)."""
+        return request.guidance_scale
 
     def denoise_step(self, scheduler, prediction, timestep, latents, step_kwargs: dict[str, Any]):
         """A request's own scheduler step from ``timestep``: its next latents."""

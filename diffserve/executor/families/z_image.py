@@ -18,6 +18,8 @@ from diffserve.costs import ABOVE_ZERO
 from diffserve.executor.families.base import Conditioning, Encoded, padded
 from diffserve.executor.families.packed_flow import PackedFlow
 
+SEQUENCE_MULTIPLE = 32  # the transformer pads each stream of a row to a multiple of this
+
 
 @dataclass
 class ZImageConditioning(Conditioning):
@@ -100,6 +102,13 @@ class ZImage(PackedFlow):
             ceiling, length = norm(positive) * cap, norm(row)
             rows.append(row * (ceiling / length) if length > ceiling else row)
         return self.torch.stack(rows)
+
+    def cache_tokens(self, width, height):
+        # The main stack's sequence is the image's tokens (padded to a multiple of 32 with a
+        # pad token of their own), then the caption's, padded to the forward's longest.
+        scale = self.pipe.vae_scale_factor
+        tokens = (height // scale // self.patch) * (width // scale // self.patch)
+        return -(-tokens // SEQUENCE_MULTIPLE) * SEQUENCE_MULTIPLE
 
     def unpack(self, latents, width, height):
         return latents

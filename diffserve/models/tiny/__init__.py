@@ -23,6 +23,7 @@ from diffserve.models.tiny import sana
 from diffserve.models.tiny import sd
 from diffserve.models.tiny import sd3
 from diffserve.models.tiny import sdxl
+from diffserve.models.tiny import wan
 from diffserve.models.tiny import z_image
 from diffserve.models.tiny.common import SERVING_DEFAULTS_FILE
 
@@ -64,4 +65,10 @@ EMBEDDED: dict[str, tuple[str, Callable[[Path], None]]] = {
                      "random weights, 64x64, 4 steps", z_image.build),
     "tiny-chroma": ("Chroma (Flux-style MM-DiT, flow matching, T5, classifier-free guidance) "
                     "with random weights, 64x64, 4 steps", chroma.build),
+    "tiny-wan": ("Wan 2.1 text-to-video (3D DiT, video VAE, UMT5) with random weights, 32x32, "
+                 "9 frames, 4 steps", wan.build),
+    "tiny-wan22": ("Wan 2.2 text-to-video (two experts switched at boundary_ratio 0.875) with "
+                   "random weights, 32x32, 9 frames, 4 steps", wan.build_22),
+    "tiny-wan-i2v": ("Wan 2.1 image-to-video (the first frame through CLIP vision and the VAE) "
+                     "with random weights, 32x32, 9 frames, 4 steps", wan.build_i2v),
 }

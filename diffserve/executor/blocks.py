@@ -1,0 +1,153 @@
+"""A denoiser's repeated blocks, in the order its forward calls them, and how each block class
+takes and gives back its batch.
+
+The step cache (:mod:`diffserve.executor.step_cache`) runs some blocks on part of the rows, and
+``--compile`` (:mod:`diffserve.executor.compiled`) pads a block's rows to a bucket: both must
+know which of a block's arguments hold one row per batch row (hidden states, the timestep
+embedding, masks) and which every row shares (rotary embeddings, sizes). A block's arguments are
+batch-wise when they are tensors whose first dimension is the call's row count, unless the
+block's kind names them shared; tuples, lists and dicts are looked into.
+
+Each block's ``forward`` is wrapped on the instance (:func:`wrap_forward`), so the model's own
+loop calls the wrapper and nothing of the model's code changes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Callable
+
+HIDDEN, ENCODER = "hidden", "encoder"
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """How a block class is called and what it returns."""
+
+    hidden: str = "hidden_states"  # the argument that carries the image tokens
+    encoder: str | None = None  # the text stream's argument, for blocks that return it too
+    returns: tuple[str, ...] = (HIDDEN,)  # the output's parts in order; one part: a tensor
+    shared: frozenset[str] = frozenset()  # arguments every row shares
+
+
+_JOINT = BlockKind(encoder="encoder_hidden_states", returns=(ENCODER, HIDDEN),
+                   shared=frozenset({"image_rotary_emb", "joint_attention_kwargs"}))
+_CROSS = BlockKind(shared=frozenset({"cross_attention_kwargs", "height", "width"}))
+
+# Transformer block classes by name. Flux's single-stream blocks take and return the two streams
+# apart (diffusers 0.42), as its double-stream ones do.
+TRANSFORMER_BLOCKS: dict[str, BlockKind] = {
+    "FluxTransformerBlock": _JOINT,
+    "FluxSingleTransformerBlock": _JOINT,
+    "JointTransformerBlock": _JOINT,  # SD3; its last block returns no text stream
+    "QwenImageTransformerBlock": _JOINT,
+    "ZImageTransformerBlock": BlockKind(hidden="x"),
+    "BasicTransformerBlock": _CROSS,  # PixArt
+    "SanaTransformerBlock": _CROSS,
+    "WanTransformerBlock": BlockKind(shared=frozenset({"rotary_emb"})),
+}
+
+# The block lists of a transformer, in the order its forward runs them (Z-Image's refiners run
+# before the main stack on the two streams apart: its first block is the main stack's).
+BLOCK_LISTS: dict[str, tuple[str, ...]] = {
+    "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "SD3Transformer2DModel": ("transformer_blocks",),
+    "QwenImageTransformer2DModel": ("transformer_blocks",),
+    "ZImageTransformer2DModel": ("layers",),
+    "PixArtTransformer2DModel": ("transformer_blocks",),
+    "SanaTransformer2DModel": ("transformer_blocks",),
+    "WanTransformer3DModel": ("blocks",),
+}
+
+
+def transformer_blocks(denoiser) -> list[tuple[Any, BlockKind]]:
+    """The transformer's blocks in call order with their kinds; ValueError where it is not one
+    this module knows."""
+    name = type(denoiser).__name__
+    if name not in BLOCK_LISTS:
+        raise ValueError(f"{name} is not a denoiser whose blocks the server knows (it knows "
+                         f"{', '.join(sorted(BLOCK_LISTS))} and UNet2DConditionModel)")
+    blocks = [block for attr in BLOCK_LISTS[name] for block in getattr(denoiser, attr)]
+    kinds = []
+    for block in blocks:
+        kind = TRANSFORMER_BLOCKS.get(type(block).__name__)
+        if kind is None:
+            raise ValueError(f"{name} has a block {type(block).__name__} the server does not know")
+        kinds.append((block, kind))
+    return kinds
+
+
+def is_unet(denoiser) -> bool:
+    return type(denoiser).__name__ == "UNet2DConditionModel"
+
+
+@cache
+def parameter_names(cls: type) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s positional parameters, ``self`` left out."""
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def argument(block, args: tuple, kwargs: dict, name: str):
+    """The value of argument ``name`` of a call of ``block``, given positionally or by name."""
+    if name in kwargs:
+        return kwargs[name]
+    names = parameter_names(type(block))
+    index = names.index(name) if name in names else len(args)
+    return args[index] if index < len(args) else None
+
+
+def map_rows(block, args: tuple, kwargs: dict, rows: int, shared: frozenset[str],
+             change: Callable) -> tuple[tuple, dict]:
+    """The call's arguments with ``change(tensor)`` applied to each batch-wise tensor (first
+    dimension ``rows``), shared arguments left alone."""
+    names = parameter_names(type(block))
+    new_args = tuple(value if i < len(names) and names[i] in shared else
+                     map_tensors(value, rows, change) for i, value in enumerate(args))
+    new_kwargs = {k: v if k in shared else map_tensors(v, rows, change) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def map_tensors(value, rows: int, change: Callable):
+    """``value`` with ``change`` applied to every tensor in it whose first dimension is ``rows``."""
+    if hasattr(value, "shape"):
+        return change(value) if value.dim() and value.shape[0] == rows else value
+    if isinstance(value, tuple):
+        return tuple(map_tensors(v, rows, change) for v in value)
+    if isinstance(value, list):
+        return [map_tensors(v, rows, change) for v in value]
+    if isinstance(value, dict):
+        return {k: map_tensors(v, rows, change) for k, v in value.items()}
+    return value
+
+
+def rows_of(block, kind: BlockKind, args: tuple, kwargs: dict) -> int:
+    """The call's row count: its hidden states' first dimension."""
+    return argument(block, args, kwargs, kind.hidden).shape[0]
+
+
+class Wrapped:
+    """A block's ``forward`` replaced on the instance: ``around(original, args, kwargs)`` runs
+    instead of it. Unwrapped by :meth:`restore`."""
+
+    def __init__(self, block, around: Callable) -> None:
+        self.block = block
+        self.original = block.forward
+        self.around = around
+        block.forward = self
+
+    def __call__(self, *args, **kwargs):
+        return self.around(self.original, args, kwargs)
+
+    def restore(self) -> None:
+        if self.block.__dict__.get("forward") is self:
+            if isinstance(self.original, Wrapped):
+                self.block.forward = self.original
+            else:
+                del self.block.forward  # the class's own method again
+
+
+def wrap_forward(block, around: Callable) -> Wrapped:
+    return Wrapped(block, around)

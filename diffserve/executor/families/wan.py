@@ -1,0 +1,137 @@
+"""Wan video models: a 3D DiT over a causal video VAE's latents (frames x height x width),
+flow matching, UMT5 text. One family drives Wan 2.1 text-to-video, Wan 2.2's two experts and
+Wan image-to-video; a video is one sample whose rows carry its own frames.
+
+- **Two experts** (Wan 2.2): ``transformer`` denoises rows whose timestep is at or above the
+  pipeline's ``boundary_ratio`` x the scheduler's training timesteps, ``transformer_2`` the
+  rest, each with its own guidance scale (``guidance_scale_2``). Requests at different noise
+  levels share a running set; a forward is split by expert, one call of each expert present.
+- **Image-to-video**: the first frame's CLIP vision features (``image_embeds``) and its VAE
+  latents with the mask of the known frame (``condition``, concatenated to the latents
+  channel-wise) condition every row of the request, its unconditional rows too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from diffserve.executor.families.base import Conditioning, Encoded, Family, Prepared, to_uint8
+
+
+@dataclass
+class WanConditioning(Conditioning):
+    prompt_embeds: Any
+    image_embeds: Any = None  # image-to-video: the first frame's vision features, per row
+    condition: Any = None  # image-to-video: mask + first-frame latents, per row
+
+
+class Wan(Family):
+    name = "wan"
+    pipelines = ("WanPipeline",)
+    strength_tasks = ()
+    begins_at_index_zero = True
+
+    def __init__(self, pipe, pipelines, call_kwargs) -> None:
+        super().__init__(pipe, pipelines, call_kwargs)
+        ratio = pipe.config.get("boundary_ratio")
+        self.boundary = (None if ratio is None or pipe.transformer_2 is None
+                         else ratio * pipe.scheduler.config.num_train_timesteps)
+
+    @property
+    def denoiser(self):
+        return self.pipe.transformer
+
+    @property
+    def denoisers(self):
+        return [self.pipe.transformer] + ([self.pipe.transformer_2] if self.boundary is not None
+                                          else [])
+
+    def encode(self, prompts, negatives, cfg):
+        positive, negative = self.pipe.encode_prompt(
+            prompts, negatives, do_classifier_free_guidance=cfg, num_videos_per_prompt=1,
+            max_sequence_length=self.call_kwargs.get("max_sequence_length", 512),
+            device=self.device)
+        dtype = self.dtype
+        return Encoded(WanConditioning(positive.to(dtype)),
+                       WanConditioning(negative.to(dtype)) if cfg else None)
+
+    def prepare(self, task, scheduler, steps, strength, width, height, generators, encoded,
+                inputs, frames=0) -> Prepared:
+        """Noise in float32 (as the pipelines draw it), and for image-to-video the first frame's
+        conditioning, made by the pipeline's own helpers."""
+        import dataclasses
+
+        pipe, k, torch = self.pipe, len(generators), self.torch
+        timesteps = self.schedule(scheduler, steps, width, height)
+        if self.begins_at_index_zero:
+            scheduler.set_begin_index(0)
+        positive, negative = encoded.positive, encoded.negative
+        channels = pipe.vae.config.z_dim
+        if not task.first_frame:
+            latents = pipe.prepare_latents(k, channels, height, width, frames, torch.float32,
+                                           self.device, generators)
+            return Prepared(timesteps, latents, positive, negative)
+        from PIL import Image
+
+        picture = Image.fromarray(inputs["image"])
+        extra: dict[str, Any] = {}
+        if pipe.transformer.config.image_dim is not None:
+            embeds = pipe.encode_image(picture, self.device)
+            extra["image_embeds"] = embeds.to(self.dtype).repeat(k, 1, 1)
+        image = pipe.video_processor.preprocess(picture, height=height, width=width).to(
+            self.device, dtype=torch.float32)
+        latents, extra["condition"] = pipe.prepare_latents(
+            image, k, channels, height, width, frames, torch.float32, self.device, generators)
+        positive = dataclasses.replace(positive, **extra)
+        negative = None if negative is None else dataclasses.replace(negative, **extra)
+        return Prepared(timesteps, latents, positive, negative)
+
+    def forward(self, latents, timesteps, cond, guidance, width, height):
+        """Each row through its expert: one call per expert present among the rows."""
+        if self.boundary is None:
+            return self._call(self.pipe.transformer, latents, timesteps, cond)
+        high = timesteps >= self.boundary
+        if bool(high.all()) or not bool(high.any()):
+            expert = self.pipe.transformer if bool(high.all()) else self.pipe.transformer_2
+            return self._call(expert, latents, timesteps, cond)
+        out = None
+        for rows, expert in ((high, self.pipe.transformer), (~high, self.pipe.transformer_2)):
+            index = rows.nonzero().squeeze(1)
+            with self.row_scope.narrow(index.tolist()):  # per-row machinery follows the split
+                part = self._call(expert, latents[index], timesteps[index], cond.select(index))
+            if out is None:
+                out = part.new_empty((latents.shape[0], *part.shape[1:]))
+            out[index] = part
+        return out
+
+    def _call(self, transformer, latents, timesteps, cond):
+        x = latents if cond.condition is None else self.torch.cat([latents, cond.condition], dim=1)
+        return transformer(hidden_states=x.to(self.dtype), timestep=timesteps,
+                           encoder_hidden_states=cond.prompt_embeds,
+                           encoder_hidden_states_image=cond.image_embeds, return_dict=False)[0]
+
+    def guidance_scale(self, request, timestep) -> float:
+        low_noise = self.boundary is not None and timestep < self.boundary
+        if low_noise and request.guidance_scale_2 is not None:
+            return request.guidance_scale_2
+        return request.guidance_scale
+
+    def decode(self, latents, width, height, task) -> np.ndarray:
+        """Videos (k, frames, height, width, 3), as the pipelines decode them."""
+        vae, torch = self.pipe.vae, self.torch
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, vae.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device,
+                                                                                vae.dtype)
+        video = vae.decode(latents.to(vae.dtype) / inverse_std + mean, return_dict=False)[0]
+        return to_uint8(self.pipe.video_processor.postprocess_video(video, output_type="np"))
+
+
+class WanImageToVideo(Wan):
+    name = "wan-i2v"
+    pipelines = ("WanImageToVideoPipeline",)
+    generates = False  # its pipeline needs the first frame
+    begins_at_index_zero = False  # its pipeline leaves the begin index to the scheduler

@@ -1,0 +1,92 @@
+"""Quantized denoiser weights (``--quantization``), through diffusers' own quantization config
+and torchao.
+
+The pipeline is loaded with a ``PipelineQuantizationConfig`` that maps each denoiser component
+(``unet``, ``transformer``, Wan 2.2's ``transformer_2``) to a ``TorchAoConfig``: diffusers
+quantizes their ``nn.Linear`` weights as it loads them; convolutions, norms, the text encoders
+and the VAE keep the served dtype.
+
+- ``int8-weight-only``: int8 weights with a scale per output channel, dequantized in the matmul;
+  runs on CPU and GPU.
+- ``fp8-weight-only``: float8 (e4m3) weights; needs a CUDA GPU (float8 matmuls).
+
+LoRA adapters work on top: PEFT wraps the quantized layers, and each row's adapter deltas are
+added in the served dtype (:mod:`diffserve.executor.adapter_rows`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+NONE = "none"
+SCHEMES = {"int8-weight-only": "Int8WeightOnlyConfig", "fp8-weight-only": "Float8WeightOnlyConfig"}
+DENOISERS = ("unet", "transformer", "transformer_2")
+
+
+class QuantizationUnavailable(ValueError):
+    """The scheme cannot run here (torchao missing, no GPU for float8)."""
+
+
+def pipeline_config(scheme: str, model_dir: str, device: str):
+    """The ``quantization_config`` for ``from_pretrained``, or None for ``none``."""
+    if scheme == NONE:
+        return None
+    if scheme not in SCHEMES:
+        raise ValueError(f"--quantization {scheme!r} is not one of {NONE}, {', '.join(SCHEMES)}")
+    try:
+        import torchao.quantization as schemes
+    except ImportError:
+        raise QuantizationUnavailable(
+            f"--quantization {scheme} needs torchao, which is not installed: "
+            "pip install 'diffserve[quantization]'") from None
+    if scheme == "fp8-weight-only" and not device.startswith("cuda"):
+        raise QuantizationUnavailable(f"--quantization {scheme} needs a CUDA GPU (float8 "
+                                      f"matmuls); this executor runs on {device}. On a CPU, "
+                                      "int8-weight-only works")
+    from diffusers import PipelineQuantizationConfig, TorchAoConfig
+
+    components = [name for name in DENOISERS if name in _components(model_dir)]
+    if not components:
+        raise ValueError(f"--quantization: {model_dir} has no denoiser component to quantize "
+                         f"(looked for {', '.join(DENOISERS)})")
+    return PipelineQuantizationConfig(quant_mapping={
+        name: TorchAoConfig(getattr(schemes, SCHEMES[scheme])()) for name in components})
+
+
+def _components(model_dir: str) -> set[str]:
+    index = Path(model_dir) / "model_index.json"
+    if not index.is_file():  # a hub id: diffusers reads its index itself
+        return set(DENOISERS)
+    return {k for k, v in json.loads(index.read_text()).items() if isinstance(v, list)}
+
+
+def weight_bytes(module) -> tuple[int, int]:
+    """(bytes its parameters and buffers would take in their logical dtype, bytes they take):
+    the two differ where weights are quantized (a torchao tensor keeps its dtype's name but
+    stores int8 or float8 data and scales)."""
+    logical = stored = 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        logical += tensor.numel() * tensor.element_size()
+        stored += _stored(tensor)
+    return logical, stored
+
+
+def _stored(tensor) -> int:
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None or type(tensor).__name__ in ("Parameter", "Tensor"):
+        return tensor.numel() * tensor.element_size()
+    names, _ = flatten()
+    return sum(_stored(getattr(tensor, name)) for name in names)
+
+
+def log_weights(scheme: str, denoisers: list) -> None:
+    logical = stored = 0
+    for denoiser in denoisers:
+        a, b = weight_bytes(denoiser)
+        logical, stored = logical + a, stored + b
+    log.info("--quantization %s: denoiser weights %.1f MB, %.1f MB unquantized", scheme,
+             stored / 1e6, logical / 1e6)

@@ -1,0 +1,99 @@
+"""--compile: the denoisers' repeated blocks compiled once per class, rows padded to power-of-two
+buckets; images equal eager ones, and steady traffic compiles nothing new.
+
+The default suite traces with dynamo's "eager" backend (the same graphs, guards and buckets,
+no code generation: seconds); the inductor cases, which generate and build C++ (minutes on a
+small CPU), are marked slow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffserve.executor.compiled import CompiledBlocks, bucket
+from diffserve.executor.families import family_for
+from diffserve.executor.loading import load_model, task_pipelines
+from diffserve.executor.step_cache import StepCache
+from diffserve.executor.step_engine import StepEngine
+from diffserve.protocol import WorkItem
+from helpers import make_request
+from reference import max_diff
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
+
+
+def family_of(model: str):
+    loaded = load_model(model, torch_threads=1)
+    pipelines = task_pipelines(loaded.pipe)
+    return family_for(loaded.pipeline_class)(loaded.pipe, pipelines, loaded.call_kwargs)
+
+
+def traffic(model: str, tag: str):
+    """Requests whose rows change from step to step (joins, leaves, n=3 with guidance)."""
+    req = lambda rid, **kw: make_request(request_id=f"{tag}-{rid}", model=model,  # noqa: E731
+                                         prompt=f"prompt {rid}", **kw)
+    return {0: [req("a", seed=1, steps=5), req("b", seed=2, steps=3, n=3)],
+            2: [req("c", seed=3, steps=4, guidance=1.0)]}
+
+
+def run(engine, plan):
+    images, step = {}, 0
+    while step == 0 or engine:
+        if step in plan:
+            assert not engine.admit([WorkItem(r, 0, r.n) for r in plan[step]], [[]] * len(plan[step]))
+        for o in engine.step().finished:
+            assert o.error is None, o.error
+            images[o.item.request.request_id.split("-", 1)[1]] = o.images
+        step += 1
+    return images
+
+
+def check_compiled(model: str, backend: str, tolerance: int, with_cache: bool = False):
+    fam = family_of(model)
+    eager = run(StepEngine(fam), traffic(model, "eager"))
+    compiled = CompiledBlocks(fam.denoisers, "cpu", backend=backend)
+    cache = StepCache(fam.denoisers) if with_cache else None
+    try:
+        engine = StepEngine(fam, step_cache=cache)
+        first = run(engine, traffic(model, "first"))
+        assert compiled.take_new() > 0
+        again = run(engine, traffic(model, "again"))  # the same shapes and buckets once more
+        assert compiled.take_new() == 0  # no recompilation in steady state
+    finally:
+        if cache is not None:
+            cache.close()
+        compiled.close()
+    for rid, image in eager.items():
+        assert max_diff(first[rid], image) <= tolerance, (model, rid)
+        assert max_diff(again[rid], image) <= tolerance, (model, rid)
+
+
+@pytest.mark.parametrize("model", ["tiny-sd", "tiny-flux"])
+def test_compiled_buckets_equal_eager_and_do_not_recompile(model):
+    check_compiled(model, "eager", 2, with_cache=model == "tiny-flux")
+
+
+def test_padding_rows_are_discarded():
+    fam = family_of("tiny-flux")
+    transformer = fam.denoiser
+    x = torch.randn(3, 16, 16)
+    kwargs = dict(encoder_hidden_states=torch.randn(3, 8, 32), pooled_projections=torch.randn(3, 32),
+                  timestep=torch.full((3,), 0.5), guidance=None,
+                  txt_ids=torch.zeros(8, 3), img_ids=torch.zeros(16, 3), return_dict=False)
+    with torch.inference_mode():
+        expected = transformer(x, **kwargs)[0]
+        compiled = CompiledBlocks([transformer], "cpu", backend="eager")
+        try:
+            got = transformer(x, **kwargs)[0]  # 3 rows run as a bucket of 4
+        finally:
+            compiled.close()
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # batch size's rounding only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-sd", "tiny-flux"])
+def test_inductor_buckets_are_within_two_levels_of_eager(model):
+    check_compiled(model, "inductor", 2, with_cache=True)

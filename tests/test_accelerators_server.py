@@ -1,0 +1,71 @@
+"""The accelerators through the real server: a step cache per request (its threshold in the
+request, its cached steps in the usage, its rows in /metrics) over an int8 weight-only
+denoiser; requests that ask for what the server does not run are refused."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from server import LAUNCHES, assert_openai_error, metric, serves, spec
+
+GENERATE = "/v1/images/generations"
+
+
+@pytest.fixture(scope="module")
+@serves(spec("--batching-mode", "step", "--step-cache", "first-block", "--quantization",
+             "int8-weight-only", "--max-inference-steps", "100", model="tiny-flux"))
+def server(request):
+    pytest.importorskip("torchao")
+    with LAUNCHES.take(request) as srv:
+        yield srv
+
+
+def post(server, body: dict, path: str = GENERATE) -> httpx.Response:
+    with server.client(timeout=120) as c:
+        return c.post(path, json=body)
+
+
+def test_each_request_caches_with_its_own_threshold_and_reports_it(server):
+    cached = post(server, {"prompt": "a cat", "seed": 1, "num_inference_steps": 10, "n": 2,
+                           "cache_threshold": 1.0})
+    plain = post(server, {"prompt": "a cat", "seed": 1, "num_inference_steps": 10})
+    assert cached.status_code == 200 and plain.status_code == 200, (cached.text, plain.text)
+    steps = cached.json()["usage"]["cached_steps"]
+    assert 0 < steps <= 2 * (10 - 2)  # each image computes its first and last steps
+    assert plain.json()["usage"]["cached_steps"] == 0  # the server's default threshold is 0
+    text = httpx.get(server.url + "/metrics").text
+    assert metric(text, "diffserve_step_cache_rows_total", outcome="hit", executor="0") == steps
+    assert metric(text, "diffserve_step_cache_rows_total", outcome="miss", executor="0") > 0
+    assert metric(text, "diffserve_step_host_seconds_count", executor="0") > 0
+    assert metric(text, "diffserve_step_cache_bytes", executor="0") == 0  # nothing runs now
+    assert "--quantization int8-weight-only" in server.log
+
+
+def test_rollouts_are_never_cached(server):
+    response = post(server, {"prompt": "a cat", "cache_threshold": 0.5}, "/v1/rollouts")
+    assert_openai_error(response, 400, param="cache_threshold")
+
+
+def test_a_server_without_a_step_cache_refuses_a_threshold():
+    from diffserve.config import ServerConfig
+    from diffserve.errors import APIError
+    from diffserve.frontend.schemas import ImageGenerationRequest
+    from diffserve.frontend.validation import to_engine_request
+    from diffserve.protocol import ModelInfo
+    from diffserve.tasks import GENERATE as TASK
+
+    info = ModelInfo("m", "StableDiffusionPipeline", 64, 64, 8, 4, 1000, 5.0, True, "cpu",
+                     "float32", "step", ["generate"], True)
+    body = ImageGenerationRequest(prompt="x", cache_threshold=0.3)
+    with pytest.raises(APIError) as refused:
+        to_engine_request(body, "r", info, ServerConfig(), TASK)
+    assert refused.value.param == "cache_threshold" and "--step-cache" in str(refused.value)
+    # Zero asks for nothing, and a server that caches takes any threshold.
+    assert to_engine_request(ImageGenerationRequest(prompt="x", cache_threshold=0.0), "r", info,
+                             ServerConfig(), TASK).cache_threshold == 0.0
+    import dataclasses
+
+    accepted = to_engine_request(body, "r", dataclasses.replace(info, step_cache=True),
+                                 ServerConfig(), TASK)
+    assert accepted.cache_threshold == 0.3
