@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from diffserve.config import ServerConfig
-from diffserve.executor import self_check
+from diffserve.executor import check_verdicts, self_check
 from diffserve.executor.accelerators import compiled_for, step_cache_for, warm_up
 from diffserve.executor.loading import (
     LoadedModel,
@@ -22,6 +22,7 @@ from diffserve.executor.loading import (
     task_pipelines,
     token_counter,
 )
+from diffserve.models.registry import resolve_model
 from diffserve.protocol import REQUEST_MODE, STEP_MODE, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -77,27 +78,49 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
     rt = Runtime(loaded, family, pipelines, mode, describe(mode), adapters,
                  token_counter(loaded.pipe), config, step_cache_for(config, family, mode),
                  compiled)
-    if mode == STEP_MODE and not config.skip_startup_check:
-        why = self_check.check(rt)
-        if why is not None:
-            if config.batching_mode == STEP_MODE:
-                raise UnsupportedMode(f"--batching-mode step: on this model the step engine does "
-                                      f"not match the plain pipeline ({why}); use "
-                                      "--batching-mode request (or auto)")
-            log.warning("serving in request mode: the start-up check found that on this model "
-                        "the step engine does not match the plain pipeline (%s)", why)
-            rt.mode, rt.info = REQUEST_MODE, describe(REQUEST_MODE)
-            if rt.step_cache is not None:
-                log.warning("--step-cache runs in step mode only: serving without it")
-                rt.step_cache.close()
-                rt.step_cache = None
-    if rt.info.schedulers and not config.skip_startup_check:
-        working, why = self_check.samplers(rt, rt.info.schedulers)
-        for name, reason in why.items():
-            log.info("sampler %s is not offered: %s", name, reason)
-        rt.info = dataclasses.replace(rt.info, schedulers=working)
+    if not config.skip_startup_check:
+        _check(rt, config, describe)
     warm_up(rt)
     return rt
+
+
+def _check(rt: Runtime, config: ServerConfig, describe: Callable[[str], ModelInfo]) -> None:
+    """The start-up checks (:mod:`~diffserve.executor.self_check`), or their verdict from an
+    earlier start of the same model and code (:mod:`~diffserve.executor.check_verdicts`)."""
+    import torch
+
+    key = check_verdicts.key_for(resolve_model(config.model), {
+        "device": torch.device(rt.loaded.device).type, "dtype": rt.loaded.dtype,
+        "mode": rt.mode, "requested": config.batching_mode, "tasks": sorted(rt.pipelines),
+        "samplers": rt.info.schedulers, "compile": config.compile,
+        "step_cache": config.step_cache, "quantization": config.quantization,
+        "adapters": sorted(config.lora_adapters.items())})
+    verdict = check_verdicts.recall(key)
+    if verdict is not None:
+        log.info("start-up checks: the verdict of an earlier start of this model and code")
+    else:
+        verdict = {"step": self_check.check(rt) if rt.mode == STEP_MODE else None}
+    why = verdict["step"]
+    if why is not None:
+        if config.batching_mode == STEP_MODE:
+            raise UnsupportedMode(f"--batching-mode step: on this model the step engine does "
+                                  f"not match the plain pipeline ({why}); use "
+                                  "--batching-mode request (or auto)")
+        log.warning("serving in request mode: the start-up check found that on this model "
+                    "the step engine does not match the plain pipeline (%s)", why)
+        rt.mode, rt.info = REQUEST_MODE, describe(REQUEST_MODE)
+        if rt.step_cache is not None:
+            log.warning("--step-cache runs in step mode only: serving without it")
+            rt.step_cache.close()
+            rt.step_cache = None
+    if rt.info.schedulers:
+        if "samplers" not in verdict:
+            verdict["samplers"] = self_check.samplers(rt, rt.info.schedulers)
+        working, failing = verdict["samplers"]
+        for name, reason in failing.items():
+            log.info("sampler %s is not offered: %s", name, reason)
+        rt.info = dataclasses.replace(rt.info, schedulers=list(working))
+    check_verdicts.remember(key, verdict)
 
 
 def load_adapters(pipe, config: ServerConfig, on_event):

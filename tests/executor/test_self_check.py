@@ -7,10 +7,18 @@ from __future__ import annotations
 import pytest
 
 from diffserve.config import ServerConfig
-from diffserve.executor import self_check
+from diffserve.executor import check_verdicts, self_check
 from diffserve.executor.families.sd import StableDiffusion
 from diffserve.executor.loading import UnsupportedMode
 from diffserve.executor.runtime import build_runtime
+
+
+@pytest.fixture(autouse=True)
+def verdicts(tmp_path, monkeypatch):
+    """An empty store of remembered verdicts: each test's checks run (the models stay in the
+    session's cache)."""
+    monkeypatch.setattr(check_verdicts, "cache_root", lambda: tmp_path)
+    return tmp_path / "startup-checks"
 
 
 def test_a_correct_family_passes_every_task_and_serves_in_step_mode():
@@ -18,6 +26,32 @@ def test_a_correct_family_passes_every_task_and_serves_in_step_mode():
     assert rt.mode == "step" and rt.info.batching_mode == "step"
     assert set(rt.pipelines) == {"generate", "image-to-image", "inpaint"}
     assert self_check.check(rt) is None
+
+
+def test_a_verdict_is_remembered_for_the_same_model_and_code_only(monkeypatch, verdicts,
+                                                                   tmp_path_factory):
+    runs = []
+    check = self_check.check
+    monkeypatch.setattr(self_check, "check", lambda rt: runs.append(rt) or check(rt))
+    first = build_runtime(ServerConfig(model="tiny-sd"), torch_threads=1)
+    assert len(runs) == 1 and len(list(verdicts.glob("*.json"))) == 1
+    again = build_runtime(ServerConfig(model="tiny-sd"), torch_threads=1)
+    assert len(runs) == 1  # recalled, not run
+    assert (again.mode, again.info.schedulers) == (first.mode, first.info.schedulers)
+    # Another setting, or the same model's files touched: checked again.
+    build_runtime(ServerConfig(model="tiny-sd", batching_mode="step"), torch_threads=1)
+    assert len(runs) == 2
+    import shutil
+
+    from diffserve.models.registry import resolve_model
+
+    copy = tmp_path_factory.mktemp("model") / "tiny-sd"
+    shutil.copytree(resolve_model("tiny-sd"), copy)
+    build_runtime(ServerConfig(model=str(copy)), torch_threads=1)
+    assert len(runs) == 2  # the same files (paths, sizes and times kept by the copy)
+    (copy / "scheduler" / "scheduler_config.json").touch()
+    build_runtime(ServerConfig(model=str(copy)), torch_threads=1)
+    assert len(runs) == 3
 
 
 def test_a_broken_family_falls_back_in_auto_and_refuses_in_step(monkeypatch, caplog):
