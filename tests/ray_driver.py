@@ -1,6 +1,7 @@
 """Run inside a private network namespace that has only the loopback interface (see
 tests/test_ray.py): a local Ray cluster, ``serve run diffserve.ray:app`` with two replicas, and a
-plain ``diffserve serve`` for reference, all on 127.0.0.1. Prints one JSON line of findings."""
+plain ``diffserve serve`` for reference, all on 127.0.0.1; then, on the same cluster, the video
+application of tests/ray_video_driver.py. Prints one JSON line of findings, by part."""
 
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ def main() -> None:
                                      / "single.log").launch()
     env: dict = {}
     found: dict = {}
+    result = {"images": found}
     try:
         logs, env = start_cluster()
         serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-sd",
@@ -119,11 +121,19 @@ def main() -> None:
                                           if line.startswith("event: ")]
                 found["models"] = c.get(f"{serve.url}/v1/models").json()
                 found["health"] = c.get(f"{serve.url}/health").status_code
-    finally:
         single.stop()
+        import ray
+
+        ray.shutdown()  # the Serve controller went with `serve run`: the next status asks anew
+        from ray_video_driver import videos
+
+        result["videos"] = videos(logs, env)
+    finally:
+        if single.proc.poll() is None:
+            single.stop()
         if env:
             stop_cluster(env)
-    print("RESULT " + json.dumps(found), flush=True)
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,12 @@
-"""Run inside a private network namespace (see tests/test_ray.py): ``serve run
+"""The video part of tests/ray_driver.py's run, on its cluster: ``serve run
 diffserve.ray:app`` on the tiny Wan with two replicas, video jobs created through Ray Serve's
 proxy (which picks either replica), then each job retrieved, downloaded, listed and deleted
 through the proxy many times over: whichever replica a request lands on, it answers for every
 job. Then a replica is killed: the one Ray Serve starts in its place takes its rank and its
-store, so the completed jobs it held are served again. Prints one JSON line of findings."""
+store, so the completed jobs it held are served again. Returns its findings."""
 
 from __future__ import annotations
 
-import json
-import sys
 import tempfile
 import time
 import warnings
@@ -16,7 +14,7 @@ import warnings
 import httpx
 
 from diffserve.launcher import ServerProcess
-from ray_driver import RAY_PORT, replicas_running, start_cluster, stop_cluster, wait_for_replicas
+from ray_driver import RAY_PORT, replicas_running, wait_for_replicas
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 JOBS = 8
@@ -32,66 +30,58 @@ def kill_one_replica() -> None:
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
 
 
-def main() -> None:
+def videos(logs, env: dict) -> dict:
     from openai import OpenAI
 
-    logs, env = start_cluster()
     videos = tempfile.mkdtemp(prefix="diffserve-ray-videos-")
     found: dict = {}
     serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-wan", "num_replicas=2",
                            "torch_threads=1", f"video_dir={videos}"], RAY_PORT,
-                          logs / "serve.log", env=env, name="serve run")
-    try:
-        with serve:
+                          logs / "serve-videos.log", env=env, name="serve run (videos)")
+    with serve:
+        wait_for_replicas(serve)
+        client = OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
+        made = [client.videos.create(prompt=f"job {i}", size="32x32", extra_body={
+            "num_frames": 5, "num_inference_steps": 2, "seed": i}).id for i in range(JOBS)]
+        found["holders"] = sorted({video_id.rsplit("_r", 1)[1] for video_id in made})
+        done = {}
+        for video_id in made:
+            deadline = time.monotonic() + 120
+            while (video := client.videos.retrieve(video_id)).status not in ("completed", "failed"):
+                assert time.monotonic() < deadline, video
+                time.sleep(0.1)
+            done[video_id] = video.status
+        found["statuses"] = sorted(set(done.values()))
+        with httpx.Client(base_url=serve.url, timeout=60) as c:
+            answers, contents = set(), set()
+            for _ in range(ROUNDS):
+                for video_id in made:
+                    answers.add(c.get(f"/v1/videos/{video_id}").status_code)
+                    r = c.get(f"/v1/videos/{video_id}/content")
+                    contents.add((r.status_code, r.headers.get("content-type"),
+                                  r.content[4:8] == b"ftyp"))
+            found["retrieve"], found["content"] = sorted(answers), sorted(map(list, contents))
+            listed = [c.get("/v1/videos", params={"limit": 100}).json() for _ in range(ROUNDS)]
+            found["listed_all"] = all({v["id"] for v in page["data"]} == set(made)
+                                      for page in listed)
+            first = c.get("/v1/videos", params={"limit": 3, "order": "asc"}).json()
+            rest = c.get("/v1/videos", params={"limit": 100, "order": "asc",
+                                               "after": first["last_id"]}).json()
+            found["paged"] = [v["id"] for v in first["data"] + rest["data"]] == sorted(made)
+            gone = made[:2]
+            found["deleted"] = [c.delete(f"/v1/videos/{v}").status_code for v in gone]
+            found["after_delete"] = sorted({c.get(f"/v1/videos/{v}").status_code
+                                            for v in gone for _ in range(ROUNDS)})
+            kill_one_replica()
+            time.sleep(2)
             wait_for_replicas(serve)
-            client = OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
-            made = [client.videos.create(prompt=f"job {i}", size="32x32", extra_body={
-                "num_frames": 5, "num_inference_steps": 2, "seed": i}).id for i in range(JOBS)]
-            found["holders"] = sorted({video_id.rsplit("_r", 1)[1] for video_id in made})
-            done = {}
-            for video_id in made:
-                deadline = time.monotonic() + 120
-                while (video := client.videos.retrieve(video_id)).status not in ("completed", "failed"):
-                    assert time.monotonic() < deadline, video
-                    time.sleep(0.1)
-                done[video_id] = video.status
-            found["statuses"] = sorted(set(done.values()))
-            with httpx.Client(base_url=serve.url, timeout=60) as c:
-                answers, contents = set(), set()
-                for _ in range(ROUNDS):
-                    for video_id in made:
-                        answers.add(c.get(f"/v1/videos/{video_id}").status_code)
-                        r = c.get(f"/v1/videos/{video_id}/content")
-                        contents.add((r.status_code, r.headers.get("content-type"),
-                                      r.content[4:8] == b"ftyp"))
-                found["retrieve"], found["content"] = sorted(answers), sorted(map(list, contents))
-                listed = [c.get("/v1/videos", params={"limit": 100}).json() for _ in range(ROUNDS)]
-                found["listed_all"] = all({v["id"] for v in page["data"]} == set(made)
-                                          for page in listed)
-                first = c.get("/v1/videos", params={"limit": 3, "order": "asc"}).json()
-                rest = c.get("/v1/videos", params={"limit": 100, "order": "asc",
-                                                   "after": first["last_id"]}).json()
-                found["paged"] = [v["id"] for v in first["data"] + rest["data"]] == sorted(made)
-                gone = made[:2]
-                found["deleted"] = [c.delete(f"/v1/videos/{v}").status_code for v in gone]
-                found["after_delete"] = sorted({c.get(f"/v1/videos/{v}").status_code
-                                                for v in gone for _ in range(ROUNDS)})
-                kill_one_replica()
-                time.sleep(2)
-                wait_for_replicas(serve)
-                kept = made[2:]
-                deadline = time.monotonic() + 120
-                while True:
-                    codes = [c.get(f"/v1/videos/{v}/content").status_code for v in kept]
-                    if set(codes) == {200} or time.monotonic() > deadline:
-                        break
-                    time.sleep(1)
-                found["after_replacement"] = sorted(set(codes))
-                found["replicas"] = replicas_running()
-    finally:
-        stop_cluster(env)
-    print("RESULT " + json.dumps(found), flush=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+            kept = made[2:]
+            deadline = time.monotonic() + 120
+            while True:
+                codes = [c.get(f"/v1/videos/{v}/content").status_code for v in kept]
+                if set(codes) == {200} or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+            found["after_replacement"] = sorted(set(codes))
+            found["replicas"] = replicas_running()
+    return found

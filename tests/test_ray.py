@@ -22,7 +22,6 @@ import pytest
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install '.[ray]'")
 
 DRIVER = Path(__file__).with_name("ray_driver.py")
-VIDEO_DRIVER = Path(__file__).with_name("ray_video_driver.py")
 
 
 def namespace_command(*command: str) -> list[str]:
@@ -44,6 +43,12 @@ def isolated():
                     "machine's interfaces instead")
 
 
+@pytest.fixture(scope="module")
+def found(isolated) -> dict:
+    """What the driver found (one cluster for the image and the video applications)."""
+    return run_driver(DRIVER)
+
+
 def run_driver(driver: Path) -> dict:
     """What ``driver`` found, run in the private namespaces."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DRIVER.parent), *sys.path])}
@@ -56,8 +61,8 @@ def run_driver(driver: Path) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def test_two_replicas_serve_the_same_api_and_images_as_one_server(isolated):
-    found = run_driver(DRIVER)
+def test_two_replicas_serve_the_same_api_and_images_as_one_server(found):
+    found = found["images"]
     assert found["statuses"] == [200] * 16
     assert found["images"] == 24
     assert found["worst_diff"] <= 2
@@ -67,10 +72,10 @@ def test_two_replicas_serve_the_same_api_and_images_as_one_server(isolated):
     assert found["models"]["data"][0]["id"] == "tiny-sd" and found["health"] == 200
 
 
-def test_video_jobs_answer_through_whichever_replica_the_proxy_picks(isolated):
+def test_video_jobs_answer_through_whichever_replica_the_proxy_picks(found):
     """Each replica holds the jobs it made; an id routes to its holder from either replica, the
     list merges both, and a replaced replica serves its predecessor's jobs again."""
-    found = run_driver(VIDEO_DRIVER)
+    found = found["videos"]
     assert found["holders"] == ["0", "1"]  # the proxy spread the jobs over both replicas
     assert found["statuses"] == ["completed"]
     assert found["retrieve"] == [200]
