@@ -24,11 +24,16 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "server(*args, **kwargs): the test's own `diffserve serve`, taken with the "
         "own_server fixture and launched ahead of the test (tests/server.py, Launches)")
+    config.addinivalue_line(
+        "markers", "early(*names): the test takes these background runs' results "
+        "(tests/background.py), which start when collection finishes")
 
 
 def pytest_collection_finish(session):
+    import background
     from server import LAUNCHES
 
+    background.start(session.items)
     LAUNCHES.make_plan(session.items)
 
 
@@ -40,8 +45,10 @@ def pytest_runtest_setup(item):
 
 
 def pytest_sessionfinish(session):
+    import background
     from server import LAUNCHES, STOPPING
 
+    background.close()
     LAUNCHES.close()
     failures = STOPPING.check()
     if failures:

@@ -11,10 +11,13 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+import tempfile
 from pathlib import Path
 
 import pytest
+
+import background
+from background import early
 
 from diffserve.launcher import free_port
 
@@ -134,32 +137,29 @@ COMPARES = {
     "test_compare_rollout": ("rollout", "--model", "tiny-flux", "--torch-threads", "1",
                              "--rollout-prompts", "2", "--rollout-n", "3", "--rollout-repeats", "1"),
 }
-COMPARES_AT_ONCE = 2
 # The servers each scenario starts one after another (executors counted): the longest go first.
 SERVER_STARTS = {"scale": 5, "sizes": 3, "baseline": 3, "lora": 2, "rollout": 2, "modes": 2,
                  "overhead": 2}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compares(request, env, tmp_path_factory):
-    """The compare.py runs of the tests selected in this module, started with the module, a few
-    at a time, in the background (the longest first): each spends most of its time starting
-    servers one after another (one core each), so they overlap each other and the module's
-    other tests. A test waits for its own with :func:`compared`."""
-    wanted = [item.originalname for item in request.session.items
-              if item.module is request.module and item.originalname in COMPARES]
-    pool = ThreadPoolExecutor(COMPARES_AT_ONCE)
-    runs: dict[str, Future] = {}
-    for name in sorted(dict.fromkeys(wanted), key=lambda n: -SERVER_STARTS[COMPARES[n][0]]):
-        out = tmp_path_factory.mktemp(COMPARES[name][0])
-        runs[name] = pool.submit(run_compare, COMPARES[name][0], out, *COMPARES[name][1:], env=env)
-    yield runs
-    pool.shutdown(wait=True, cancel_futures=True)
+def _declare_compares() -> None:
+    """Each compare.py run above as an early run (tests/background.py): it spends most of its
+    time starting servers one after another (one core each), so it runs beside other tests. A
+    test takes its own with :func:`compared`."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name, (scenario, *extra) in COMPARES.items():
+        def run(scenario=scenario, extra=tuple(extra)):
+            out = Path(tempfile.mkdtemp(prefix=f"compare-{scenario}-"))
+            return run_compare(scenario, out, *extra, env=env)
+        early(f"compare:{name}", weight=SERVER_STARTS[scenario], run=run)
 
 
-def compared(compares: dict[str, Future], request) -> tuple[dict, Path]:
+_declare_compares()
+
+
+def compared(request) -> tuple[dict, Path]:
     """The calling test's compare.py run, checked by :func:`run_compare`: (report, its directory)."""
-    return compares[request.node.originalname].result()
+    return background.result(f"compare:{request.node.originalname}")
 
 
 def run_compare(scenario: str, out: Path, *extra: str, env: dict[str, str]) -> tuple[dict, Path]:
@@ -174,8 +174,9 @@ def run_compare(scenario: str, out: Path, *extra: str, env: dict[str, str]) -> t
     return report, out
 
 
-def test_compare_modes(compares, request):
-    report, out = compared(compares, request)
+@pytest.mark.early("compare:test_compare_modes")
+def test_compare_modes(request):
+    report, out = compared(request)
     medians = report["summary"]["medians"]
     for mode in ("step", "request"):
         assert medians[f"saturated img/s, {mode}"] > 0
@@ -193,16 +194,18 @@ def test_compare_modes(compares, request):
     assert (out / "modes.png").stat().st_size > 0
 
 
-def test_compare_overhead_against_another_checkout(compares, request):
-    report, _ = compared(compares, request)
+@pytest.mark.early("compare:test_compare_overhead_against_another_checkout")
+def test_compare_overhead_against_another_checkout(request):
+    report, _ = compared(request)
     medians = report["summary"]["medians"]
     for mode in ("step", "request"):
         assert medians[f"saturated img/s, {mode}"] > 0 and f"idle overhead ms, {mode}" in medians
     assert report["config"]["tree"] == str(ROOT)
 
 
-def test_compare_scale(compares, request):
-    report, _ = compared(compares, request)
+@pytest.mark.early("compare:test_compare_scale")
+def test_compare_scale(request):
+    report, _ = compared(request)
     runs = {run["label"]: run for run in report["rounds"][0]["runs"]}
     assert runs["dp2 x 1 thread"]["server_metrics"]["executors"] == 2
     pair = runs["2 servers x 1 thread, round-robin"]
@@ -212,8 +215,9 @@ def test_compare_scale(compares, request):
     assert all(v is not None and v > 0 for v in report["summary"]["medians"].values())
 
 
-def test_compare_baseline(compares, request):
-    report, _ = compared(compares, request)
+@pytest.mark.early("compare:test_compare_baseline")
+def test_compare_baseline(request):
+    report, _ = compared(request)
     runs = {run["label"]: run for run in report["rounds"][0]["runs"]}
     assert runs["max batch 1"]["server_metrics"]["mean_batch_size"] == 1
     assert runs["naive"]["server_metrics"] is None  # the baseline has no /metrics
@@ -221,8 +225,9 @@ def test_compare_baseline(compares, request):
     assert report["summary"]["medians"]["img/s, diffserve/naive"] > 0
 
 
-def test_compare_lora(compares, request):
-    report, _ = compared(compares, request)
+@pytest.mark.early("compare:test_compare_lora")
+def test_compare_lora(request):
+    report, _ = compared(request)
     medians = report["summary"]["medians"]
     assert medians["saturated img/s, 2 adapters, step, rank 4"] > 0
     assert medians["saturated img/s, 2 adapters / none, rank 4"] > 0
@@ -232,8 +237,9 @@ def test_compare_lora(compares, request):
     assert all(run["failed"] == 0 for run in runs.values())
 
 
-def test_compare_sizes_against_an_earlier_checkout(compares, request):
-    report, _ = compared(compares, request)
+@pytest.mark.early("compare:test_compare_sizes_against_an_earlier_checkout")
+def test_compare_sizes_against_an_earlier_checkout(request):
+    report, _ = compared(request)
     medians = report["summary"]["medians"]
     for figure in ("p99 ms size 1 (64x64), step", "p99 ms size 2 (32x32), step before",
                    "p99 ms size 2 (32x32) alone", "p99 ms rare alone", "images per forward, uniform",
@@ -244,8 +250,9 @@ def test_compare_sizes_against_an_earlier_checkout(compares, request):
     assert set(report["summary"]["verdicts"]) == {t["figure"] for t in report["targets"]}
 
 
-def test_compare_rollout(compares, request):
-    report, _ = compared(compares, request)
+@pytest.mark.early("compare:test_compare_rollout")
+def test_compare_rollout(request):
+    report, _ = compared(request)
     medians = report["summary"]["medians"]
     for layout in ("groups, step", "singles, step", "groups, request"):
         assert medians[f"samples/s, {layout}"] > 0

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+import background
+from background import early
+
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install '.[ray]'")
 
 DRIVER = Path(__file__).with_name("ray_driver.py")
@@ -32,21 +35,32 @@ def namespace_command(*command: str) -> list[str]:
             'ip link set lo up && "$@"; exit $?', "bash", *command]
 
 
-@pytest.fixture(scope="module")
-def isolated():
+def cannot_isolate() -> str | None:
+    """Why the private namespaces cannot be made here, or None."""
     if not (shutil.which("unshare") and shutil.which("ip")):
-        pytest.skip("unshare and ip (util-linux, iproute2) are needed to keep Ray on loopback")
+        return "unshare and ip (util-linux, iproute2) are needed to keep Ray on loopback"
     probe = subprocess.run(namespace_command("true"), capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip("cannot create private network and PID namespaces here (unshare needs root "
-                    f"or user namespaces): {probe.stderr.strip()}; Ray is not run on this "
-                    "machine's interfaces instead")
+        return ("cannot create private network and PID namespaces here (unshare needs root or "
+                f"user namespaces): {probe.stderr.strip()}; Ray is not run on this machine's "
+                "interfaces instead")
+    return None
+
+
+@early("ray", weight=10)
+def ray_run() -> dict:
+    """The driver's findings (one cluster for the image and the video applications); it waits
+    on Ray and its replicas most of its minute, so it runs while the session's other tests do."""
+    why = cannot_isolate()
+    return {"skip": why} if why else run_driver(DRIVER)
 
 
 @pytest.fixture(scope="module")
-def found(isolated) -> dict:
-    """What the driver found (one cluster for the image and the video applications)."""
-    return run_driver(DRIVER)
+def found() -> dict:
+    found = background.result("ray")
+    if "skip" in found:
+        pytest.skip(found["skip"])
+    return found
 
 
 def run_driver(driver: Path) -> dict:
@@ -61,6 +75,7 @@ def run_driver(driver: Path) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
+@pytest.mark.early("ray")
 def test_two_replicas_serve_the_same_api_and_images_as_one_server(found):
     found = found["images"]
     assert found["statuses"] == [200] * 16
@@ -72,6 +87,7 @@ def test_two_replicas_serve_the_same_api_and_images_as_one_server(found):
     assert found["models"]["data"][0]["id"] == "tiny-sd" and found["health"] == 200
 
 
+@pytest.mark.early("ray")
 def test_video_jobs_answer_through_whichever_replica_the_proxy_picks(found):
     """Each replica holds the jobs it made; an id routes to its holder from either replica, the
     list merges both, and a replaced replica serves its predecessor's jobs again."""
