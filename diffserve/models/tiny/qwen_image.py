@@ -12,8 +12,7 @@ from diffserve.models.tokenizers import qwen2_tokenizer
 def build(directory: Path) -> None:
     """QwenImagePipeline: a two-block MM-DiT with flow matching over 2x2-packed latents of a 3D
     (video-style) VAE, conditioned on a Qwen2.5-VL's last hidden states, 64x64 native."""
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
-                           QwenImagePipeline, QwenImageTransformer2DModel)
+    from diffusers import QwenImagePipeline
 
     # The pipeline wraps each prompt in a chat template (set in its __init__, hence read from a
     # pipeline with no components) and drops the template's first 34 tokens: with Qwen's
@@ -21,6 +20,20 @@ def build(directory: Path) -> None:
     template = QwenImagePipeline(None, None, None, None, None).prompt_template_encode
     tokenizer = qwen2_tokenizer([template])
     hidden = 32
+    transformer, vae = denoiser_and_vae(hidden)
+    pipe = QwenImagePipeline(
+        scheduler=scheduler(), vae=vae, text_encoder=qwen2_5_vl_encoder(tokenizer, hidden),
+        tokenizer=tokenizer, transformer=transformer)
+    # guidance_scale is true_cfg_scale's default: the pipeline's own guidance_scale only feeds
+    # guidance-distilled transformers, which this one is not.
+    save(pipe, directory, spatial_stride=16, guidance_scale=4.0)
+
+
+def denoiser_and_vae(hidden: int):
+    """Qwen-Image's two-block MM-DiT (text width ``hidden``) and its 3D VAE, tiny; the edit
+    models share them."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
     # Packed latents have 4x the VAE's 16 channels in, and the transformer gives 16 back per
     # 2x2 patch. The RoPE axes (frame, height, width) add up to the head width.
     transformer = seeded(
@@ -31,14 +44,13 @@ def build(directory: Path) -> None:
     # per-channel latent mean and std are the class defaults.
     vae = seeded(0, AutoencoderKLQwenImage, base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4],
                  num_res_blocks=1, temperal_downsample=[False, True, True])
-    pipe = QwenImagePipeline(
-        # Qwen-Image's own scheduler settings: the shift grows with the image token count.
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
-            shift=1.0, shift_terminal=0.02, use_dynamic_shifting=True,
-            time_shift_type="exponential"),
-        vae=vae, text_encoder=qwen2_5_vl_encoder(tokenizer, hidden), tokenizer=tokenizer,
-        transformer=transformer)
-    # guidance_scale is true_cfg_scale's default: the pipeline's own guidance_scale only feeds
-    # guidance-distilled transformers, which this one is not.
-    save(pipe, directory, spatial_stride=16, guidance_scale=4.0)
+    return transformer, vae
+
+
+def scheduler():
+    """Qwen-Image's own scheduler settings: the shift grows with the image token count."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
+        shift_terminal=0.02, use_dynamic_shifting=True, time_shift_type="exponential")

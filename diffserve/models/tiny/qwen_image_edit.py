@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffserve.models.tiny.common import save, seeded
+from diffserve.models.tiny.common import save
 from diffserve.models.tiny.components import qwen2_5_vl_encoder
+from diffserve.models.tiny.qwen_image import denoiser_and_vae, scheduler
 from diffserve.models.tokenizers import qwen2_tokenizer
 
 # Qwen2.5-VL's image settings: 14-pixel patches merged 2x2, frames of 2, CLIP's mean and std.
@@ -22,8 +23,6 @@ VL_IMAGE_PROCESSOR = dict(
 
 
 def _components(pipeline_cls) -> dict:
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
-                           QwenImageTransformer2DModel)
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
 
     from diffserve.executor.compat import allow_processors_without_torchvision
@@ -34,17 +33,9 @@ def _components(pipeline_cls) -> dict:
     template = pipeline_cls(None, None, None, None, None, None).prompt_template_encode
     tokenizer = qwen2_tokenizer([template, "Picture 1: Picture 2: Picture 3: "])
     hidden = 32
-    transformer = seeded(
-        0, QwenImageTransformer2DModel, patch_size=2, in_channels=64, out_channels=16,
-        num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=hidden,
-        axes_dims_rope=(4, 6, 6))
-    vae = seeded(0, AutoencoderKLQwenImage, base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4],
-                 num_res_blocks=1, temperal_downsample=[False, True, True])
+    transformer, vae = denoiser_and_vae(hidden)
     return dict(
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
-            shift=1.0, shift_terminal=0.02, use_dynamic_shifting=True,
-            time_shift_type="exponential"),
+        scheduler=scheduler(),
         vae=vae, text_encoder=qwen2_5_vl_encoder(tokenizer, hidden), tokenizer=tokenizer,
         processor=Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**VL_IMAGE_PROCESSOR),
                                    tokenizer=tokenizer),
