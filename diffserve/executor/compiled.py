@@ -25,6 +25,7 @@ from functools import partial
 from diffserve.executor.blocks import (
     TRANSFORMER_BLOCKS,
     BlockKind,
+    is_unet,
     map_rows,
     rows_of,
     wrap_forward,
@@ -69,8 +70,7 @@ class CompiledBlocks:
         self._wrapped = []
         self._seen = self._start = graphs_compiled()
         for denoiser in denoisers:
-            kinds = UNET_BLOCKS if type(denoiser).__name__ == "UNet2DConditionModel" else \
-                TRANSFORMER_BLOCKS
+            kinds = UNET_BLOCKS if is_unet(denoiser) else TRANSFORMER_BLOCKS
             for module in denoiser.modules():
                 kind = kinds.get(type(module).__name__)
                 if kind is None:

@@ -376,7 +376,10 @@ class StepEngine:
 
     def _pause(self, plan: StepPlan) -> None:
         self._pausing = set()
-        for unit in [u for u in self.units if u.key in set(plan.pause)]:
+        if not plan.pause:  # every step: nothing to do unless a pause is due
+            return
+        pausing = set(plan.pause)
+        for unit in [u for u in self.units if u.key in pausing]:
             self.units.remove(unit)
             self._offload(unit, "cpu")  # the accelerator's memory goes to the others
             self.paused[unit.key] = unit
