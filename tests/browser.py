@@ -19,12 +19,12 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 TIMEOUT_MS = 30_000
 
 
-def playground_server(tmp_path_factory, model: str):
-    """``diffserve serve`` of ``model`` for a playground test (a context manager)."""
-    from diffserve.launcher import ServerProcess
+def playground_server(model: str):
+    """What a playground test's server is given: ``model``, one intra-op thread (declared with
+    ``serves``, so it is launched ahead of the test)."""
+    from server import spec
 
-    log = tmp_path_factory.mktemp("playground") / "server.log"
-    return ServerProcess.diffserve("--model", model, "--torch-threads", "1", log_path=log)
+    return spec("--torch-threads", "1", model=model)
 
 
 def launch(playwright, profile):

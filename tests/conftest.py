@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 from pathlib import Path
@@ -31,10 +32,23 @@ def pytest_configure(config):
 
 def pytest_collection_finish(session):
     import background
+    import workers
     from server import LAUNCHES
 
-    background.start(session.items)
-    LAUNCHES.make_plan(session.items)
+    mine = workers.mine(session.items)  # under xdist, this worker's share (tests/workers.py)
+    background.start(mine)
+    LAUNCHES.make_plan(mine)
+    # What collection imported (torch, diffusers, the test modules) lives to the end: out of the
+    # collector's full passes, which otherwise walk it again and again (about 20 s a session).
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    import workers
+
+    return workers.scheduler(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)

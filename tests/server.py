@@ -7,6 +7,7 @@ import inspect
 import io
 import os
 import signal
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -112,7 +113,14 @@ class Server(ServerProcess):
             time.sleep(0.02)
 
     def client(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 120), **kwargs)
+        return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 120), verify=TLS,
+                            **kwargs)
+
+
+# One TLS context for every test client. httpx builds a new one per client by default, loading
+# the CA bundle each time (tens of ms of CPU: half a minute over a session that makes a client
+# per request); the servers here speak plain HTTP anyway.
+TLS = ssl.create_default_context()
 
 
 def decode(b64: str) -> np.ndarray:
@@ -368,4 +376,6 @@ class Queue:
         self.launched.clear()
 
 
-LAUNCHES = Launches(int(os.environ.get("DIFFSERVE_TEST_LAUNCH_AHEAD", "2")))
+# Two ahead in a process that runs every test; one in each of two xdist workers (tests/workers.py).
+LAUNCHES = Launches(int(os.environ.get("DIFFSERVE_TEST_LAUNCH_AHEAD",
+                                       "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")))

@@ -16,15 +16,16 @@ from diffserve.executor.loading import load_model
 from diffserve.frontend.uploads import image_pixels
 from helpers import make_request
 from reference import max_diff, sample_image, solo
-from server import Server, decode, metric
+from server import LAUNCHES, decode, metric, serves, spec
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny-flux-kontext"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with Server("--model", MODEL, "--dynamic-batch-delay-ms", "200") as srv:
+@serves(spec("--model", MODEL, "--dynamic-batch-delay-ms", "200"))
+def server(request):
+    with LAUNCHES.take(request) as srv:
         yield srv
 
 

@@ -19,16 +19,17 @@ from diffserve.protocol import ModelInfo
 from diffserve.tasks import GENERATE
 from helpers import make_request
 from reference import max_diff, solo
-from server import Server, decode, metric, wait_for_metric
+from server import LAUNCHES, decode, metric, serves, spec, wait_for_metric
 
 KEYS = {"interactive": "interactive-key", "trainer": "trainer-key"}
 
 
 @pytest.fixture(scope="module")
-def server():
-    with Server("--scheduling-policy", "priority", "--priority-aging-s", "0",
-                "--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
-                "--api-key", KEYS["interactive"], "--api-key", f"{KEYS['trainer']}:10") as srv:
+@serves(spec("--scheduling-policy", "priority", "--priority-aging-s", "0",
+             "--dynamic-batch-max-size", "1", "--max-inference-steps", "1000",
+             "--api-key", KEYS["interactive"], "--api-key", f"{KEYS['trainer']}:10"))
+def server(request):
+    with LAUNCHES.take(request) as srv:
         yield srv
 
 

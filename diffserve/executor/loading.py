@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,22 @@ def pick_device(requested: str, index: int = 0) -> str:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return f"cuda:{index % count}" if count else "cpu"
     return requested
+
+
+def leave_out_unused_libraries(serves_adapters: bool, quantization: str) -> None:
+    """Keep PEFT and torchao unimported in an executor that will not use them. diffusers (and
+    transformers) import both at start wherever they are installed: about 1 CPU-s of the 6
+    an executor takes to become ready, and torchao's warnings about kernels this machine lacks
+    in every server log. A ``None`` entry in ``sys.modules`` is Python's own way to say a
+    module is absent: the libraries then see the package as not installed. Call it only in a
+    process of its own, before diffusers is imported (later it would change nothing, and it
+    would hide the package from code in the same process that needs it)."""
+    if "diffusers" in sys.modules:
+        return
+    if not serves_adapters:
+        sys.modules.setdefault("peft", None)
+    if quantization == "none":
+        sys.modules.setdefault("torchao", None)
 
 
 def quiet_libraries() -> None:

@@ -17,6 +17,7 @@ item's result header, sent after its images.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -76,6 +77,10 @@ class ExecutorSpec:
 
 
 def run_executor(spec: ExecutorSpec) -> None:
+    # No cyclic collection while torch and diffusers import and the model loads: those passes
+    # walk the same few hundred thousand new, long-lived objects again and again (about a
+    # fifth of the start's CPU). freeze_heap collects once and turns it back on.
+    gc.disable()
     processes.become(f"diffserve::executor-{spec.index}", spec.parent_pid, spec.config.log_level)
     metrics.record_to(spec.metrics_dir)
     counts = metrics.EngineMetrics()
@@ -103,9 +108,11 @@ def run_executor(spec: ExecutorSpec) -> None:
 
 def build_loop(spec: ExecutorSpec, io: EngineIO):
     """Load the model, pick the engine, say READY; the loop that serves it."""
+    from diffserve.executor.loading import leave_out_unused_libraries
     from diffserve.executor.runtime import build_runtime
     from diffserve.protocol import STEP_MODE
 
+    leave_out_unused_libraries(spec.config.serves_adapters, spec.config.quantization)
     rt = build_runtime(spec.config, spec.device, spec.torch_threads, spec.index,
                        io.count_adapter_event)
     freeze_heap()
@@ -126,11 +133,10 @@ def freeze_heap() -> None:
     """Keep what loading made (the model's modules, the libraries' objects: about a million)
     out of the garbage collector's full passes: a full pass over them took 200-300 ms, a pause
     of the step loop every few seconds of serving; what the loop makes later is still
-    collected."""
-    import gc
-
+    collected. The collector, off while loading (run_executor), is on again from here."""
     gc.collect()
     gc.freeze()
+    gc.enable()
 
 
 def apply_adapter_message(adapters, io: EngineIO, kind: Kind, msg) -> None:

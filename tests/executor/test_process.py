@@ -1,5 +1,5 @@
-"""The executor's process set-up: the OpenMP spin bound is set before torch loads, and an
-operator's own OpenMP settings win."""
+"""The executor's process set-up: the OpenMP spin bound is set before torch loads, an
+operator's own OpenMP settings win, and PEFT and torchao stay unimported where unused."""
 
 from __future__ import annotations
 
@@ -31,3 +31,26 @@ def _run(**env: str) -> str:
 ])
 def test_spin_bound_unless_the_operator_chose(env, expected):
     assert _run(**env) == expected
+
+
+_LIBRARIES = ("import sys; from diffserve.executor.loading import leave_out_unused_libraries; "
+              "leave_out_unused_libraries({adapters}, {quantization!r}); "
+              "from diffusers import DiffusionPipeline; "
+              "from diffusers.utils import is_peft_available, is_torchao_available; "
+              "print(is_peft_available(), is_torchao_available(), "
+              "sys.modules.get('peft') is not None, sys.modules.get('torchao') is not None)")
+
+
+@pytest.mark.parametrize("adapters, quantization, expected", [
+    (False, "none", "False False False False"),  # what most executors serve
+    (True, "int8-weight-only", "True True True True"),
+])
+def test_peft_and_torchao_are_left_out_only_where_unused(adapters, quantization, expected):
+    pytest.importorskip("peft")
+    pytest.importorskip("torchao")
+    code = _LIBRARIES.format(adapters=adapters, quantization=quantization)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == expected
+    assert ("torchao" in done.stderr) == (quantization != "none")  # its kernel warnings

@@ -12,14 +12,16 @@ import pytest
 from PIL import Image, ImageDraw
 
 from browser import launch, open_playground, playground_server  # skips without Chromium
+from server import LAUNCHES, serves  # noqa: E402
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
 PROMPT = "a red circle on a blue background"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with playground_server(tmp_path_factory, "shapes") as srv:
+@serves(playground_server("shapes"))
+def server(request):
+    with LAUNCHES.take(request) as srv:
         yield srv
 
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 
 from browser import launch, open_playground, playground_server  # skips without Chromium
+from server import LAUNCHES, serves  # noqa: E402
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with playground_server(tmp_path_factory, "tiny-wan") as srv:
+@serves(playground_server("tiny-wan"))
+def server(request):
+    with LAUNCHES.take(request) as srv:
         yield srv
 
 

@@ -20,7 +20,7 @@ from diffserve.executor.loading import load_model, task_pipelines
 from diffserve.frontend.videos.encode import decode_mp4
 from diffserve.protocol import ImageRequest
 from reference import sample_image, solo
-from server import Server, assert_openai_error, metric
+from server import LAUNCHES, Server, assert_openai_error, metric, serves, spec
 
 openai = pytest.importorskip("openai")
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the SDK marks Sora's API so
@@ -54,10 +54,11 @@ def mp4_frames(data: bytes) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def wan():
-    with Server("--torch-threads", "1", "--video-dir", tempfile.mkdtemp(prefix="videos-"),
-                "--max-video-jobs", "4", "--max-batch-cost", "32",
-                "--max-running-cost", "32", model="tiny-wan") as server:
+@serves(spec("--torch-threads", "1", "--video-dir", tempfile.mkdtemp(prefix="videos-"),
+             "--max-video-jobs", "4", "--max-batch-cost", "32", "--max-running-cost", "32",
+             model="tiny-wan"))
+def wan(request):
+    with LAUNCHES.take(request) as server:
         yield server
 
 
@@ -219,11 +220,12 @@ def test_too_many_queued_jobs_is_a_429(wan):
         client.videos.delete(video_id)
 
 
-def test_image_to_video_through_the_sdk_is_the_pipeline_alone():
+@pytest.mark.server("--torch-threads", "1", model="tiny-wan-i2v")
+def test_image_to_video_through_the_sdk_is_the_pipeline_alone(own_server):
     image, _ = sample_image(32, seed=3)
     data = io.BytesIO()
     Image.fromarray(image).save(data, format="PNG")
-    with Server("--torch-threads", "1", model="tiny-wan-i2v") as server:
+    with own_server as server:
         client = sdk(server)
         video = client.videos.create_and_poll(
             prompt="it moves", size="32x32", poll_interval_ms=50,
@@ -238,10 +240,14 @@ def test_image_to_video_through_the_sdk_is_the_pipeline_alone():
     assert psnr(frames, expected) >= PSNR_DB
 
 
-def test_restart_keeps_completed_jobs_and_fails_the_ones_a_kill_interrupted():
-    directory = tempfile.mkdtemp(prefix="videos-restart-")
-    args = ("--torch-threads", "1", "--video-dir", directory, "--max-running-cost", "16")
-    with Server(*args, model="tiny-wan") as server:
+RESTARTED = ("--torch-threads", "1", "--video-dir", tempfile.mkdtemp(prefix="videos-restart-"),
+             "--max-running-cost", "16")
+
+
+@pytest.mark.server(*RESTARTED, model="tiny-wan")  # the first of the two servers
+def test_restart_keeps_completed_jobs_and_fails_the_ones_a_kill_interrupted(own_server):
+    args = RESTARTED
+    with own_server as server:
         client = sdk(server)
         done = client.videos.create_and_poll(prompt="kept", size="32x32", poll_interval_ms=50,
                                              extra_body={"num_frames": 5, "num_inference_steps": 2})
@@ -268,10 +274,11 @@ def test_restart_keeps_completed_jobs_and_fails_the_ones_a_kill_interrupted():
             extra_body={"num_frames": 1, "num_inference_steps": 1}).status == "completed"
 
 
-def test_request_mode_serves_a_two_expert_model_with_its_second_guidance_scale():
+@pytest.mark.server("--torch-threads", "1", "--batching-mode", "request", model="tiny-wan22")
+def test_request_mode_serves_a_two_expert_model_with_its_second_guidance_scale(own_server):
     """Any video pipeline runs in request mode (one pipeline call a batch): here Wan 2.2 with
     guidance_scale_2 for its low-noise expert."""
-    with Server("--torch-threads", "1", "--batching-mode", "request", model="tiny-wan22") as server:
+    with own_server as server:
         client = sdk(server)
         video = client.videos.create_and_poll(
             prompt="two experts", size="32x32", poll_interval_ms=50,

@@ -1,0 +1,100 @@
+"""The suite split between pytest-xdist workers in fixed shares.
+
+Most of a test run is processes: servers starting (an executor imports torch and diffusers on
+one core), long background runs, and tests computing references in the pytest process itself on
+one core. One pytest process leaves the second core idle whenever its own work is the only work;
+two keep both busy. Each worker must know, when collection ends, which tests it will run and in
+what order: it launches their servers ahead (``server.Launches``) and starts their background
+runs (``background.py``). xdist's own schedulers hand tests out as workers ask, so
+:class:`FixedShares` gives each worker its share up front instead: whole files (a module's
+server starts once), balanced by :data:`SECONDS`, each share in collection order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+# Seconds each file took in one pytest process on a 2-core machine (files not listed: DEFAULT_S).
+# Only the balance of the shares depends on these; a stale figure costs time, never a test.
+SECONDS = {
+    "tests/test_reliability.py": 56, "tests/test_adapters.py": 40,
+    "tests/frontend/test_videos.py": 28, "tests/frontend/test_edits_and_streaming.py": 28,
+    "tests/executor/test_adapter_families.py": 28, "tests/test_step_mode.py": 23,
+    "tests/test_rollouts.py": 23, "tests/executor/test_qwen_image_edit.py": 21,
+    "tests/test_soak.py": 19, "tests/test_benchmarks_smoke.py": 19,
+    "tests/frontend/test_fuzz.py": 16, "tests/test_data_parallel.py": 14,
+    "tests/executor/test_adapter_rows.py": 14, "tests/executor/test_flux2.py": 13,
+    "tests/executor/test_step_engine.py": 12, "tests/test_prometheus.py": 11,
+    "tests/executor/test_adapters.py": 11, "tests/frontend/test_playground.py": 10,
+    "tests/test_server_e2e.py": 9, "tests/frontend/test_video_playground.py": 9,
+    "tests/test_priorities.py": 8, "tests/models/test_embedded.py": 8,
+    "tests/executor/test_self_check.py": 8, "tests/test_instruction_edits.py": 7,
+    "tests/test_calibrate.py": 7, "tests/models/test_shapes.py": 7,
+    "tests/executor/test_step_cache.py": 7, "tests/executor/test_request_runner.py": 7,
+    "tests/executor/test_process.py": 7, "tests/executor/test_compiled.py": 7,
+    "tests/scheduler/test_process.py": 5, "tests/models/test_shapes_serving.py": 5,
+    "tests/test_client.py": 4, "tests/executor/test_z_image_chroma.py": 4,
+    "tests/executor/test_dit_families.py": 3,
+    # Their tests wait on background runs (the Ray application, compare.py's scenarios) that
+    # keep a core busy for minutes from the session's start.
+    "tests/test_ray.py": 40,
+}
+DEFAULT_S = 1.0
+
+
+def shares(nodeids: Sequence[str], count: int) -> list[list[int]]:
+    """The indices of ``nodeids`` each of ``count`` workers runs: each file goes whole to the
+    least loaded worker, the heaviest first (ties by name), and each share keeps its order."""
+    files = list(dict.fromkeys(nodeid.split("::", 1)[0] for nodeid in nodeids))
+    load = [0.0] * count
+    owner: dict[str, int] = {}
+    for file in sorted(files, key=lambda f: (-SECONDS.get(f, DEFAULT_S), f)):
+        worker = min(range(count), key=lambda w: (load[w], w))
+        owner[file] = worker
+        load[worker] += SECONDS.get(file, DEFAULT_S)
+    found: list[list[int]] = [[] for _ in range(count)]
+    for index, nodeid in enumerate(nodeids):
+        found[owner[nodeid.split("::", 1)[0]]].append(index)
+    return found
+
+
+def this_worker() -> tuple[int, int] | None:
+    """(index, count) of this xdist worker; None in a pytest process that runs every test."""
+    name = os.environ.get("PYTEST_XDIST_WORKER")
+    if not name:
+        return None
+    return int(name.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+
+
+def mine(items: list) -> list:
+    """The collected ``items`` this process runs, in order."""
+    worker = this_worker()
+    if worker is None:
+        return items
+    index, count = worker
+    return [items[i] for i in shares([item.nodeid for item in items], count)[index]]
+
+
+def scheduler(config, log):
+    """xdist's scheduler for this suite (the ``pytest_xdist_make_scheduler`` hook)."""
+    from xdist.scheduler import EachScheduling
+
+    class FixedShares(EachScheduling):
+        """Each worker runs its share of the collection (:func:`shares`), sent whole at the
+        start. A worker that replaces a crashed one runs what the crashed one had left."""
+
+        def schedule(self) -> None:
+            assert self.collection_is_completed
+            for node, pending in self.node2pending.items():
+                if node in self._started:
+                    continue
+                if not pending:
+                    index = int(node.gateway.id.removeprefix("gw"))
+                    pending[:] = shares(self.node2collection[node], self.numnodes)[index]
+                if pending:
+                    node.send_runtest_some(list(pending))
+                node.shutdown()
+                self._started.append(node)
+
+    return FixedShares(config, log)
