@@ -24,7 +24,7 @@ from diffserve.launcher import free_port
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 TOOLS = ["bench_serving.py", "bench_offline.py", "compare.py", "naive_server.py", "bench_batcher.py",
-         "queue_model.py", "bench_lora_forward.py", "spike_padded_forward.py"]
+         "queue_model.py", "bench_lora_forward.py", "spike_padded_forward.py", "bench_startup.py"]
 TINY = ["--model", "tiny-sd", "--steps", "1", "--num-requests", "4", "--warmup", "1", "--concurrency", "4",
         "--max-batch-size", "4", "--rounds", "1", "--startup-timeout", "120"]
 
@@ -111,6 +111,15 @@ def test_bench_serving(env, tmp_path, diffserve_url):
     by_steps = result["latency_by_steps_s"]
     assert set(by_steps) == {"1", "2"} and sum(v["count"] or 0 for v in by_steps.values()) == 6
     assert "1 steps: mean/p50/p99" in done.stdout
+
+
+def test_bench_startup(env, tmp_path):
+    out = tmp_path / "startup.json"
+    done = run_tool("bench_startup.py", "--rounds", "1", "--output-file", str(out), env=env)
+    medians = json.loads(out.read_text())["medians"]
+    assert medians["ready_s"] > 0 and "median" in done.stdout
+    assert medians["diffserve::executor-0 cpu_s"] > medians["diffserve::scheduler cpu_s"] > 0
+    assert medians["diffserve::frontend cpu_s"] > 0
 
 
 def test_bench_serving_reports_unreachable_server(env):

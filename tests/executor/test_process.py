@@ -41,16 +41,14 @@ _LIBRARIES = ("import sys; from diffserve.executor.loading import leave_out_unus
               "sys.modules.get('peft') is not None, sys.modules.get('torchao') is not None)")
 
 
-@pytest.mark.parametrize("adapters, quantization, expected", [
-    (False, "none", "False False False False"),  # what most executors serve
-    (True, "int8-weight-only", "True True True True"),
-])
-def test_peft_and_torchao_are_left_out_only_where_unused(adapters, quantization, expected):
+def test_peft_and_torchao_are_left_out_where_unused():
+    """An executor that serves no adapters and quantizes nothing (the adapter and quantization
+    servers' tests are the other case: they need both libraries imported)."""
     pytest.importorskip("peft")
     pytest.importorskip("torchao")
-    code = _LIBRARIES.format(adapters=adapters, quantization=quantization)
+    code = _LIBRARIES.format(adapters=False, quantization="none")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == expected
-    assert ("torchao" in done.stderr) == (quantization != "none")  # its kernel warnings
+    assert done.stdout.splitlines()[-1] == "False False False False"
+    assert "torchao" not in done.stderr  # no warnings about kernels this machine lacks

@@ -1,0 +1,78 @@
+"""How long ``diffserve serve`` takes to become ready, and the CPU each of its processes used.
+
+Starts the server ``--rounds`` times (each a fresh process tree), waits for ``/health``, reads each
+process's CPU time from ``/proc/<pid>/stat`` at that moment, and prints the medians. Most of an
+executor's start is importing torch and diffusers: this is what a restart after a crash costs,
+and what every server start in the test suite costs.
+
+    python benchmarks/bench_startup.py --model tiny-sd --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from diffserve.launcher import ServerProcess
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
+
+
+def processes(root: int) -> dict[str, int]:
+    """The server's processes by title (the frontend is ``root``)."""
+    found = {"diffserve::frontend": root}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode()
+            except OSError:
+                continue
+            if title.startswith("diffserve::") and title != "diffserve::frontend":
+                found[title.split()[0]] = int(entry.name)
+    return found
+
+
+def one_start(args: argparse.Namespace) -> dict[str, float]:
+    log = Path(tempfile.mkdtemp(prefix="bench-startup-")) / "server.log"
+    server = ServerProcess.diffserve("--model", args.model, "--torch-threads", "1", *args.extra,
+                                     log_path=log, env={"OMP_NUM_THREADS": "1"})
+    started = time.monotonic()
+    with server:
+        ready = time.monotonic() - started
+        found = {"ready_s": ready}
+        for title, pid in processes(server.proc.pid).items():
+            found[f"{title} cpu_s"] = cpu_s(pid)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-sd")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--output-file", help="write the rounds and medians as JSON here")
+    parser.add_argument("extra", nargs="*", help="more `diffserve serve` arguments (after --)")
+    args = parser.parse_args(argv)
+    rounds = [one_start(args) for _ in range(args.rounds)]
+    keys = sorted({k for r in rounds for k in r})
+    medians = {k: statistics.median(r[k] for r in rounds if k in r) for k in keys}
+    for k in keys:
+        print(f"{k:32s} median {medians[k]:6.2f}  rounds {[round(r.get(k, 0), 2) for r in rounds]}")
+    if args.output_file:
+        Path(args.output_file).write_text(json.dumps({"rounds": rounds, "medians": medians},
+                                                     indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
