@@ -113,6 +113,8 @@ def test_list_pages_by_cursor_in_both_orders(wan):
         assert ids.index(made[0]) < ids.index(made[1]) < ids.index(made[2])
         assert_openai_error(c.get("/v1/videos", params={"after": "video_nope"}), 400, "after")
     assert {v.id for v in client.videos.list(limit=100)} >= set(made)
+    for video_id in made:  # the module's server is left with nothing queued for the next test
+        wait_status(client, video_id, {"completed"})
 
 
 def wait_status(client, video_id: str, wanted: set[str], timeout_s: float = 60):
