@@ -32,47 +32,39 @@ class BlockKind:
     shared: frozenset[str] = frozenset()  # arguments every row shares
 
 
-_JOINT = BlockKind(encoder="encoder_hidden_states", returns=(ENCODER, HIDDEN),
-                   shared=frozenset({"image_rotary_emb", "joint_attention_kwargs"}))
-_CROSS = BlockKind(shared=frozenset({"cross_attention_kwargs", "height", "width"}))
+# The two conventions most transformer blocks follow (a family names its blocks' kinds).
+JOINT = BlockKind(encoder="encoder_hidden_states", returns=(ENCODER, HIDDEN),
+                  shared=frozenset({"image_rotary_emb", "joint_attention_kwargs"}))
+CROSS = BlockKind(shared=frozenset({"cross_attention_kwargs", "height", "width"}))
 
-# Transformer block classes by name. Flux's single-stream blocks take and return the two streams
-# apart (diffusers 0.42), as its double-stream ones do.
-TRANSFORMER_BLOCKS: dict[str, BlockKind] = {
-    "FluxTransformerBlock": _JOINT,
-    "FluxSingleTransformerBlock": _JOINT,
-    "JointTransformerBlock": _JOINT,  # SD3; its last block returns no text stream
-    "QwenImageTransformerBlock": _JOINT,
-    "ZImageTransformerBlock": BlockKind(hidden="x"),
-    "BasicTransformerBlock": _CROSS,  # PixArt
-    "SanaTransformerBlock": _CROSS,
-    "WanTransformerBlock": BlockKind(shared=frozenset({"rotary_emb"})),
-}
 
-# The block lists of a transformer, in the order its forward runs them (Z-Image's refiners run
-# before the main stack on the two streams apart: its first block is the main stack's).
-BLOCK_LISTS: dict[str, tuple[str, ...]] = {
-    "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
-    "SD3Transformer2DModel": ("transformer_blocks",),
-    "QwenImageTransformer2DModel": ("transformer_blocks",),
-    "ZImageTransformer2DModel": ("layers",),
-    "PixArtTransformer2DModel": ("transformer_blocks",),
-    "SanaTransformer2DModel": ("transformer_blocks",),
-    "WanTransformer3DModel": ("blocks",),
-}
+@cache
+def known() -> tuple[dict[str, tuple[str, ...]], dict[str, BlockKind]]:
+    """Every family's block lists (denoiser class -> its lists in call order) and block kinds
+    (block class -> how it is called): the families declare them (``Family.block_lists``,
+    ``Family.block_kinds``)."""
+    from diffserve.executor.families import FAMILIES
+
+    lists: dict[str, tuple[str, ...]] = {}
+    kinds: dict[str, BlockKind] = {}
+    for family in FAMILIES:
+        lists.update(family.block_lists)
+        kinds.update(family.block_kinds)
+    return lists, kinds
 
 
 def transformer_blocks(denoiser) -> list[tuple[Any, BlockKind]]:
     """The transformer's blocks in call order with their kinds; ValueError where it is not one
     this module knows."""
     name = type(denoiser).__name__
-    if name not in BLOCK_LISTS:
+    block_lists, block_kinds = known()
+    if name not in block_lists:
         raise ValueError(f"{name} is not a denoiser whose blocks the server knows (it knows "
-                         f"{', '.join(sorted(BLOCK_LISTS))} and UNet2DConditionModel)")
-    blocks = [block for attr in BLOCK_LISTS[name] for block in getattr(denoiser, attr)]
+                         f"{', '.join(sorted(block_lists))} and UNet2DConditionModel)")
+    blocks = [block for attr in block_lists[name] for block in getattr(denoiser, attr)]
     kinds = []
     for block in blocks:
-        kind = TRANSFORMER_BLOCKS.get(type(block).__name__)
+        kind = block_kinds.get(type(block).__name__)
         if kind is None:
             raise ValueError(f"{name} has a block {type(block).__name__} the server does not know")
         kinds.append((block, kind))

@@ -23,9 +23,10 @@ import time
 from functools import partial
 
 from diffserve.executor.blocks import (
-    TRANSFORMER_BLOCKS,
+    CROSS,
     BlockKind,
     is_unet,
+    known,
     map_rows,
     rows_of,
     wrap_forward,
@@ -34,7 +35,7 @@ from diffserve.executor.blocks import (
 log = logging.getLogger(__name__)
 
 # A UNet's repeated blocks: its transformer blocks (diffusers' _repeated_blocks) and ResNets.
-UNET_BLOCKS = {"BasicTransformerBlock": TRANSFORMER_BLOCKS["BasicTransformerBlock"],
+UNET_BLOCKS = {"BasicTransformerBlock": CROSS,
                "ResnetBlock2D": BlockKind(hidden="input_tensor")}
 GRAPHS_KEPT = 256  # compiled graphs per block class: buckets x sizes in use
 
@@ -70,7 +71,7 @@ class CompiledBlocks:
         self._wrapped = []
         self._seen = self._start = graphs_compiled()
         for denoiser in denoisers:
-            kinds = UNET_BLOCKS if is_unet(denoiser) else TRANSFORMER_BLOCKS
+            kinds = UNET_BLOCKS if is_unet(denoiser) else known()[1]
             for module in denoiser.modules():
                 kind = kinds.get(type(module).__name__)
                 if kind is None:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from diffserve.costs import ABOVE_ONE, uses_cfg
+from diffserve.executor.blocks import BlockKind
 from diffserve.executor.row_scope import RowScope
 from diffserve.tasks import Task
 
@@ -183,6 +184,12 @@ class Family:
     # The tasks that redraw an input image by strength which the family runs, where diffusers
     # has a pipeline for them (an edit-by-instruction family takes none).
     strength_tasks: ClassVar[tuple[str, ...]] = ("image-to-image", "inpaint")
+    # The denoiser's repeated blocks, for the step cache and --compile (executor/blocks.py): its
+    # class name -> the attributes that hold its block lists, in the order its forward runs
+    # them; and each block class's calling convention. Empty: neither accelerator knows it (a
+    # UNet's blocks are known by their structure, for every family that has one).
+    block_lists: ClassVar[dict[str, tuple[str, ...]]] = {}
+    block_kinds: ClassVar[dict[str, BlockKind]] = {}
     # Whether the pipeline takes one reference image per prompt row (edits of several requests
     # then share a call in request mode); else one list of references for the whole call.
     references_per_row: ClassVar[bool] = True

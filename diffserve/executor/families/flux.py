@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.costs import NEVER
+from diffserve.executor.blocks import JOINT
 from diffserve.executor.families.base import Conditioning, Encoded, shared
 from diffserve.executor.families.packed_flow import PackedFlow
 
@@ -30,6 +31,10 @@ class FluxConditioning(Conditioning):
 class Flux(PackedFlow):
     name = "flux"
     pipelines = ("FluxPipeline",)
+    block_lists = {"FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks")}
+    # The single-stream blocks take and return the two streams apart (diffusers 0.42), as the
+    # double-stream ones do.
+    block_kinds = {"FluxTransformerBlock": JOINT, "FluxSingleTransformerBlock": JOINT}
     guidance_rule = NEVER  # guidance is an input of the transformer; negative prompts are not used
 
     def __init__(self, pipe, pipelines, call_kwargs) -> None:

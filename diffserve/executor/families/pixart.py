@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from diffserve.executor.blocks import CROSS
 from diffserve.executor.families.base import Conditioning, Encoded, Family, padded
 
 
@@ -18,6 +19,8 @@ class MaskedTextConditioning(Conditioning):
 class PixArtSigma(Family):
     name = "pixart-sigma"
     pipelines = ("PixArtSigmaPipeline",)
+    block_lists = {"PixArtTransformer2DModel": ("transformer_blocks",)}
+    block_kinds = {"BasicTransformerBlock": CROSS}
 
     def _encode_kwargs(self) -> dict[str, Any]:
         return {"clean_caption": self.call_kwargs.get("clean_caption", False),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.costs import WITH_NEGATIVE
+from diffserve.executor.blocks import JOINT
 from diffserve.executor.families.base import Conditioning, Encoded, padded
 from diffserve.executor.families.packed_flow import PackedFlow
 
@@ -30,6 +31,8 @@ class QwenImageConditioning(Conditioning):
 class QwenImage(PackedFlow):
     name = "qwen-image"
     pipelines = ("QwenImagePipeline",)
+    block_lists = {"QwenImageTransformer2DModel": ("transformer_blocks",)}
+    block_kinds = {"QwenImageTransformerBlock": JOINT}
     guidance_kwarg = "true_cfg_scale"
     guidance_rule = WITH_NEGATIVE
 

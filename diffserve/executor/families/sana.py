@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from diffserve.executor.blocks import CROSS
 from diffserve.executor.families.base import Encoded
 from diffserve.executor.families.pixart import MaskedTextConditioning, PixArtSigma
 
@@ -14,6 +15,8 @@ from diffserve.executor.families.pixart import MaskedTextConditioning, PixArtSig
 class Sana(PixArtSigma):
     name = "sana"
     pipelines = ("SanaPipeline",)
+    block_lists = {"SanaTransformer2DModel": ("transformer_blocks",)}
+    block_kinds = {"SanaTransformerBlock": CROSS}
 
     def _encode_kwargs(self) -> dict[str, Any]:
         # The instruction the pipeline puts before every positive prompt by default.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from diffserve.executor.blocks import JOINT
 from diffserve.executor.families.base import Conditioning, Encoded, Family
 
 
@@ -21,6 +22,8 @@ class SD3Conditioning(Conditioning):
 class StableDiffusion3(Family):
     name = "stable-diffusion-3"
     pipelines = ("StableDiffusion3Pipeline",)
+    block_lists = {"SD3Transformer2DModel": ("transformer_blocks",)}
+    block_kinds = {"JointTransformerBlock": JOINT}  # its last block returns no text stream
     max_shift = 1.16  # its pipeline's default, where Flux's is 1.15
 
     def encode(self, prompts, negatives, cfg):

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from diffserve.executor.blocks import BlockKind
 from diffserve.executor.families.base import Conditioning, Encoded, Family, Prepared, to_uint8
 
 
@@ -31,6 +32,8 @@ class WanConditioning(Conditioning):
 class Wan(Family):
     name = "wan"
     pipelines = ("WanPipeline",)
+    block_lists = {"WanTransformer3DModel": ("blocks",)}
+    block_kinds = {"WanTransformerBlock": BlockKind(shared=frozenset({"rotary_emb"}))}
     strength_tasks = ()
     begins_at_index_zero = True
 

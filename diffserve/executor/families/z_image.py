@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.costs import ABOVE_ZERO
+from diffserve.executor.blocks import BlockKind
 from diffserve.executor.families.base import Conditioning, Encoded, padded
 from diffserve.executor.families.packed_flow import PackedFlow
 
@@ -39,6 +40,10 @@ class ZImage(PackedFlow):
 
     name = "z-image"
     pipelines = ("ZImagePipeline",)
+    # Its refiners run before the main stack on the two streams apart: the first block that
+    # sees them joined is the main stack's.
+    block_lists = {"ZImageTransformer2DModel": ("layers",)}
+    block_kinds = {"ZImageTransformerBlock": BlockKind(hidden="x")}
     guidance_rule = ABOVE_ZERO
 
     def __init__(self, pipe, pipelines, call_kwargs) -> None:
