@@ -21,6 +21,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from diffserve.launcher import ServerProcess, diffserve_command, free_port
+from workers import this_worker
 
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (from /proc)."""
@@ -378,4 +379,4 @@ class Queue:
 
 # Two ahead in a process that runs every test; one in each of two xdist workers (tests/workers.py).
 LAUNCHES = Launches(int(os.environ.get("DIFFSERVE_TEST_LAUNCH_AHEAD",
-                                       "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")))
+                                       "2" if this_worker() is None else "1")))
