@@ -58,7 +58,11 @@ def start_cluster() -> tuple[Path, dict]:
     """A local Ray cluster of this run's own: (its log directory, the environment to reach it)."""
     pin_authentication()
     logs = Path(tempfile.mkdtemp(prefix="diffserve-ray-"))
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           # Serve gives a new proxy 5 s to answer its first ready check, then kills it and
+           # `serve run` fails; on a busy 2-core machine the proxy's process alone can take
+           # longer to start (docs/operations.md, "Ray Serve on a busy node").
+           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
     # Its session files in a directory of its own, not the machine's shared /tmp/ray; with
     # that, clients find the cluster by its address, not by the file /tmp/ray would hold.
     subprocess.run(["ray", "start", "--head", f"--port={GCS_PORT}", "--include-dashboard=false",
