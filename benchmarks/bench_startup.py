@@ -24,17 +24,25 @@ from diffserve.launcher import ServerProcess
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def stat_fields(pid: int) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name: state, ppid, pgrp, session, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
 
 
 def processes(root: int) -> dict[str, int]:
-    """The server's processes by title (the frontend is ``root``)."""
+    """The server's processes by title (the frontend is ``root``). The launcher starts it in a
+    session of its own: only that session counts, not another server running on the machine."""
     found = {"diffserve::frontend": root}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
+                if int(stat_fields(int(entry.name))[3]) != root:
+                    continue
                 title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode()
             except OSError:
                 continue
