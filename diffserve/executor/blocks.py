@@ -45,11 +45,23 @@ def known() -> tuple[dict[str, tuple[str, ...]], dict[str, BlockKind]]:
     ``Family.block_kinds``)."""
     from diffserve.executor.families import FAMILIES
 
+    return declared(FAMILIES)
+
+
+def declared(families) -> tuple[dict[str, tuple[str, ...]], dict[str, BlockKind]]:
+    """The union of ``families``' block tables. Families share classes (a subclass inherits its
+    parent's tables; PixArt and a UNet both use BasicTransformerBlock); two that say different
+    things of one class are a mistake, refused here rather than decided by registry order."""
     lists: dict[str, tuple[str, ...]] = {}
     kinds: dict[str, BlockKind] = {}
-    for family in FAMILIES:
-        lists.update(family.block_lists)
-        kinds.update(family.block_kinds)
+    said_by: dict[str, str] = {}
+    for family in families:
+        for table, entries in ((lists, family.block_lists), (kinds, family.block_kinds)):
+            for name, value in entries.items():
+                if table.setdefault(name, value) != value:
+                    raise ValueError(f"{family.name} and {said_by[name]} declare {name} "
+                                     "differently")
+                said_by.setdefault(name, family.name)
     return lists, kinds
 
 
