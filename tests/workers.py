@@ -59,12 +59,17 @@ def shares(nodeids: Sequence[str], count: int) -> list[list[int]]:
     return found
 
 
+def worker_index(name: str) -> int:
+    """The index in an xdist worker's name (``gw0``, ``gw1``...), its share's index."""
+    return int(name.removeprefix("gw"))
+
+
 def this_worker() -> tuple[int, int] | None:
     """(index, count) of this xdist worker; None in a pytest process that runs every test."""
     name = os.environ.get("PYTEST_XDIST_WORKER")
     if not name:
         return None
-    return int(name.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    return worker_index(name), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
 
 
 def mine(items: list) -> list:
@@ -90,7 +95,7 @@ def scheduler(config, log):
                 if node in self._started:
                     continue
                 if not pending:
-                    index = int(node.gateway.id.removeprefix("gw"))
+                    index = worker_index(node.gateway.id)
                     pending[:] = shares(self.node2collection[node], self.numnodes)[index]
                 if pending:
                     node.send_runtest_some(list(pending))
