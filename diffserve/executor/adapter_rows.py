@@ -70,6 +70,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import _ConvNd as LoraConv
 from torch import nn
 
+from diffserve.executor.row_index import Rows, selection, take
 from diffserve.protocol import repeated_adapter
 
 Stack = Sequence[tuple[str, float]]
@@ -111,7 +112,7 @@ class _Plan:
             rows, scales = self.groups[name]
             scale = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=device,
                                                                           dtype=dtype)
-            self._tensors[key] = _selection(rows, device), scale
+            self._tensors[key] = selection(rows, device), scale
         return self._tensors[key]
 
     def stack_rows(self, device):
@@ -123,21 +124,8 @@ class _Plan:
                         else self.root.stack_rows(device)[0])
             rows = [i for i, s in enumerate(self.stacks) if s]
             which = torch.tensor([distinct.index(self.stacks[i]) for i in rows], device=device)
-            self._tensors[key] = distinct, _selection(rows, device), which
+            self._tensors[key] = distinct, selection(rows, device), which
         return self._tensors[key]
-
-
-def _selection(rows: list[int] | None, device) -> slice | torch.Tensor:
-    """Rows as a slice where they are contiguous (a view, no copy), else as an index tensor."""
-    if rows is None:
-        return slice(None)
-    if rows == list(range(rows[0], rows[-1] + 1)):
-        return slice(rows[0], rows[-1] + 1)
-    return torch.tensor(rows, device=device)
-
-
-def _take(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
-    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
 def _unit_scale(layer: LoraLayer, name: str) -> float:
@@ -150,7 +138,7 @@ def _per_row(scale, like: torch.Tensor):
     return scale if isinstance(scale, float) else scale.view(-1, *(1,) * (like.dim() - 1))
 
 
-def _add_rows(out: torch.Tensor, rows: slice | torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+def _add_rows(out: torch.Tensor, rows: Rows, delta: torch.Tensor) -> torch.Tensor:
     """``out`` with ``delta`` added to ``rows``: in place, unless autograd may need the original."""
     delta = delta.to(out.dtype)
     if torch.is_grad_enabled():
@@ -319,7 +307,7 @@ class RowAdapters:
             lora_A, lora_B = layer.lora_A[adapter], layer.lora_B[adapter]
             rows, scale = plan.group(adapter, x.device, lora_A.weight.dtype)
             unit = _unit_scale(layer, adapter)
-            part = _take(x, rows).to(lora_A.weight.dtype)
+            part = take(rows, x).to(lora_A.weight.dtype)
             if fused:
                 # Two GEMMs, the second accumulating into the output with the scale as alpha.
                 hidden = part.reshape(-1, part.shape[-1]) @ lora_A.weight.T
@@ -352,7 +340,7 @@ class RowAdapters:
         # Per row from the distinct stacks' (kept per plan; the per-row copies are not: rows x
         # rank x features in every layer would outweigh the adapters themselves).
         A_rows, B_rows = A_all.index_select(0, which), B_all.index_select(0, which)
-        part = _take(x, rows).to(A_rows.dtype)
+        part = take(rows, x).to(A_rows.dtype)
         flat = part.reshape(len(part), -1, part.shape[-1])
         hidden = torch.bmm(flat, A_rows.transpose(1, 2))
         B_rows = B_rows.transpose(1, 2)

@@ -61,6 +61,7 @@ from diffserve.executor.blocks import (
     transformer_blocks,
     wrap_forward,
 )
+from diffserve.executor.row_index import put, selection, take
 
 OFF, FIRST_BLOCK = "off", "first-block"
 MODES = (OFF, FIRST_BLOCK)
@@ -268,7 +269,7 @@ class StepCache:
         self._decide(call, signal)
         if not call.hits:
             return out
-        select = partial(_select, call.miss)
+        select = partial(take, call.miss)
         if residual:  # both streams go on with the rows that miss
             return _with_parts(out, kind, {p: None if v is None else select(v) for p, v in
                                            ((p, _part(out, kind, p)) for p in kind.returns)})
@@ -312,13 +313,13 @@ class StepCache:
             return None
         if computed is None:
             return call.first_encoder
-        return _put(call.first_encoder.clone(), call.miss, computed)
+        return put(call.first_encoder.clone(), call.miss, computed)
 
     def _on_misses(self, call: _Call, kind: BlockKind, block, original, args, kwargs):
         """``block`` on the rows that miss: its batch-wise arguments cut to them (the hidden
         states that came from the block before already are)."""
         args, kwargs = map_rows(block, args, kwargs, call.rows, kind.shared,
-                                partial(_select, call.miss))
+                                partial(take, call.miss))
         if not self._narrowers:
             return original(*args, **kwargs)
         with _entered([narrow(call.miss_list) for narrow in self._narrowers]):
@@ -354,7 +355,7 @@ class StepCache:
                         hit_rows.update(e.offset + r for r in local)
         if hit_rows:
             call.miss_list = [r for r in range(call.rows) if r not in hit_rows]
-            call.miss = _selection(call.miss_list, signal.device)
+            call.miss = selection(call.miss_list, signal.device)
 
     def _rebuilt(self, call: _Call, computed, residual: bool):
         """The tail's hidden output for every row: computed rows as computed, hit rows from
@@ -374,7 +375,7 @@ class StepCache:
             for e, j in call.hits:
                 full[[e.offset + r for r in e.local_rows(j)]] = e.cache.tail[e.local_rows(j)]
         if computed is not None:
-            full = _put(full, call.miss, computed)
+            full = put(full, call.miss, computed)
         return full
 
     def _keep(self, call: _Call, hidden, residual: bool) -> None:
@@ -406,24 +407,6 @@ def _commit(e: Entry, owner: int, signal, tail, computed: list[int]) -> None:
         c.signal[local] = signal[rows][local]
         c.tail[local] = tail[rows][local]
     c.owner = owner
-
-
-def _selection(rows: list[int], device):
-    """Rows as a slice where contiguous (a view), else as an index tensor."""
-    if rows and rows == list(range(rows[0], rows[-1] + 1)):
-        return slice(rows[0], rows[-1] + 1)
-    return torch.tensor(rows, device=device, dtype=torch.long)
-
-
-def _select(rows, tensor):
-    return tensor[rows] if isinstance(rows, slice) else tensor.index_select(0, rows)
-
-
-def _put(full, rows, part):
-    if isinstance(rows, slice):
-        full[rows] = part
-        return full
-    return full.index_copy_(0, rows, part)
 
 
 def _part(out, kind: BlockKind, part: str):
