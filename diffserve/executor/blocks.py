@@ -31,6 +31,22 @@ class BlockKind:
     returns: tuple[str, ...] = (HIDDEN,)  # the output's parts in order; one part: a tensor
     shared: frozenset[str] = frozenset()  # arguments every row shares
 
+    def part(self, out, name: str):
+        """Part ``name`` (HIDDEN, ENCODER) of a block's output ``out``; None where it has none."""
+        if len(self.returns) == 1:
+            return out if name == self.returns[0] else None
+        return out[self.returns.index(name)] if name in self.returns else None
+
+    def with_parts(self, out, parts: dict[str, Any]):
+        """``out`` with the parts named in ``parts`` replaced (the others as they were)."""
+        if len(self.returns) == 1:
+            return parts[self.returns[0]]
+        values = list(out)
+        for name, value in parts.items():
+            if name in self.returns:
+                values[self.returns.index(name)] = value
+        return tuple(values)
+
 
 # The two conventions most transformer blocks follow (a family names its blocks' kinds).
 JOINT = BlockKind(encoder="encoder_hidden_states", returns=(ENCODER, HIDDEN),

@@ -259,20 +259,20 @@ class StepCache:
         call = self._call
         if call is None or not call.tracked:
             return out
-        hidden = _part(out, kind, HIDDEN) if residual else out[0]
+        hidden = kind.part(out, HIDDEN) if residual else out[0]
         signal = hidden - argument(block, args, kwargs, kind.hidden) if residual else hidden
         if call.tokens is not None:
             signal = signal[:, :call.tokens]
         call.owner, call.signal = owner, signal
         call.first_hidden = hidden
-        call.first_encoder = _part(out, kind, ENCODER) if residual else None
+        call.first_encoder = kind.part(out, ENCODER) if residual else None
         self._decide(call, signal)
         if not call.hits:
             return out
         select = partial(take, call.miss)
         if residual:  # both streams go on with the rows that miss
-            return _with_parts(out, kind, {p: None if v is None else select(v) for p, v in
-                                           ((p, _part(out, kind, p)) for p in kind.returns)})
+            return kind.with_parts(out, {p: None if v is None else select(v) for p, v in
+                                         ((p, kind.part(out, p)) for p in kind.returns)})
         return (select(out[0]), *out[1:])  # a UNet's skip connections stay whole
 
     def _middle(self, kind: BlockKind, block, skipped, original, args, kwargs):
@@ -289,20 +289,20 @@ class StepCache:
             return original(*args, **kwargs)
         if not call.hits:
             out = original(*args, **kwargs)
-            self._keep(call, _part(out, kind, HIDDEN) if residual else out, residual)
+            self._keep(call, kind.part(out, HIDDEN) if residual else out, residual)
             return out
         computed = (self._on_misses(call, kind, block, original, args, kwargs)
                     if call.miss_list else None)
         hidden = self._rebuilt(call, None if computed is None else
-                               _part(computed, kind, HIDDEN) if residual else computed, residual)
+                               kind.part(computed, HIDDEN) if residual else computed, residual)
         self._keep(call, hidden, residual)
         if not residual:
             return hidden
         parts = {HIDDEN: hidden}
         if ENCODER in kind.returns:
             parts[ENCODER] = self._encoder(call, block, None if computed is None else
-                                           _part(computed, kind, ENCODER))
-        return _with_parts((None,) * len(kind.returns), kind, parts)
+                                           kind.part(computed, ENCODER))
+        return kind.with_parts((None,) * len(kind.returns), parts)
 
     @staticmethod
     def _encoder(call: _Call, block, computed):
@@ -409,28 +409,12 @@ def _commit(e: Entry, owner: int, signal, tail, computed: list[int]) -> None:
     c.owner = owner
 
 
-def _part(out, kind: BlockKind, part: str):
-    if len(kind.returns) == 1:
-        return out if part == kind.returns[0] else None
-    return out[kind.returns.index(part)] if part in kind.returns else None
-
-
-def _with_parts(out, kind: BlockKind, parts: dict[str, Any]):
-    if len(kind.returns) == 1:
-        return parts[kind.returns[0]]
-    values = list(out)
-    for name, value in parts.items():
-        if name in kind.returns:
-            values[kind.returns.index(name)] = value
-    return tuple(values)
-
-
 def _passthrough(block, kind: BlockKind, args, kwargs):
     """A transformer block every row skips: its inputs (no rows) go on to the next one."""
     parts = {HIDDEN: argument(block, args, kwargs, kind.hidden)}
     if kind.encoder:
         parts[ENCODER] = argument(block, args, kwargs, kind.encoder)
-    return _with_parts((None,) * len(kind.returns), kind, parts)
+    return kind.with_parts((None,) * len(kind.returns), parts)
 
 
 def _skipped(block, kind, args, kwargs):
