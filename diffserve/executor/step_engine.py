@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from diffserve.executor.adapters import AdapterStore
-from diffserve.executor.families.base import Encoded, Family, Prepared, move_state, moved
+from diffserve.executor.families.base import Family, move_state, moved
+from diffserve.executor.families.conditioning import Encoded, Prepared
 from diffserve.executor.planner import Entry, Planner, StepPlan
 from diffserve.executor.results import Outcome, PartialImage, describe, partial_steps
 from diffserve.executor.running_batch import Layout

@@ -18,13 +18,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
 from diffserve.costs import ABOVE_ONE, uses_cfg
 from diffserve.executor.blocks import BlockKind
+from diffserve.executor.families.conditioning import Blend, Conditioning, Encoded, Prepared
 from diffserve.executor.row_scope import RowScope
 from diffserve.tasks import Task
 
@@ -39,105 +39,6 @@ def scheduler_swapped(pipe, scheduler):
         yield pipe
     finally:
         object.__setattr__(pipe, "scheduler", saved)
-
-
-# How a Conditioning field combines across the rows of a forward (its field metadata):
-BATCHED = "batched"  # one row per image; rows are concatenated (the default)
-SHARED = "shared"    # the same value for every row (e.g. text position ids); taken once
-PADDED = "padded"    # rows of different lengths (dim 1): padded with zeros to the longest
-
-
-def shared(default: Any = None) -> Any:
-    return field(default=default, metadata={"rows": SHARED})
-
-
-def padded(default: Any = dataclasses.MISSING) -> Any:
-    """A field whose rows may differ in length (text tokens): padded with zeros when rows of
-    different requests are stacked; a mask field declared the same way gets zeros too, so the
-    padding is masked out."""
-    return field(default=default, metadata={"rows": PADDED})
-
-
-@dataclass
-class Conditioning:
-    """A request's conditioning as its family's denoiser takes it: batch-first tensors. A family
-    declares its own subclass; the engine only repeats, concatenates and slices rows, and the
-    family decides how (override :meth:`cat` where rows need padding)."""
-
-    def _fields(self, *kinds: str) -> list[str]:
-        """The fields combined as one of ``kinds`` that are set (a family may fill some in
-        later)."""
-        return [f.name for f in dataclasses.fields(self)
-                if f.metadata.get("rows", BATCHED) in kinds and getattr(self, f.name) is not None]
-
-    def repeat(self, count: int) -> "Conditioning":
-        """Each row repeated ``count`` times in place (a request's prompt for each of its images)."""
-        return dataclasses.replace(self, **{name: getattr(self, name).repeat_interleave(count, dim=0)
-                                            for name in self._fields(BATCHED, PADDED)})
-
-    def rows(self, start: int, stop: int) -> "Conditioning":
-        return self.select(slice(start, stop))
-
-    def select(self, index) -> "Conditioning":
-        """The rows at ``index`` (a slice, or a tensor of row numbers)."""
-        return dataclasses.replace(self, **{name: getattr(self, name)[index]
-                                            for name in self._fields(BATCHED, PADDED)})
-
-    @classmethod
-    def cat(cls, parts: list["Conditioning"]) -> "Conditioning":
-        import torch
-
-        first = parts[0]
-        joined = {name: torch.cat([getattr(p, name) for p in parts])
-                  for name in first._fields(BATCHED)}
-        for name in first._fields(PADDED):
-            tensors = [getattr(p, name) for p in parts]
-            longest = max(t.shape[1] for t in tensors)
-            joined[name] = torch.cat([torch.nn.functional.pad(
-                t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1])) for t in tensors])
-        return dataclasses.replace(first, **joined)
-
-    @property
-    def dtype(self):
-        return getattr(self, self._fields(BATCHED, PADDED)[0]).dtype
-
-    def prompt_tensors(self) -> dict[str, Any]:
-        """A one-row conditioning's prompt encoding as a rollout returns it, by name
-        (:mod:`diffserve.rollouts`): ``prompt_embeds`` [L, D] without padding, and
-        ``pooled_prompt_embeds`` [D] where the family has them."""
-        raise NotImplementedError(f"{type(self).__name__} does not return its prompt encoding")
-
-
-@dataclass
-class Encoded:
-    """Text conditioning of several prompts, one row each; ``negative`` with classifier-free
-    guidance."""
-
-    positive: Conditioning
-    negative: Conditioning | None = None
-
-
-@dataclass
-class Blend:
-    """Inpainting: outside ``mask`` every step puts back the input's latents at the noise level
-    of the next timestep."""
-
-    mask: Any
-    image_latents: Any
-    noise: Any
-
-
-@dataclass
-class Prepared:
-    """A request's starting point: its schedule, its first latents, and what conditions it (the
-    prompt's, plus anything the family adds per request, such as SDXL's size ids)."""
-
-    timesteps: Any
-    latents: Any
-    positive: Conditioning
-    negative: Conditioning | None
-    step_kwargs: dict[str, Any] = field(default_factory=dict)
-    blend: Blend | None = None
 
 
 def moved(value, device):

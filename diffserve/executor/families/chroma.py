@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.costs import ABOVE_ONE
-from diffserve.executor.families.base import Conditioning, Encoded, shared
+from diffserve.executor.families.conditioning import Conditioning, Encoded, shared
 from diffserve.executor.families.flux import Flux
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from diffserve.costs import NEVER
 from diffserve.executor.blocks import JOINT
-from diffserve.executor.families.base import Conditioning, Encoded, shared
+from diffserve.executor.families.conditioning import Conditioning, Encoded, shared
 from diffserve.executor.families.packed_flow import PackedFlow
 
 # Position ids of the image tokens, per size: cheap to make, but kept for the sizes in use

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from diffserve.costs import ABOVE_ONE, NEVER
-from diffserve.executor.families.base import Conditioning, Encoded, shared
+from diffserve.executor.families.conditioning import Conditioning, Encoded, shared
 from diffserve.executor.families.packed_flow import PackedFlow
 
 # The area (pixels) the pipelines shrink a larger reference image to before encoding it.

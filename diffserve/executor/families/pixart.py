@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.executor.blocks import CROSS
-from diffserve.executor.families.base import Conditioning, Encoded, Family, padded
+from diffserve.executor.families.base import Family
+from diffserve.executor.families.conditioning import Conditioning, Encoded, padded
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.executor.families.base import Encoded
+from diffserve.executor.families.conditioning import Encoded
 from diffserve.executor.families.qwen_image import QwenImage, QwenImageConditioning
 
 VAE_AREA = 1024 * 1024  # the pixels the pipelines encode each input image at

@@ -8,7 +8,7 @@ import inspect
 from typing import Any
 
 from diffserve.executor.blocks import CROSS
-from diffserve.executor.families.base import Encoded
+from diffserve.executor.families.conditioning import Encoded
 from diffserve.executor.families.pixart import MaskedTextConditioning, PixArtSigma
 
 

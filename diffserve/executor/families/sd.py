@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.executor.families.base import Conditioning, Encoded, Family
+from diffserve.executor.families.base import Family
+from diffserve.executor.families.conditioning import Conditioning, Encoded
 
 
 @dataclass

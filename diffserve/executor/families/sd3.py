@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.executor.blocks import JOINT
-from diffserve.executor.families.base import Conditioning, Encoded, Family
+from diffserve.executor.families.base import Family
+from diffserve.executor.families.conditioning import Conditioning, Encoded
 
 
 @dataclass

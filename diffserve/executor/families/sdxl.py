@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.executor.families.base import Conditioning, Encoded
+from diffserve.executor.families.conditioning import Conditioning, Encoded
 from diffserve.executor.families.sd import StableDiffusion
 
 

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from diffserve.executor.blocks import BlockKind
-from diffserve.executor.families.base import Conditioning, Encoded, Family, Prepared, to_uint8
+from diffserve.executor.families.base import Family, to_uint8
+from diffserve.executor.families.conditioning import Conditioning, Encoded, Prepared
 
 
 @dataclass

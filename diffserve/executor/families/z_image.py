@@ -16,7 +16,7 @@ from typing import Any
 
 from diffserve.costs import ABOVE_ZERO
 from diffserve.executor.blocks import BlockKind
-from diffserve.executor.families.base import Conditioning, Encoded, padded
+from diffserve.executor.families.conditioning import Conditioning, Encoded, padded
 from diffserve.executor.families.packed_flow import PackedFlow
 
 SEQUENCE_MULTIPLE = 32  # the transformer pads each stream of a row to a multiple of this
