@@ -38,105 +38,28 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from diffserve.executor.adapters import AdapterStore
 from diffserve.executor.families.base import Family, move_state, moved
-from diffserve.executor.families.conditioning import Encoded, Prepared
+from diffserve.executor.families.conditioning import Encoded
 from diffserve.executor.planner import Entry, Planner, StepPlan
 from diffserve.executor.results import Outcome, PartialImage, describe, partial_steps
 from diffserve.executor.running_batch import Layout
 from diffserve.executor.rollout import Trajectory
+from diffserve.executor.units import StepOutput, Unit, Waiting, batch_key_of
 from diffserve.policies import SetPolicy
 from diffserve.policies.fair import TimeFair
 from diffserve.policies.base import Member
-from diffserve.protocol import STEP_MODE, WorkItem
+from diffserve.protocol import WorkItem
 from diffserve.tasks import REFERENCE
 from diffserve.samples import chunks, generators, group_by, input_arrays, isolate
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Unit:
-    """One work item in the running set: ``k`` images of one request, on its own schedule."""
-
-    item: WorkItem
-    batch_key: tuple  # what must match within one forward: the running set it belongs to
-    scheduler: Any
-    prepared: Prepared
-    cfg: bool
-    partial_at: dict[int, int]
-    admitted_at: float
-    member: Member  # its time since it arrived and its steps, for the choice of set
-    prompt_tokens: int = 0
-    step: int = 0
-    adapters: tuple = ()  # its LoRA stack, in the versions it holds until it leaves
-    trajectory: Trajectory | None = None  # rollouts: the stochastic sampler's record
-    threshold: float = 0.0  # its step cache's threshold (0: never reuse)
-    cache: Any = None  # its images' step caches (diffserve.executor.step_cache), while it runs
-
-    @property
-    def request(self):
-        return self.item.request
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.item.key
-
-    @property
-    def cost(self) -> float:
-        return self.samples * self.request.cost
-
-    @property
-    def finished(self) -> bool:
-        return self.step >= len(self.prepared.timesteps)
-
-    @property
-    def samples(self) -> int:
-        return self.item.samples
-
-    @property
-    def rows(self) -> int:
-        """Rows of the denoiser's batch: with classifier-free guidance, two per sample."""
-        return self.samples * (2 if self.cfg else 1)
-
-
-@dataclass
-class Waiting:
-    """A work item handed to the engine that waits inside it for adapter slots."""
-
-    item: WorkItem
-    frames: list[Any]
-    batch_key: tuple
-    member: Member
-
-
-@dataclass
-class StepOutput:
-    finished: list[Outcome] = field(default_factory=list)
-    partials: list[PartialImage] = field(default_factory=list)
-    samples: int = 0  # samples the forward carried
-    cost: float = 0.0  # and their cost (diffserve.costs)
-    batch_key: tuple | None = None  # of the running set it advanced
-    sets: int = 0  # running sets held after the step
-    seconds: float = 0.0
-    host_seconds: float = 0.0  # of ``seconds``, outside the denoiser and the VAE
-    cache_hits: int = 0  # rows of the forward that reused their step cache
-    cache_misses: int = 0  # and rows that computed every block
-    cache_bytes: int | None = None  # held by the step caches after the step (None: none run)
-    progress: list[tuple[str, int, int]] = field(default_factory=list)  # (id, done, total)
-
-
 def _request_id(unit: Unit) -> str:
     return unit.request.request_id
-
-
-def batch_key_of(item: WorkItem) -> tuple:
-    """The item's running set: the key the queue computed, else (an item that did not come
-    through the scheduler's queue) computed here, once."""
-    return item.batch_key or item.request.batch_key(STEP_MODE)
 
 
 class StepEngine:
