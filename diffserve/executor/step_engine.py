@@ -13,7 +13,8 @@ executed, as an LLM engine core schedules and then runs a step:
   of every request whose schedule has ended.
 
 :meth:`StepEngine.admit` adds requests between two steps: their prompts are encoded together and
-each gets its own copy of the noise scheduler and its own generators, so a request's images
+each gets its own copy of the noise scheduler and its own generators
+(:mod:`diffserve.executor.unit_builder`), so a request's images
 depend on nothing but its own fields. What a scheduler needs (input scaling, its own noise) is
 asked of the scheduler itself, never of the family.
 
@@ -44,16 +45,15 @@ from diffserve.executor.adapters import AdapterStore
 from diffserve.executor.families.base import Family, move_state, moved
 from diffserve.executor.families.conditioning import Encoded
 from diffserve.executor.planner import Entry, Planner, StepPlan
-from diffserve.executor.results import Outcome, PartialImage, describe, partial_steps
+from diffserve.executor.results import Outcome, PartialImage, describe
 from diffserve.executor.running_batch import Layout
-from diffserve.executor.rollout import Trajectory
+from diffserve.executor.unit_builder import UnitBuilder
 from diffserve.executor.units import StepOutput, Unit, Waiting, batch_key_of
 from diffserve.policies import SetPolicy
 from diffserve.policies.fair import TimeFair
 from diffserve.policies.base import Member
 from diffserve.protocol import WorkItem
-from diffserve.tasks import REFERENCE
-from diffserve.samples import chunks, generators, group_by, input_arrays, isolate
+from diffserve.samples import chunks, group_by, isolate
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,6 @@ class StepEngine:
         :class:`~diffserve.executor.step_cache.StepCache` over the family's denoisers, and the
         threshold of requests that name none."""
         self.family = family
-        self.count_tokens = count_tokens
         self.clock = clock
         self.adapters = adapters
         self.planner = Planner(policy or TimeFair())
@@ -81,7 +80,7 @@ class StepEngine:
         self._cancelled: set[str] = set()
         self._pausing: set[tuple[str, int]] = set()
         self.step_cache = step_cache
-        self.cache_threshold = cache_threshold
+        self.builder = UnitBuilder(family, count_tokens, self._rows, step_cache, cache_threshold)
         self._layouts: dict[tuple, Layout] = {}  # per running set, while its members stay
         self._inner_s = 0.0  # this step's time in the denoiser and the VAE
         if adapters is not None:
@@ -139,8 +138,8 @@ class StepEngine:
                 try:
                     if isinstance(enc, Exception):
                         raise enc
-                    self.units.append(self._unit(item, frames, enc, start, stack,
-                                                 arrived[item.request.request_id]))
+                    self.units.append(self.builder.unit(item, frames, enc, start, stack,
+                                                        arrived[item.request.request_id]))
                 except Exception as error:  # noqa: BLE001 - only this request fails
                     log.warning("could not admit %s: %s", item.request.request_id, error)
                     self._release(stack)
@@ -148,8 +147,8 @@ class StepEngine:
         return failed
 
     def _encode_pairs(self, pairs: list) -> list[Encoded]:
-        return self._encode([item for (item, _), _ in pairs], [stack for _, stack in pairs],
-                            [frames for (_, frames), _ in pairs])
+        return self.builder.encode([item for (item, _), _ in pairs], [stack for _, stack in pairs],
+                                   [frames for (_, frames), _ in pairs])
 
     def _acquire(self, item: WorkItem):
         """The item's adapter stack (held from now on), () without adapters, None to wait."""
@@ -169,54 +168,6 @@ class StepEngine:
         if self.adapters is None or not any(stacks):
             return nullcontext()
         return self.adapters.rows.rows(stacks)
-
-    def _encode(self, items: list[WorkItem], stacks: list, frames: list[list[Any]]) -> list[Encoded]:
-        """Every item's text conditioning (one row per image), in one encoder call per group:
-        the requests with a negative prompt, and the rest (which some families encode
-        differently). Each prompt row is encoded with its own request's adapters (and, where the
-        family's text encoder sees them, its reference images)."""
-        fam = self.family
-        cfg = [fam.uses_cfg(i.request.guidance_scale, i.request.negative_prompt) for i in items]
-        negative = lambda i: cfg[i] and bool(items[i].request.negative_prompt)  # noqa: E731
-        seen = ([input_arrays(item.request, f).get(REFERENCE.name) for item, f in zip(items, frames)]
-                if fam.encodes_references else None)
-        encoded: list[Encoded | None] = [None] * len(items)
-        for with_negative, group in group_by(range(len(items)), negative).items():
-            extra = {"references": [seen[i] for i in group]} if seen is not None else {}
-            with self._rows([stacks[i] for i in group]):
-                both = fam.encode([items[i].request.prompt for i in group],
-                                  [items[i].request.negative_prompt for i in group] if with_negative
-                                  else None, any(cfg[i] for i in group), **extra)
-            for row, i in enumerate(group):
-                k = items[i].samples
-                encoded[i] = Encoded(both.positive.rows(row, row + 1).repeat(k),
-                                     both.negative.rows(row, row + 1).repeat(k) if cfg[i] else None)
-        return encoded
-
-    def _unit(self, item: WorkItem, frames: list[Any], encoded: Encoded, start: float,
-              stack: tuple, arrived: float) -> Unit:
-        fam, r = self.family, item.request
-        scheduler = fam.new_scheduler(r.scheduler)
-        gens = generators(r, item.start, item.stop)
-        prepared = fam.prepare(r.task_spec, scheduler, r.num_inference_steps, r.strength, r.width,
-                               r.height, gens, encoded, input_arrays(r, frames),
-                               frames=r.num_frames)
-        # A rollout's noise comes from the same generators, after its first latents'.
-        trajectory = Trajectory(r.noise_level, gens) if r.task_spec.trajectory else None
-        threshold = self._threshold(r)
-        return Unit(item, batch_key_of(item), scheduler, prepared, prepared.negative is not None,
-                    partial_steps(r.partial_images, len(prepared.timesteps)), start,
-                    Member(arrived, len(prepared.timesteps)),
-                    self.count_tokens(r.prompt), adapters=stack, trajectory=trajectory,
-                    threshold=threshold,
-                    cache=self.step_cache.unit(item.samples) if threshold > 0 else None)
-
-    def _threshold(self, r) -> float:
-        """The request's step-cache threshold: its own, else the server's. 0 without a step
-        cache, and for rollouts, whose log-probabilities are of the model's own predictions."""
-        if self.step_cache is None or r.task_spec.trajectory:
-            return 0.0
-        return self.cache_threshold if r.cache_threshold is None else r.cache_threshold
 
     def _resume(self, item: WorkItem) -> None:
         """A paused item back into its running set, where it continues from the step it left
