@@ -19,6 +19,11 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Callable
 
+# A denoiser class -> the attributes holding its block lists; a block class -> its kind. The
+# families declare them (diffserve.executor.families.block_tables): they reach this module as
+# arguments, so that nothing here imports the families, which import this module.
+BlockTables = tuple[dict[str, tuple[str, ...]], dict[str, "BlockKind"]]
+
 HIDDEN, ENCODER = "hidden", "encoder"
 
 
@@ -54,17 +59,7 @@ JOINT = BlockKind(encoder="encoder_hidden_states", returns=(ENCODER, HIDDEN),
 CROSS = BlockKind(shared=frozenset({"cross_attention_kwargs", "height", "width"}))
 
 
-@cache
-def known() -> tuple[dict[str, tuple[str, ...]], dict[str, BlockKind]]:
-    """Every family's block lists (denoiser class -> its lists in call order) and block kinds
-    (block class -> how it is called): the families declare them (``Family.block_lists``,
-    ``Family.block_kinds``)."""
-    from diffserve.executor.families import FAMILIES
-
-    return declared(FAMILIES)
-
-
-def declared(families) -> tuple[dict[str, tuple[str, ...]], dict[str, BlockKind]]:
+def declared(families) -> BlockTables:
     """The union of ``families``' block tables. Families share classes (a subclass inherits its
     parent's tables; PixArt and a UNet both use BasicTransformerBlock); two that say different
     things of one class are a mistake, refused here rather than decided by registry order."""
@@ -81,11 +76,11 @@ def declared(families) -> tuple[dict[str, tuple[str, ...]], dict[str, BlockKind]
     return lists, kinds
 
 
-def transformer_blocks(denoiser) -> list[tuple[Any, BlockKind]]:
-    """The transformer's blocks in call order with their kinds; ValueError where it is not one
-    this module knows."""
+def transformer_blocks(denoiser, tables: BlockTables) -> list[tuple[Any, BlockKind]]:
+    """The transformer's blocks in call order with their kinds, by ``tables``; ValueError where
+    it is not one they know."""
     name = type(denoiser).__name__
-    block_lists, block_kinds = known()
+    block_lists, block_kinds = tables
     if name not in block_lists:
         raise ValueError(f"{name} is not a denoiser whose blocks the server knows (it knows "
                          f"{', '.join(sorted(block_lists))} and UNet2DConditionModel)")

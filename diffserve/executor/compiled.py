@@ -26,11 +26,11 @@ from diffserve.executor.blocks import (
     CROSS,
     BlockKind,
     is_unet,
-    known,
     map_rows,
     rows_of,
     wrap_forward,
 )
+from diffserve.executor.families import block_tables
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class CompiledBlocks:
         self._wrapped = []
         self._seen = self._start = graphs_compiled()
         for denoiser in denoisers:
-            kinds = UNET_BLOCKS if is_unet(denoiser) else known()[1]
+            kinds = UNET_BLOCKS if is_unet(denoiser) else block_tables()[1]
             for module in denoiser.modules():
                 kind = kinds.get(type(module).__name__)
                 if kind is None:

@@ -61,6 +61,7 @@ from diffserve.executor.blocks import (
     transformer_blocks,
     wrap_forward,
 )
+from diffserve.executor.families import block_tables
 from diffserve.executor.row_index import put, selection, take
 
 OFF, FIRST_BLOCK = "off", "first-block"
@@ -218,7 +219,7 @@ class StepCache:
 
     def _install_transformer(self, denoiser) -> None:
         try:
-            blocks = transformer_blocks(denoiser)
+            blocks = transformer_blocks(denoiser, block_tables())
         except ValueError as error:
             raise UnsupportedCache(f"--step-cache: {error}") from None
         if len(blocks) < 2:

@@ -7,12 +7,12 @@ from typing import ClassVar
 
 import pytest
 
-from diffserve.executor.blocks import CROSS, JOINT, BlockKind, declared, known
-from diffserve.executor.families import FAMILIES
+from diffserve.executor.blocks import CROSS, JOINT, BlockKind, declared
+from diffserve.executor.families import FAMILIES, block_tables
 
 
 def test_the_families_tables_are_one_union_whatever_the_registry_order():
-    lists, kinds = known()
+    lists, kinds = block_tables()
     assert lists["FluxTransformer2DModel"] == ("transformer_blocks", "single_transformer_blocks")
     assert kinds["SanaTransformerBlock"] == CROSS and kinds["JointTransformerBlock"] == JOINT
     assert (lists, kinds) == declared(FAMILIES[::-1])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from functools import cache
+
+from diffserve.executor.blocks import BlockTables, declared
 from diffserve.executor.families.base import Family
 from diffserve.executor.families.chroma import Chroma
 from diffserve.executor.families.flux import Flux
@@ -51,3 +54,11 @@ def family_named(name: str) -> type[Family] | None:
 
 def supported_pipelines() -> list[str]:
     return [name for family in FAMILIES for name in family.pipelines]
+
+
+@cache
+def block_tables() -> BlockTables:
+    """Every family's block lists (denoiser class -> its lists in call order) and block kinds
+    (block class -> how it is called), as the families declare them (``Family.block_lists``,
+    ``Family.block_kinds``), for the step cache and --compile."""
+    return declared(FAMILIES)

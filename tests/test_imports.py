@@ -1,0 +1,90 @@
+"""No import circles in the package: no module imports, at any depth (imports inside functions
+count), a module that imports it back. A circle works only as long as every import in it stays
+where it is; one moved to the top of a file breaks the import of the whole package."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import diffserve
+
+ROOT = Path(diffserve.__file__).parent
+
+
+def module_name(path: Path, root: Path = ROOT.parent) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its file: ``import a.b`` and
+    ``from a.b import c`` name ``a.b``, or ``a.b.c`` where that is a module."""
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    found.add(sub if sub in modules else base)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each strongly connected group of modules (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_the_finder_sees_a_circle_through_an_import_inside_a_function(tmp_path):
+    package = tmp_path / "diffserve"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from diffserve import b\n")
+    (package / "b.py").write_text("def f():\n    from diffserve.a import x\n")
+    modules = {module_name(p, tmp_path): p for p in package.rglob("*.py")}
+    assert circles(imports(modules)) == [["diffserve.a", "diffserve.b"]]
+
+
+def test_the_package_has_no_import_circles():
+    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
+    assert len(modules) > 100
+    assert circles(imports(modules)) == []
