@@ -272,7 +272,7 @@ class ModelInfo:
     device: str
     dtype: str
     batching_mode: str
-    tasks: list[str]  # names in diffserve.tasks.TASKS
+    tasks: list[str]  # names in diffserve.tasks.TASKS: the tasks served
     partial_images: bool  # whether streamed previews are real intermediate decodes
     family: str | None = None  # the step engine's family, where it knows the pipeline
     # When classifier-free guidance runs (diffserve.costs.GUIDANCE_RULES): the frontend prices
@@ -291,6 +291,13 @@ class ModelInfo:
     fps: int = 0
     guidance_scale_2: bool = False  # a two-expert model takes guidance_scale_2
     step_cache: bool = False  # the engine runs a step cache (requests may set cache_threshold)
+    # Each task's batching mode (a task the step engine gets wrong runs in request mode), and the
+    # tasks the model has but cannot serve, with why (their plain pipeline fails on it).
+    task_modes: dict[str, str] = field(default_factory=dict)
+    unavailable_tasks: dict[str, str] = field(default_factory=dict)
+
+    def mode_of(self, task: str) -> str:
+        return self.task_modes.get(task, self.batching_mode)
 
 
 @dataclass(frozen=True)

@@ -83,3 +83,24 @@ def own_server(request):
     yield srv
     if srv.proc.poll() is None:
         STOPPING.stop(srv)
+
+
+@pytest.fixture(scope="session")
+def sd3_four_channels():
+    """SD3's architecture with 4-channel latents: every task runs but inpainting, which diffusers'
+    SD3 inpainting pipeline refuses ("should have 16 input channels or 33 input channels").
+    Built once per session beside the embedded models."""
+    from diffserve.models.embedded import cache_root
+    from diffserve.models.tiny import sd3
+
+    directory = cache_root() / "test-models" / "sd3-four-channels"
+    if not (directory / "model_index.json").exists():
+        staging = directory.with_name(f"{directory.name}.{os.getpid()}")
+        sd3.build(staging, latent_channels=4)
+        try:
+            staging.rename(directory)
+        except OSError:  # the other worker built it meanwhile
+            import shutil
+
+            shutil.rmtree(staging)
+    return directory

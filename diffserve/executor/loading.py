@@ -136,9 +136,12 @@ def resolve_mode(requested: str, family: type | None, pipeline_class: str) -> st
 
 
 def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: type | None,
-               tasks: list[str], adapters: list[str] | None = None) -> ModelInfo:
+               tasks: list[str], adapters: list[str] | None = None,
+               task_modes: dict[str, str] | None = None,
+               unavailable: dict[str, str] | None = None) -> ModelInfo:
     """What the frontend validates against and the scheduler admits by; ``family``: the step
-    engine's family class, if any."""
+    engine's family class, if any; ``task_modes``: each task's batching mode (default: ``mode``
+    for all); ``unavailable``: tasks the model has but cannot serve, with why."""
     pipe, d = loaded.pipe, loaded.defaults
     call_defaults = {k: p.default for k, p in inspect.signature(pipe.__call__).parameters.items()}
     scale = int(getattr(pipe, "vae_scale_factor", None)
@@ -172,6 +175,8 @@ def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: typ
         default_guidance_scale=guidance,
         supports_negative_prompt="negative_prompt" in loaded.accepts,
         device=loaded.device, dtype=loaded.dtype, batching_mode=mode, tasks=tasks,
+        task_modes=task_modes or {task: mode for task in tasks},
+        unavailable_tasks=unavailable or {},
         partial_images=family is not None and not video["num_frames"],
         family=family.name if family else None, **video,
         max_edit_images=(family.max_references if family and EDIT.name in tasks else

@@ -110,21 +110,25 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
     """Load the model, pick the engine, say READY; the loop that serves it."""
     from diffserve.executor.loading import leave_out_unused_libraries
     from diffserve.executor.runtime import build_runtime
-    from diffserve.protocol import STEP_MODE
+    from diffserve.protocol import REQUEST_MODE, STEP_MODE
 
     leave_out_unused_libraries(spec.config.serves_adapters, spec.config.quantization)
     rt = build_runtime(spec.config, spec.device, spec.torch_threads, spec.index,
                        io.count_adapter_event)
     freeze_heap()
     if rt.mode == STEP_MODE:
-        loop = StepLoop(rt.step_engine(), io, rt.adapters)
+        # Tasks the start-up check sent to request mode run as whole calls between two steps.
+        calls = {task for task, mode in rt.task_modes.items() if mode == REQUEST_MODE}
+        loop = StepLoop(rt.step_engine(), io, rt.adapters,
+                        RequestLoop(rt.request_runner, io, rt.adapters, nested=True)
+                        if calls else None, calls)
     else:
         loop = RequestLoop(rt.request_runner, io, rt.adapters)
     io.watch_compiles(rt.compiled)
     info = rt.info
     log.info("loaded %s (%s) on %s/%s, native %dx%d, %s mode, tasks: %s", spec.config.model,
              info.pipeline_class, info.device, info.dtype, info.width, info.height, rt.mode,
-             ", ".join(info.tasks))
+             ", ".join(f"{task} ({mode})" for task, mode in info.task_modes.items()))
     io.sock.send_multipart(encode(Kind.READY, info))
     return loop
 
@@ -170,12 +174,14 @@ ADAPTER_KINDS = (Kind.ADAPTER, Kind.ADAPTER_SYNC)
 class RequestLoop:
     """One work message at a time, one pipeline call each."""
 
-    def __init__(self, make_runner, io: EngineIO, adapters=None) -> None:
+    def __init__(self, make_runner, io: EngineIO, adapters=None, nested: bool = False) -> None:
         """``make_runner(should_interrupt, emit_partial, emit_progress)`` builds the request
-        runner."""
+        runner. ``nested``: the calls of a step loop's request-mode tasks, whose cancels (which
+        may concern its running sets too) also wait for that loop."""
         self.io = io
         self.adapters = adapters
         self.runner = make_runner(self._should_interrupt, io.send_partial, io.send_progress)
+        self.nested = nested
         self.running: set[str] = set()
         self.cancelled: set[str] = set()  # only ids of requests running or waiting here
         self.pending: deque[tuple[Kind, Any, list[Any]]] = deque()  # messages for the loop
@@ -192,7 +198,7 @@ class RequestLoop:
             elif kind is Kind.CANCEL:
                 self._cancel(msg.request_ids)
             elif kind is Kind.WORK:
-                self._execute(msg, frames)
+                self.execute(msg, frames)
             elif kind in ADAPTER_KINDS:  # between calls: no call ever sees an adapter change
                 apply_adapter_message(self.adapters, self.io, kind, msg)
             else:
@@ -204,7 +210,8 @@ class RequestLoop:
                    for item in msg.items}
         self.cancelled.update(set(request_ids) & (self.running | waiting))
 
-    def _execute(self, work: Work, frames: list[Any]) -> None:
+    def execute(self, work: Work, frames: list[Any]) -> None:
+        """One pipeline call over the work's items, answered."""
         self.running = {item.request.request_id for item in work.items}
         start = time.perf_counter()
         try:
@@ -226,24 +233,36 @@ class RequestLoop:
         while (message := self.io.receive(block=False)) is not None:
             if message[0] is Kind.CANCEL:
                 self._cancel(message[1].request_ids)
-            else:
-                self.pending.append(message)
+                if not self.nested:
+                    continue
+            self.pending.append(message)
         return self.running <= self.cancelled
 
 
 class StepLoop:
-    """The running set: admit and drop between steps, one step at a time."""
+    """The running sets: admit and drop between steps, one step at a time. Work of the tasks in
+    ``call_tasks`` (the start-up check sent them to request mode) runs as one pipeline call of
+    ``calls`` between two steps."""
 
-    def __init__(self, engine, io: EngineIO, adapters=None) -> None:
+    def __init__(self, engine, io: EngineIO, adapters=None, calls: RequestLoop | None = None,
+                 call_tasks: set[str] = frozenset()) -> None:
         self.engine = engine
         self.io = io
         self.adapters = adapters
+        self.calls = calls
+        self.call_tasks = call_tasks
         self.stopping = False
+
+    def _receive(self, block: bool):
+        """The next message: first those that arrived during a request-mode call."""
+        if self.calls is not None and self.calls.pending:
+            return self.calls.pending.popleft()
+        return self.io.receive(block=block)
 
     def run(self) -> None:
         while not self.stopping:
             work = []
-            message = self.io.receive(block=not self.engine)  # an empty set sleeps until work comes
+            message = self._receive(block=not self.engine)  # an empty set sleeps until work comes
             while message is not None:
                 kind, msg, frames = message
                 if kind is Kind.SHUTDOWN:
@@ -251,22 +270,17 @@ class StepLoop:
                 elif kind is Kind.CANCEL:
                     self.engine.cancel(msg.request_ids)
                 elif kind is Kind.PAUSE:  # before the work it makes room for, which follows it
-                    if work:
-                        self._admit(work)
-                        work = []
+                    work = self._admit(work)
                     self.engine.pause(msg.items)
                 elif kind is Kind.WORK:
                     work.append((msg, frames))
                 elif kind in ADAPTER_KINDS:  # between steps, before the work that came after
-                    if work:
-                        self._admit(work)
-                        work = []
+                    work = self._admit(work)
                     apply_adapter_message(self.adapters, self.io, kind, msg)
-                message = self.io.receive(block=False)
+                message = self._receive(block=False)
             if self.stopping:
                 break
-            if work:
-                self._admit(work)
+            self._admit(work)
             if self.engine:
                 try:
                     out = self.engine.step()
@@ -285,7 +299,23 @@ class StepLoop:
                 if out.finished:
                     self.io.count_resident(self.adapters)
 
-    def _admit(self, work: list[tuple[Work, list[Any]]]) -> None:
+    def _admit(self, work: list[tuple[Work, list[Any]]]) -> list:
+        """Admit the step engine's work and run the request-mode calls, in arrival order of
+        each; returns the work still to do (none)."""
+        if not work:
+            return []
+        calls, joins = [], []
+        for msg, frames in work:  # a work message holds one batch key, so one task mode
+            is_call = bool(msg.items) and msg.items[0].request.task in self.call_tasks
+            (calls if is_call else joins).append((msg, frames))
+        self._join(joins)
+        for msg, frames in calls:
+            self.calls.execute(msg, frames)
+        return []
+
+    def _join(self, work: list[tuple[Work, list[Any]]]) -> None:
+        if not work:
+            return
         items, inputs, malformed = [], [], []
         for msg, frames in work:
             try:

@@ -58,8 +58,11 @@ class PartialImage:
     image: np.ndarray
 
 
+FAILURE = "image generation failed: "  # how a request's error answer begins
+
+
 def describe(error: BaseException) -> str:
-    return f"image generation failed: {type(error).__name__}: {error}"
+    return f"{FAILURE}{type(error).__name__}: {error}"
 
 
 def partial_steps(partial_images: int, steps: int) -> dict[int, int]:

@@ -24,6 +24,7 @@ from diffserve.executor.loading import (
 )
 from diffserve.models.registry import resolve_model
 from diffserve.protocol import REQUEST_MODE, STEP_MODE, ModelInfo
+from diffserve.tasks import TASKS
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +33,32 @@ log = logging.getLogger(__name__)
 class Runtime:
     loaded: LoadedModel
     family: Any  # the step engine's family (an instance), None where it does not know the pipeline
-    pipelines: dict[str, Any]  # task name -> its pipeline
-    mode: str  # the batching mode it serves in
+    pipelines: dict[str, Any]  # task name -> its pipeline, for every task served
+    mode: str  # the executor's mode: step where any task runs in the step engine
     info: ModelInfo
     adapters: Any  # the AdapterStore, None where the server serves no adapters
     count_tokens: Callable[[str], int]
     config: ServerConfig
     step_cache: Any = None  # over the family's denoisers, where --step-cache runs
     compiled: Any = None  # the denoisers' compiled blocks, where --compile runs
+    # What the start-up checks decided, per task (diffserve.executor.self_check): the tasks
+    # served in request mode although the executor runs the step engine, and the tasks not
+    # served at all; each with why.
+    fallback: dict[str, str] = dataclasses.field(default_factory=dict)
+    unavailable: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def task_modes(self) -> dict[str, str]:
+        """The batching mode of each task served."""
+        return {task: REQUEST_MODE if self.mode == REQUEST_MODE or task in self.fallback
+                else STEP_MODE for task in self.pipelines}
+
+    def describe(self) -> ModelInfo:
+        """The model info of what is served now."""
+        return model_info(self.loaded, self.config, self.mode, type(self.family) if self.family
+                          else None, list(self.pipelines),
+                          list(self.adapters.current) if self.adapters else [],
+                          self.task_modes, self.unavailable)
 
     def step_engine(self, **kwargs):
         """A step engine over this model, with the configured set policy."""
@@ -62,7 +81,7 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
                   index: int = 0, on_adapter_event=lambda event, **kw: None) -> Runtime:
     """The model of ``config`` on ``device`` (default ``config.device``), ready to serve.
     Raises where it cannot serve as configured (an unknown family with --batching-mode step,
-    an adapter that does not load)."""
+    an adapter that does not load, no task that can be served)."""
     from diffserve.executor.families import family_for
 
     loaded = load_model(config.model, device or config.device, config.dtype, torch_threads, index,
@@ -73,18 +92,16 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
     family = family_cls(loaded.pipe, pipelines, loaded.call_kwargs) if family_cls else None
     adapters = load_adapters(loaded.pipe, config, on_adapter_event)
     compiled = compiled_for(config, loaded, family)  # before the step cache wraps the blocks
-    describe = lambda mode: model_info(  # noqa: E731
-        loaded, config, mode, family_cls, list(pipelines), list(adapters.current) if adapters else [])
-    rt = Runtime(loaded, family, pipelines, mode, describe(mode), adapters,
-                 token_counter(loaded.pipe), config, step_cache_for(config, family, mode),
-                 compiled)
+    rt = Runtime(loaded, family, pipelines, mode, None, adapters, token_counter(loaded.pipe),
+                 config, step_cache_for(config, family, mode), compiled)
+    rt.info = rt.describe()
     if not config.skip_startup_check:
-        _check(rt, config, describe)
+        _check(rt, config)
     warm_up(rt)
     return rt
 
 
-def _check(rt: Runtime, config: ServerConfig, describe: Callable[[str], ModelInfo]) -> None:
+def _check(rt: Runtime, config: ServerConfig) -> None:
     """The start-up checks (:mod:`~diffserve.executor.self_check`), or their verdict from an
     earlier start of the same model and code (:mod:`~diffserve.executor.check_verdicts`)."""
     import torch
@@ -99,28 +116,60 @@ def _check(rt: Runtime, config: ServerConfig, describe: Callable[[str], ModelInf
     if verdict is not None:
         log.info("start-up checks: the verdict of an earlier start of this model and code")
     else:
-        verdict = {"step": self_check.check(rt) if rt.mode == STEP_MODE else None}
-    why = verdict["step"]
-    if why is not None:
-        if config.batching_mode == STEP_MODE:
-            raise UnsupportedMode(f"--batching-mode step: on this model the step engine does "
-                                  f"not match the plain pipeline ({why}); use "
-                                  "--batching-mode request (or auto)")
-        log.warning("serving in request mode: the start-up check found that on this model "
-                    "the step engine does not match the plain pipeline (%s)", why)
-        rt.mode, rt.info = REQUEST_MODE, describe(REQUEST_MODE)
-        if rt.step_cache is not None:
-            log.warning("--step-cache runs in step mode only: serving without it")
-            rt.step_cache.close()
-            rt.step_cache = None
+        found = self_check.check(rt)
+        verdict = {"unavailable": found.unavailable, "fallback": found.fallback}
+    apply_verdicts(rt, config, verdict["unavailable"], verdict["fallback"])
     if rt.info.schedulers:
         if "samplers" not in verdict:
-            verdict["samplers"] = self_check.samplers(rt, rt.info.schedulers)
+            task = self_check.checked_tasks(rt)[0]
+            verdict["samplers"] = self_check.samplers(rt, rt.info.schedulers, task,
+                                                      rt.task_modes[task] == STEP_MODE)
         working, failing = verdict["samplers"]
         for name, reason in failing.items():
             log.info("sampler %s is not offered: %s", name, reason)
         rt.info = dataclasses.replace(rt.info, schedulers=list(working))
     check_verdicts.remember(key, verdict)
+
+
+def apply_verdicts(rt: Runtime, config: ServerConfig, unavailable: dict[str, str],
+                   fallback: dict[str, str]) -> None:
+    """Serve what the checks allow: a task whose plain pipeline fails is not offered; a task the
+    step engine gets wrong runs in request mode, the others keep step mode. Rollouts sample on
+    the step engine's generation, so they go where generation cannot run in it. Raises where
+    nothing can be served, or where --batching-mode step finds no task for the step engine."""
+    from diffserve.tasks import GENERATE
+
+    unavailable, fallback = dict(unavailable), dict(fallback)
+    for task in [t for t in rt.pipelines if TASKS[t].trajectory]:
+        why = unavailable.get(GENERATE.name) or fallback.get(GENERATE.name)
+        if why is not None:
+            unavailable[task] = f"rollouts sample on the step engine's generation, and {why}"
+    checked = [t for t in rt.pipelines if not TASKS[t].trajectory]
+    if checked and all(t in unavailable for t in checked):
+        raise RuntimeError("no task of this model can be served: " + _reasons(unavailable))
+    for task, why in unavailable.items():
+        log.warning("task %s is not served: %s", task, why)
+        rt.pipelines.pop(task, None)
+    rt.unavailable, rt.fallback = unavailable, {t: w for t, w in fallback.items()
+                                                if t in rt.pipelines}
+    if rt.mode == STEP_MODE and all(t in rt.fallback for t in checked if t in rt.pipelines):
+        if config.batching_mode == STEP_MODE:
+            raise UnsupportedMode("--batching-mode step: on this model the step engine can serve "
+                                  f"no task ({_reasons({**rt.fallback, **unavailable})}); use "
+                                  "--batching-mode request (or auto)")
+        rt.mode = REQUEST_MODE
+        if rt.step_cache is not None:
+            log.warning("--step-cache runs in step mode only: serving without it")
+            rt.step_cache.close()
+            rt.step_cache = None
+    for task, why in rt.fallback.items():
+        log.warning("serving %s in request mode: the start-up check found that on this model "
+                    "the step engine does not match the plain pipeline (%s)", task, why)
+    rt.info = rt.describe()
+
+
+def _reasons(why: dict[str, str]) -> str:
+    return "; ".join(f"{task}: {reason}" for task, reason in why.items())
 
 
 def load_adapters(pipe, config: ServerConfig, on_event):

@@ -1,20 +1,26 @@
-"""The start-up checks on the loaded model, before any client is served.
+"""The start-up checks on the loaded model, before any client is served. Each decides per task.
 
-- **The step engine**: for every task the model serves (rollouts aside, which no pipeline call
-  samples), one two-step request at a small size through the step engine and through the plain
-  pipeline (request mode's one call), compared within 2/255. A family or scheduler the step
-  engine gets wrong (a swapped scheduler it does not handle, a pipeline version that changed a
-  helper) shows here.
-- **The samplers** a request may pick: each offered one runs a two-step request, so that the
+- **The plain pipeline** of every task the model has (rollouts aside, which no pipeline call
+  samples) runs one two-step request at a small size. A task whose pipeline cannot run on this
+  model (diffusers' SD3 inpainting refuses a 4-channel transformer, say) is not offered: it says
+  nothing about the engines, the task simply cannot be served. This runs in both batching modes.
+- **The step engine**, in step mode, runs the same requests together and each image is compared
+  with the plain pipeline's within 2/255. A task whose image differs (or whose stage raises)
+  falls back to request mode alone; the other tasks keep the step engine. A family or scheduler
+  the step engine gets wrong (a swapped scheduler it does not handle, a pipeline version that
+  changed a helper) shows here.
+- **The samplers** a request may pick: each offered one runs a short request, so that the
   model lists only those that work on it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from diffserve.executor.results import FAILURE
 from diffserve.protocol import STEP_MODE, ImageRequest, Work, WorkItem
 from diffserve.tasks import TASKS
 
@@ -26,35 +32,66 @@ STEPS = 2
 SAMPLER_STEPS = 4  # PNDM, for one, cannot take fewer (in diffusers itself)
 
 
-def check(rt) -> str | None:
-    """What differs between the step engine and the plain pipeline on ``rt``'s model (the first
-    task that does, and how), or None."""
-    requests = [_request(rt, name) for name in rt.pipelines if not TASKS[name].trajectory]
-    for request, (stepped, plain) in zip(requests, _run(rt, requests, step=True)):
-        for what, o in (("the step engine", stepped), ("the plain pipeline", plain)):
-            if o.error:
-                return f"{request.task}: {what} failed: {o.error}"
-        diff = _diff(stepped, plain)
-        if diff > TOLERANCE:
-            return (f"{request.task}: the step engine's image differs from the plain pipeline's "
-                    f"by {diff}/255 (at most {TOLERANCE} expected)")
+@dataclass
+class TaskVerdicts:
+    """What the checks found, per task: ``unavailable``, the tasks whose plain pipeline cannot
+    run on the model (not offered); ``fallback``, the tasks the step engine gets wrong (served
+    in request mode). Each maps the task to why."""
+
+    unavailable: dict[str, str] = field(default_factory=dict)
+    fallback: dict[str, str] = field(default_factory=dict)
+
+
+def checked_tasks(rt) -> list[str]:
+    """The tasks a pipeline call can check (every one but rollouts)."""
+    return [name for name in rt.pipelines if not TASKS[name].trajectory]
+
+
+def check(rt) -> TaskVerdicts:
+    """Each task's plain pipeline on ``rt``'s model and, in step mode, the step engine against
+    it."""
+    verdicts = TaskVerdicts()
+    requests = {name: _request(rt, name) for name in checked_tasks(rt)}
+    plain = {name: _plain(rt, request) for name, request in requests.items()}
+    for name, outcome in plain.items():
+        if outcome.error:
+            verdicts.unavailable[name] = f"its plain pipeline failed: {_cause(outcome)}"
+    if rt.mode != STEP_MODE:
+        return verdicts
+    served = [request for name, request in requests.items() if name not in verdicts.unavailable]
+    for request, stepped in zip(served, _stepped(rt, served)):
+        why = _mismatch(stepped, plain[request.task])
+        if why is not None:
+            verdicts.fallback[request.task] = why
+    return verdicts
+
+
+def _mismatch(stepped, plain) -> str | None:
+    """Why the step engine's outcome is not the plain pipeline's, or None."""
+    if stepped.error:
+        return f"the step engine failed: {_cause(stepped)}"
+    diff = _diff(stepped, plain)
+    if diff > TOLERANCE:
+        return (f"the step engine's image differs from the plain pipeline's by {diff}/255 (at "
+                f"most {TOLERANCE} expected)")
     return None
 
 
-def samplers(rt, names: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The samplers of ``names`` that work on ``rt``'s model in its mode (a two-step request
-    each: the plain pipeline runs it, and in step mode the step engine matches it), and why each
+def samplers(rt, names: list[str], task: str, step: bool) -> tuple[list[str], dict[str, str]]:
+    """The samplers of ``names`` that work on ``rt``'s model for ``task`` (a short request each:
+    the plain pipeline runs it, and where ``step`` the step engine matches it), and why each
     other one does not. A scheduler diffusers calls compatible may still not take the model's
     config (a flow-prediction model under DDIM, say)."""
-    task = next(name for name in rt.pipelines if not TASKS[name].trajectory)
     requests = [_request(rt, task, scheduler=name, steps=SAMPLER_STEPS) for name in names]
+    stepped = _stepped(rt, requests) if step else [None] * len(requests)
     working, why = [], {}
-    for request, (stepped, plain) in zip(requests, _run(rt, requests, rt.mode == STEP_MODE)):
-        failed = next((o.error for o in (plain, stepped) if o is not None and o.error), None)
+    for request, on_engine in zip(requests, stepped):
+        plain = _plain(rt, request)
+        failed = next((o.error for o in (plain, on_engine) if o is not None and o.error), None)
         if failed is not None:
             why[request.scheduler] = failed
-        elif stepped is not None and _diff(stepped, plain) > TOLERANCE:
-            why[request.scheduler] = f"the step engine differs by {_diff(stepped, plain)}/255"
+        elif on_engine is not None and _diff(on_engine, plain) > TOLERANCE:
+            why[request.scheduler] = f"the step engine differs by {_diff(on_engine, plain)}/255"
         else:
             working.append(request.scheduler)
     return working, why
@@ -75,22 +112,26 @@ def _request(rt, task_name: str, scheduler: str = "", steps: int = STEPS) -> Ima
         num_frames=min(info.num_frames, info.frame_stride + 1) if info.num_frames else 0)
 
 
-def _run(rt, requests: list[ImageRequest], step: bool):
-    """Each request's outcome in the step engine (None unless ``step``: all of them together,
-    as they would share its forwards) and alone through the plain pipeline."""
-    items = [WorkItem(r, 0, 1) for r in requests]
-    inputs = [_frames(r) for r in requests]
-    stepped: dict[str, object] = {}
-    if step:
-        engine = rt.step_engine()
-        outcomes = engine.admit(items, inputs)
-        while engine:
-            outcomes += engine.step().finished
-        stepped = {o.item.request.request_id: o for o in outcomes}
-    runner = rt.request_runner()
-    for item, frames in zip(items, inputs):
-        (plain,) = runner.execute(Work(0, [item]), [frames])
-        yield stepped.get(item.request.request_id), plain
+def _stepped(rt, requests: list[ImageRequest]) -> list:
+    """Each request's outcome in the step engine, all of them together, as they would share its
+    forwards."""
+    engine = rt.step_engine()
+    outcomes = engine.admit([WorkItem(r, 0, 1) for r in requests], [_frames(r) for r in requests])
+    while engine:
+        outcomes += engine.step().finished
+    by_id = {o.item.request.request_id: o for o in outcomes}
+    return [by_id[r.request_id] for r in requests]
+
+
+def _plain(rt, request: ImageRequest):
+    """The request's outcome alone through its task's plain pipeline (request mode's call)."""
+    (outcome,) = rt.request_runner().execute(Work(0, [WorkItem(request, 0, 1)]), [_frames(request)])
+    return outcome
+
+
+def _cause(outcome) -> str:
+    """A failed outcome's error, without the prefix a client's answer has."""
+    return outcome.error.removeprefix(FAILURE)
 
 
 def _diff(a, b) -> int:

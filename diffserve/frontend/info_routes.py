@@ -27,6 +27,7 @@ def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, 
         info = engine.model_info
         card = dict(created=int(started), pipeline=info.pipeline_class,
                     batching_mode=info.batching_mode, tasks=info.tasks,
+                    task_modes=info.task_modes, unavailable_tasks=info.unavailable_tasks,
                     partial_images=info.partial_images, max_edit_images=info.max_edit_images,
                     schedulers=info.schedulers, num_frames=info.num_frames,
                     frame_stride=info.frame_stride, fps=info.fps)

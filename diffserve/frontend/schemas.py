@@ -131,7 +131,12 @@ class ModelCard(BaseModel):
     # Extensions: what the served pipeline is and does.
     pipeline: str
     batching_mode: str
-    tasks: list[str]
+    tasks: list[str] = Field(description="The tasks served (those whose start-up check passed).")
+    task_modes: dict[str, str] = Field(default_factory=dict, description="Each task's batching "
+                                       "mode: step, or request where the step engine does not "
+                                       "run that task on this model.")
+    unavailable_tasks: dict[str, str] = Field(default_factory=dict, description="Tasks the "
+                                              "model has but cannot serve, with why.")
     partial_images: bool
     max_edit_images: int = Field(0, description="The most input images one edit takes.")
     schedulers: list[str] = Field(default_factory=list, description="Samplers a request may "

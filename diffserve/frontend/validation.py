@@ -100,6 +100,10 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
                        ("images", "/v1/images/generations or /v1/images/edits"))
         raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) makes {made}: use "
                               f"{route}", None, "unsupported_task")
+    if task.name in info.unavailable_tasks:
+        raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) does not serve "
+                              f"{task.name}: at start-up {info.unavailable_tasks[task.name]}",
+                              task.inputs[-1].param if task.inputs else None, "unsupported_task")
     if task.name not in info.tasks:
         if task is GENERATE and EDIT.name in info.tasks:
             raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) only edits images: "

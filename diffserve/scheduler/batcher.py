@@ -8,9 +8,10 @@ Rules
   and cost (``request.cost`` per image, see :mod:`diffserve.costs`), bounded by
   ``max_batch_cost``. A request larger than the room left is split; its remaining images stay at
   its place in the queue.
-- Requests are grouped by their batch key in the engine's batching mode (the fields that mode
-  cannot vary per sample; see :mod:`diffserve.protocol`), computed once here when a request
-  enters and carried from then on (:class:`Slice`, then the work item).
+- Requests are grouped by their batch key in the batching mode of their task (the fields that
+  mode cannot vary per sample; see :mod:`diffserve.protocol`), computed once here when a request
+  enters and carried from then on (:class:`Slice`, then the work item). A task the step engine
+  does not run on this model is in request mode while the others are in step mode.
 - The queue is ordered by a queue policy (:mod:`diffserve.policies`; first come, first served
   by default). Its first request (the head) is always in the next group taken; the group is
   filled with later requests of the same batch key in queue order, skipping incompatible ones.
@@ -120,7 +121,9 @@ class Slice:
 
 class Batcher:
     def __init__(self, max_batch_size: int, max_delay_s: float, mode: str = REQUEST_MODE,
-                 max_batch_cost: float = math.inf, policy: QueuePolicy | None = None) -> None:
+                 max_batch_cost: float = math.inf, policy: QueuePolicy | None = None,
+                 task_modes: dict[str, str] | None = None) -> None:
+        """``mode``: the executors' mode; ``task_modes``: tasks whose mode differs from it."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_delay_s < 0:
@@ -129,6 +132,7 @@ class Batcher:
         self.max_batch_cost = max_batch_cost
         self.max_delay_s = max_delay_s
         self.mode = mode
+        self.task_modes = task_modes or {}
         self.policy = policy or FirstCome()
         self._arrivals = itertools.count()  # ties of rank go by arrival
         # Arrival order over all requests (for expiry), queue order over all and per batch key,
@@ -161,10 +165,21 @@ class Batcher:
             raise ValueError(f"request {request.request_id!r} is already waiting")
         if request.n < 1:
             raise ValueError(f"request {request.request_id!r} asks for n={request.n} images")
-        key = request.batch_key(self.mode)
+        key = request.batch_key(self.mode_of(request.task))
         self._link(_Entry(request, now, key, (*self.policy.rank(request, now),
                                               next(self._arrivals))))
         return key
+
+    def mode_of(self, task: str) -> str:
+        """The batching mode ``task`` runs in."""
+        return self.task_modes.get(task, self.mode)
+
+    def is_call(self, batch_key: tuple) -> bool:
+        """Whether the waiting group of ``batch_key`` runs as whole pipeline calls (request mode)
+        on executors that run the step engine."""
+        group = self._groups.get(batch_key)
+        return (bool(group) and self.mode != REQUEST_MODE
+                and self.mode_of(group.first().request.task) == REQUEST_MODE)
 
     def add_paused(self, request: ImageRequest, start: int, stop: int, batch_key: tuple,
                    enqueued_at: float, executor: int) -> None:

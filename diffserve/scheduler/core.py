@@ -92,16 +92,18 @@ class SchedulerCore(Placement, Completion):
         return self.batcher.mode
 
     def set_mode(self, mode: str, max_batch_cost: float | None = None,
-                 max_running_cost: float | None = None) -> None:
-        """The batching mode the executors run and the model's cost bounds (known once the
-        first one has loaded)."""
+                 max_running_cost: float | None = None,
+                 task_modes: dict[str, str] | None = None) -> None:
+        """The batching mode the executors run, each task's where it differs, and the model's
+        cost bounds (known once the first one has loaded)."""
         self.max_batch_cost = max_batch_cost or self.max_batch_cost
         self.max_running_cost = max_running_cost or self.max_running_cost
-        if len(self.batcher) and mode != self.mode:
+        task_modes = {task: m for task, m in (task_modes or {}).items() if m != mode}
+        if len(self.batcher) and (mode, task_modes) != (self.mode, self.batcher.task_modes):
             raise RuntimeError("cannot change the batching mode while requests wait")
         if not len(self.batcher):
             self.batcher = Batcher(self.max_batch_size, self.max_delay_s, mode,
-                                   self.max_batch_cost, self.policy)
+                                   self.max_batch_cost, self.policy, task_modes)
 
     @property
     def num_waiting(self) -> int:

@@ -11,6 +11,9 @@ takes work out of the queue and places it on executors.
   may join or open their own sets on busy executors meanwhile, but only within what each
   executor's running budget (and its adapter slots) keeps free beyond the head's next image, so
   they never delay it.
+- **a task in request mode on executors that run the step engine** (the start-up check sent it
+  there): its batch is one pipeline call, run between two steps; it never takes company once
+  sent, and it counts against the executor's running budget like a set until it is answered.
 - Among the executors that can take the head, the least loaded (by cost) gets it, one that
   batches it into a running set of its batch key before one that would open a new set.
 - Room is counted in images (``max_batch_size`` per forward), in cost (``max_batch_cost`` per
@@ -53,6 +56,8 @@ class Placement:
             room, room_cost = self.max_batch_size, min(self.max_batch_cost, self.max_running_cost)
         elif self.mode != STEP_MODE:
             return None  # request mode: one call in flight per executor
+        elif self.batcher.is_call(batch_key) and batch_key in slot.sets:
+            return None  # that call is under way: the next one waits for it
         else:
             running = slot.sets.get(batch_key, RunningSet())
             room = self.max_batch_size - running.samples
@@ -177,7 +182,8 @@ class Placement:
             if not slot.ready:
                 continue
             victims = sorted((key for key, (item, _) in slot.items.items()
-                              if item.request.priority > head.priority),
+                              if item.request.priority > head.priority
+                              and self.batcher.mode_of(item.request.task) == STEP_MODE),
                              key=lambda key: (-slot.items[key][0].request.priority,
                                               -self.requests[key[0]].enqueued_at))
             for count in range(1, len(victims) + 1):

@@ -219,7 +219,8 @@ class SchedulerProc:
         # Before any work: what changed at run time while it was loading (or away).
         self._send_executor(index, encode(Kind.ADAPTER_SYNC, AdapterSync(self.adapters.table())))
         if not self.announced:
-            self.core.set_mode(info.batching_mode, info.max_batch_cost, info.max_running_cost)
+            self.core.set_mode(info.batching_mode, info.max_batch_cost, info.max_running_cost,
+                               info.task_modes)
             self.metrics.batching_mode.labels(mode=info.batching_mode).set(1)
             self.to_frontend.send_multipart(encode(Kind.READY, info))
             self.announced = True

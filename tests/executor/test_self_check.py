@@ -1,6 +1,8 @@
-"""The start-up check: the step engine against the plain pipeline on the loaded model. A family
-that gets the model wrong falls back to request mode under --batching-mode auto and refuses to
-start under step, naming the task and the difference; a correct one serves in step mode."""
+"""The start-up checks, per task: the plain pipeline of each task on the loaded model (a task it
+cannot run is not offered), then the step engine against it (a task it gets wrong runs in
+request mode alone). A family that gets every task wrong falls back to request mode under
+--batching-mode auto and refuses to start under step, naming each task and the difference; a
+correct one serves every task in step mode."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ def test_a_correct_family_passes_every_task_and_serves_in_step_mode():
     rt = build_runtime(ServerConfig(model="tiny-sd"), torch_threads=1)
     assert rt.mode == "step" and rt.info.batching_mode == "step"
     assert set(rt.pipelines) == {"generate", "image-to-image", "inpaint"}
-    assert self_check.check(rt) is None
+    assert rt.task_modes == dict.fromkeys(rt.pipelines, "step")
+    assert self_check.check(rt) == self_check.TaskVerdicts()
 
 
 def test_a_verdict_is_remembered_for_the_same_model_and_code_only(monkeypatch, verdicts,
@@ -61,18 +64,69 @@ def test_a_broken_family_falls_back_in_auto_and_refuses_in_step(monkeypatch, cap
                         lambda self, uncond, cond, scale: guide(self, uncond, cond, scale * 1.5))
     rt = build_runtime(ServerConfig(model="tiny-sd"), torch_threads=1)
     assert rt.mode == "request" and rt.info.batching_mode == "request"
-    assert "the step engine does not match the plain pipeline (generate:" in caplog.text
+    assert rt.info.task_modes == dict.fromkeys(rt.pipelines, "request")
+    assert ("serving generate in request mode: the start-up check found that on this model the "
+            "step engine does not match the plain pipeline" in caplog.text)
+    # The refusal names every task and its difference.
     with pytest.raises(UnsupportedMode, match=r"--batching-mode step: .*generate: the step "
-                       r"engine's image differs from the plain pipeline's by \d+/255"):
+                       r"engine's image differs from the plain pipeline's by \d+/255.*; "
+                       r"image-to-image: .*; inpaint: "):
         build_runtime(ServerConfig(model="tiny-sd", batching_mode="step"), torch_threads=1)
     skipped = build_runtime(ServerConfig(model="tiny-sd", skip_startup_check=True), torch_threads=1)
     assert skipped.mode == "step"  # the operator's choice
 
 
 def test_a_family_that_raises_falls_back_naming_the_error(monkeypatch):
+    """A helper only generation uses raises: generation runs in request mode, named with the
+    error; the edits keep the step engine, so --batching-mode step starts."""
     def broken(self, *args, **kwargs):
         raise RuntimeError("no such helper in this diffusers")
 
     monkeypatch.setattr(StableDiffusion, "noise_latents", broken)
-    with pytest.raises(UnsupportedMode, match="the step engine failed: .*no such helper"):
-        build_runtime(ServerConfig(model="tiny-sd", batching_mode="step"), torch_threads=1)
+    rt = build_runtime(ServerConfig(model="tiny-sd", batching_mode="step"), torch_threads=1)
+    assert rt.info.task_modes == {"generate": "request", "image-to-image": "step",
+                                  "inpaint": "step"}
+    assert rt.fallback["generate"].startswith("the step engine failed: ")
+    assert "no such helper" in rt.fallback["generate"]
+
+
+def test_one_task_the_step_engine_gets_wrong_runs_alone_in_request_mode(monkeypatch, verdicts):
+    """Inpainting's blend put back a little off: only inpainting differs, so it alone falls back;
+    --batching-mode step still starts, and the verdict is remembered per task."""
+    blend = StableDiffusion.blend
+    monkeypatch.setattr(StableDiffusion, "blend", lambda self, *args: blend(self, *args) * 1.2)
+    for requested in ("auto", "step"):
+        rt = build_runtime(ServerConfig(model="tiny-sd", batching_mode=requested),
+                           torch_threads=1)
+        assert rt.mode == "step" and rt.info.batching_mode == "step"
+        assert rt.info.task_modes == {"generate": "step", "image-to-image": "step",
+                                      "inpaint": "request"}
+        assert set(rt.fallback) == {"inpaint"} and not rt.unavailable
+    monkeypatch.setattr(self_check, "check", lambda rt: pytest.fail("the verdict was remembered"))
+    again = build_runtime(ServerConfig(model="tiny-sd"), torch_threads=1)
+    assert again.info.task_modes["inpaint"] == "request"
+
+
+def test_a_task_whose_plain_pipeline_cannot_run_is_not_offered(sd3_four_channels, caplog):
+    """SD3's architecture with 4 latent channels: text-to-image and image-to-image run (and the
+    step engine matches them), diffusers' SD3 inpainting refuses the transformer. In either mode
+    the model serves the rest; inpainting is listed with the reason."""
+    for requested, mode in (("step", "step"), ("request", "request")):
+        rt = build_runtime(ServerConfig(model=str(sd3_four_channels), batching_mode=requested),
+                           torch_threads=1)
+        assert rt.info.tasks == ["generate", "image-to-image", "rollout"]
+        assert set(rt.info.task_modes.values()) == {mode}
+        assert "16 input channels or 33 input channels, not 4" in rt.info.unavailable_tasks["inpaint"]
+    assert "task inpaint is not served: its plain pipeline failed" in caplog.text
+
+
+def test_a_model_with_no_task_that_runs_does_not_start(monkeypatch):
+    from diffserve.executor.request_runner import RequestRunner
+
+    def broken(self, pairs):
+        raise RuntimeError("this pipeline cannot run here")
+
+    monkeypatch.setattr(RequestRunner, "_call", broken)
+    with pytest.raises(RuntimeError, match=r"no task of this model can be served: generate: "
+                       r"its plain pipeline failed: .*cannot run here; image-to-image: "):
+        build_runtime(ServerConfig(model="tiny-sd", batching_mode="request"), torch_threads=1)

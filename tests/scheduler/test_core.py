@@ -391,3 +391,29 @@ def test_what_an_image_costs():
     assert not uses_cfg(flux, 5.0, "")  # guidance is an input of Flux's transformer
     assert default_bounds(8, 0, 0, native_image_cost=2.0) == (16.0, 32.0)  # 8 native CFG images
     assert default_bounds(8, 10.0, 12.0, native_image_cost=2.0) == (10.0, 12.0)
+
+
+def test_a_task_in_request_mode_beside_the_step_engine_runs_as_calls_of_its_own():
+    """Inpainting fell back to request mode at start-up, generation kept the step engine: an
+    inpainting batch takes only requests with its steps and strength (request mode's key), goes
+    to a busy executor as a call of its own, takes no company once sent, and the next batch of
+    its key waits for it; generations keep joining their running set meanwhile."""
+    c = core(max_size=4, mode=STEP_MODE)
+    c.set_mode(STEP_MODE, task_modes={"generate": STEP_MODE, "inpaint": REQUEST_MODE})
+    c.add(make_request(request_id="g1", steps=4), [], 0.0)
+    (gen,) = c.dispatch(0.0)
+    inpaint = lambda rid, steps: make_request(request_id=rid, task="inpaint", steps=steps,  # noqa: E731
+                                              strength=0.5)
+    for rid, steps in (("i1", 4), ("i2", 6), ("i3", 4)):
+        c.add(inpaint(rid, steps), [None, None], 0.1)
+    four, six = c.dispatch(0.2)
+    assert taken([four, six]) == [[("i1", 0, 1), ("i3", 0, 1)], [("i2", 0, 1)]]
+    assert four.reason == six.reason == NEW_SET
+    c.add(inpaint("i4", 4), [None, None], 0.3)
+    c.add(make_request(request_id="g2", steps=9), [], 0.3)
+    (joined,) = c.dispatch(0.3)  # i4 waits for the call of its key; g2 passes beside it
+    assert taken([joined]) == [[("g2", 0, 1)]] and joined.reason == JOIN
+    assert c.num_waiting == 1
+    run(c, four, now=0.5)
+    (again,) = c.dispatch(0.5)
+    assert taken([again]) == [[("i4", 0, 1)]]

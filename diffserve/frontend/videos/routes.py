@@ -125,7 +125,7 @@ def video_routes(serving: Serving, jobs: VideoJobs, peers: Peers | None = None) 
         body = validate(VideoCreate, fields)
         info = engine.model_info
         task = IMAGE_TO_VIDEO if reference is not None else GENERATE
-        if task.name not in info.tasks:
+        if task.name not in info.tasks and task.name not in info.unavailable_tasks:
             raise invalid_request(
                 f"model {info.name!r} ({info.pipeline_class}) makes videos from " +
                 ("text only: it takes no input_reference" if task is IMAGE_TO_VIDEO else

@@ -9,9 +9,10 @@ from diffserve.models.tiny.components import clip_text_encoder, clip_tokenizer, 
 from diffserve.models.tokenizers import character_t5_tokenizer
 
 
-def build(directory: Path) -> None:
+def build(directory: Path, latent_channels: int = 16) -> None:
     """StableDiffusion3Pipeline: a two-block MM-DiT with flow matching, two CLIP encoders and a
-    T5 encoder, 16-channel latents, 64x64 native."""
+    T5 encoder, 16-channel latents (``latent_channels``: SD3's architecture with others, which
+    diffusers' SD3 inpainting refuses), 64x64 native."""
     from diffusers import (FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
 
@@ -21,12 +22,13 @@ def build(directory: Path) -> None:
     clip_l, clip_g, t5_dim = 32, 64, 128
     t5_tokenizer = character_t5_tokenizer()
     transformer = seeded(
-        0, SD3Transformer2DModel, sample_size=8, patch_size=2, in_channels=16, out_channels=16,
+        0, SD3Transformer2DModel, sample_size=8, patch_size=2, in_channels=latent_channels,
+        out_channels=latent_channels,
         num_layers=2, attention_head_dim=16, num_attention_heads=2, caption_projection_dim=32,
         joint_attention_dim=t5_dim, pooled_projection_dim=clip_l + clip_g)
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=vae(latent_channels=16, use_quant_conv=False, use_post_quant_conv=False,
+        vae=vae(latent_channels=latent_channels, use_quant_conv=False, use_post_quant_conv=False,
                 shift_factor=0.0609, scaling_factor=1.5305),
         text_encoder=clip_text_encoder(clip_l, with_projection=True),
         tokenizer=clip_tokenizer(directory),
