@@ -42,6 +42,15 @@ def test_each_request_caches_with_its_own_threshold_and_reports_it(server):
     assert "--quantization int8-weight-only" in server.log
 
 
+def test_quantization_that_runs_leaves_no_import_noise_in_the_log(server):
+    """torchao and what imports it log, as they import, kernels this machine lacks, a torch
+    deprecation and diffusers' older list of torchao classes: none of it tells an operator
+    anything where quantization runs."""
+    post(server, {"prompt": "a cat", "num_inference_steps": 2})
+    for noise in ("Failed to load", "_C_mxfp8", "Unable to import `torchao`", "Enum subclass"):
+        assert noise not in server.log, noise
+
+
 def test_rollouts_are_never_cached(server):
     response = post(server, {"prompt": "a cat", "cache_threshold": 0.5}, "/v1/rollouts")
     assert_openai_error(response, 400, param="cache_threshold")

@@ -113,3 +113,22 @@ def test_switches_and_lists_parse_from_text_as_ray_arguments_arrive():
     assert parse_value(fields["lora_modules"], "a=/x, b=/y") == ("a=/x", "b=/y")
     with pytest.raises(ConfigError, match="not true or false"):
         parse_value(fields["enable_lora_runtime_updates"], "maybe")
+
+
+def test_a_quantization_that_cannot_run_here_stops_the_start_with_one_line(tmp_path):
+    """fp8 on a CPU: the start fails with the reason, said once by the executor without a
+    traceback (and once by the server as it gives up), and nothing of torchao's import noise."""
+    from diffserve.launcher import LaunchError, ServerProcess, diffserve_command, free_port
+
+    pytest.importorskip("torchao")
+    port = free_port()
+    server = ServerProcess(diffserve_command("--port", str(port), "--model", "tiny-sd",
+                                             "--device", "cpu", "--quantization",
+                                             "fp8-weight-only"),
+                           port, tmp_path / "server.log", env={"OMP_NUM_THREADS": "1"},
+                           startup_timeout_s=120)
+    with pytest.raises(LaunchError):
+        server.launch().wait_ready()
+    log = server.log
+    assert log.count("fp8-weight-only needs a CUDA GPU") == 2, log
+    assert "Traceback" not in log and "_C_mxfp8" not in log and "Unable to import" not in log

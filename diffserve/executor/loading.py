@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.config import ServerConfig
+from diffserve.config import ConfigError, ServerConfig
 from diffserve.costs import ABOVE_ONE, default_bounds, image_cost, uses_cfg
 from diffserve.executor.samplers import offered
 from diffserve.models.registry import resolve_model, serving_defaults
@@ -25,7 +25,7 @@ FORCED_KWARGS = {"use_resolution_binning": False}
 DEFAULT_FPS = 16  # Wan's; a video model's diffserve.json may say otherwise
 
 
-class UnsupportedMode(ValueError):
+class UnsupportedMode(ConfigError):
     """--batching-mode step on a pipeline whose family the step engine does not know."""
 
 
@@ -52,6 +52,26 @@ def leave_out_unused_libraries(serves_adapters: bool, quantization: str) -> None
         sys.modules.setdefault("peft", None)
     if quantization == "none":
         sys.modules.setdefault("torchao", None)
+
+
+# What the libraries log while they import, at every start, that tells an operator nothing:
+# torchao's kernels this machine lacks ("Failed to load ..._C_mxfp8"), torch's deprecation of how
+# torchao registers its enums, and diffusers' "Unable to import `torchao` Tensor objects" where its
+# list of torchao classes is older than the installed torchao. Where quantization cannot run,
+# diffserve says so itself, once (diffserve.executor.quantization).
+NOISY_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_imports() -> None:
+    """Before torch and diffusers are imported: only errors from what they log as they import.
+    diffusers and transformers take their level from the environment when they first log
+    (an operator's own DIFFUSERS_VERBOSITY or TRANSFORMERS_VERBOSITY is kept)."""
+    for name in NOISY_IMPORT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import os
+
+    for variable in ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY"):
+        os.environ.setdefault(variable, "error")
 
 
 def quiet_libraries() -> None:
@@ -84,9 +104,7 @@ class LoadedModel:
 def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_threads: int = 0,
                index: int = 0, quantization: str = "none") -> LoadedModel:
     """``quantization``: a scheme of :mod:`diffserve.executor.quantization` for the denoiser."""
-    # torchao, where installed, is imported with diffusers and warns about its CUDA kernels
-    # at every start on a machine without them.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+    quiet_imports()
     import torch
     from diffusers import DiffusionPipeline
 

@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 
 from diffserve import metrics, processes
-from diffserve.config import ServerConfig
+from diffserve.config import ConfigError, ServerConfig
 from diffserve.protocol import (
     CANCELLED,
     LOAD,
@@ -97,7 +97,10 @@ def run_executor(spec: ExecutorSpec) -> None:
         loop = build_loop(spec, EngineIO(sock, pixels, spec.index, counts))
     except Exception as error:  # noqa: BLE001 - reported to the operator, then exit
         model = spec.config.model
-        log.error("could not load model %r:\n%s", model, traceback.format_exc())
+        if isinstance(error, ConfigError):  # a setting this model or machine cannot serve
+            log.error("could not serve model %r: %s", model, error)
+        else:
+            log.error("could not load model %r:\n%s", model, traceback.format_exc())
         sock.send_multipart(encode(Kind.FATAL, Fatal(f"could not load model {model!r}: "
                                                      f"{type(error).__name__}: {error}")))
         ctx.destroy(linger=5000)

@@ -20,6 +20,8 @@ import json
 import logging
 from pathlib import Path
 
+from diffserve.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 NONE = "none"
@@ -27,7 +29,7 @@ SCHEMES = {"int8-weight-only": "Int8WeightOnlyConfig", "fp8-weight-only": "Float
 DENOISERS = ("unet", "transformer", "transformer_2")
 
 
-class QuantizationUnavailable(ValueError):
+class QuantizationUnavailable(ConfigError):
     """The scheme cannot run here (torchao missing, no GPU for float8)."""
 
 

@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from diffserve.config import ConfigError
 from diffserve.executor.blocks import (
     ENCODER,
     HIDDEN,
@@ -135,7 +136,7 @@ class _Call:
         return sum(len(e.local_rows(j)) for e, j in self.hits)
 
 
-class UnsupportedCache(ValueError):
+class UnsupportedCache(ConfigError):
     """A denoiser the step cache does not know how to split."""
 
 
