@@ -78,13 +78,16 @@ class ServerConfig:
         choices=tuple(SET_POLICIES))
     batching_mode: str = option(
         "auto", "How requests share the model. request: one batched pipeline call per batch, for "
-        "any diffusers text-to-image pipeline. step: requests join and leave a running batch "
-        "between denoising steps (SD 1.x/2.x, SDXL, SD3, Flux). auto: step where the pipeline's "
-        "family is supported, else request.", choices=("auto", "step", "request"))
+        "any diffusers text-to-image or video pipeline. step: requests join and leave a running "
+        "batch between denoising steps, for the families the step engine knows (`diffserve "
+        "models`, docs/models.md); a task whose start-up check fails in step mode runs in "
+        "request mode alone. auto: step where the pipeline's family is known, else request.",
+        choices=("auto", "step", "request"))
     skip_startup_check: bool = option(
-        False, "Step mode: skip the start-up check that runs a two-step request of every task "
-        "through the step engine and through the plain pipeline, and serves in request mode "
-        "(auto; --batching-mode step refuses to start) where they differ.")
+        False, "Skip the start-up checks: a two-step request of every task through its plain "
+        "pipeline (a task that fails is not offered) and, in step mode, through the step engine "
+        "(a task whose image differs runs in request mode; --batching-mode step refuses to start "
+        "only where no task can run in step mode).")
     data_parallel_size: int = option(
         0, "Executor processes fed by the one queue, one per device. 0 = one per entry of "
         "--devices, else 1.", ge=0, le=256)

@@ -14,7 +14,7 @@ from diffserve.executor.loading import FORCED_KWARGS, LoadedModel
 from diffserve.protocol import ImageRequest
 
 
-# What the documented rules add to a plain call of these pipelines (README, "Instruction edits"):
+# What the documented rules add to a plain call of these pipelines (docs/edits.md, "Instruction edits"):
 # the size asked for, and an input image taken as it is (the server fits it to that size).
 SIZE_BY_AREA = {"FluxKontextPipeline"}
 # Pipelines called for one prompt with the request's images: as one image, or as a list.

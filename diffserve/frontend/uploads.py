@@ -1,6 +1,6 @@
 """``/v1/images/edits`` input: the multipart form, and the uploaded image and mask.
 
-Rules (documented in the README):
+Rules (documented in docs/edits.md):
 - The body is at most ``--max-upload-bytes``; the form has one or more ``image`` (or ``image[]``)
   files, at most one ``mask``, and text fields that appear once. How many images a model takes
   is its own (``max_edit_images`` in ``GET /v1/models``), checked in validation.
