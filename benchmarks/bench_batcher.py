@@ -10,13 +10,11 @@ its finished requests added back. Target: 20,000 decisions/s (``--strict``: exit
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import sys
 import time
-from pathlib import Path
 
+import kit
 from diffserve.protocol import ImageRequest
 from diffserve.scheduler.batcher import Batcher
 
@@ -60,27 +58,22 @@ def run(args, depth: int | None, seed: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = kit.parser(__doc__, max_batch_size=8, repeats=3, output_file=None)
     p.add_argument("--mode", choices=("request", "step"), default="request", help="Signatures of this mode.")
     p.add_argument("--cycles", type=int, default=20_000, help="Decisions per run.")
-    p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--delay-ms", type=float, default=8.0)
-    p.add_argument("--backlog-depth", default="100,1000,10000", help="Comma-separated; empty: none.")
-    p.add_argument("--repeats", type=int, default=3, help="Runs per scenario; the best counts.")
+    p.add_argument("--backlog-depth", type=kit.ints, default=[100, 1000, 10000], help="Comma-separated; empty: none.")
     p.add_argument("--target", type=float, default=20_000)
     p.add_argument("--strict", action="store_true", help="Exit 1 if a scenario misses the target.")
-    p.add_argument("--output-file", default=None)
     args = p.parse_args(argv)
     results = []
-    for depth in [None, *(int(d) for d in args.backlog_depth.split(",") if d.strip())]:
+    for depth in [None, *args.backlog_depth]:  # the best of --repeats runs counts
         best = max(run(args, depth, seed) for seed in range(args.repeats))
         results.append({"scenario": "stream" if depth is None else f"backlog@{depth}",
                         "decisions_per_s": best, "meets_target": best >= args.target})
         print(f"{results[-1]['scenario']:<16}{best:>12,.0f} decisions/s {1e6 / best:8.2f} us  "
               f"{'met' if best >= args.target else 'MISSED'} (target {args.target:,.0f})", flush=True)
-    if args.output_file:
-        Path(args.output_file).write_text(json.dumps({"config": vars(args), "results": results}, indent=2))
+    kit.write_json(args.output_file, {"config": vars(args), "results": results})
     return 1 if args.strict and not all(r["meets_target"] for r in results) else 0
 
 

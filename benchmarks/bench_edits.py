@@ -8,25 +8,20 @@ the two wall times is taken within a round, and the median over ``--rounds`` is 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import base64
 import io
-import json
-import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 from PIL import Image
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # the plain pipeline's reference call
+import kit
+from diffserve.protocol import ImageRequest
 
-from diffserve.launcher import ServerProcess  # noqa: E402
+SPEED_UP = "speed-up, at once / one at a time"
+EXPECTED: dict[int, np.ndarray] = {}  # edit i's image from the pipeline alone, made once
 
 
 def inputs(count: int, side: int) -> list[np.ndarray]:
@@ -44,76 +39,49 @@ def png(array: np.ndarray) -> bytes:
     return out.getvalue()
 
 
-async def edit(client: httpx.AsyncClient, url: str, image: np.ndarray, i: int, steps: int,
-               size: str) -> np.ndarray:
+async def edit(client: httpx.AsyncClient, url: str, image: np.ndarray, i: int, a) -> np.ndarray:
     r = await client.post(f"{url}/v1/images/edits", files={"image": ("in.png", png(image), "image/png")},
-                          data={"prompt": f"edit number {i}", "seed": str(100 + i), "size": size,
-                                "num_inference_steps": str(steps)})
+                          data={"prompt": f"edit number {i}", "seed": str(100 + i), "size": f"{a.side}x{a.side}",
+                                "num_inference_steps": str(a.steps)})
     r.raise_for_status()
-    data = base64.b64decode(r.json()["data"][0]["b64_json"])
-    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    return kit.decode(r.json()["data"][0]["b64_json"])
 
 
-async def one_round(url: str, images: list[np.ndarray], steps: int, size: str) -> dict:
+async def timed(url: str, images: list[np.ndarray], a) -> tuple[float, float, list[np.ndarray]]:
+    """(one at a time s, at once s, the images made at once), after a warm-up edit."""
     async with httpx.AsyncClient(timeout=3600) as client:
-        await edit(client, url, images[0], 999, steps, size)  # warm-up
+        await edit(client, url, images[0], 999, a)
         start = time.perf_counter()
         for i, image in enumerate(images):
-            await edit(client, url, image, i, steps, size)
+            await edit(client, url, image, i, a)
         alone = time.perf_counter() - start
         start = time.perf_counter()
-        together = await asyncio.gather(*(edit(client, url, image, i, steps, size)
-                                          for i, image in enumerate(images)))
-        at_once = time.perf_counter() - start
-    return {"one_at_a_time_s": alone, "at_once_s": at_once, "ratio": alone / at_once,
-            "images": together}
+        together = await asyncio.gather(*(edit(client, url, image, i, a) for i, image in enumerate(images)))
+        return alone, time.perf_counter() - start, list(together)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-flux-kontext")
-    p.add_argument("--count", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--side", type=int, default=64)
-    p.add_argument("--torch-threads", type=int, default=0)
-    p.add_argument("--output-file", type=Path)
-    a = p.parse_args(argv)
-    size = f"{a.side}x{a.side}"
+def edits(b: kit.Bench) -> dict[str, float | None]:
+    a = b.args
     images = inputs(a.count, a.side)
-    rounds = []
-    for r in range(a.rounds):
-        log = Path(tempfile.mkdtemp(prefix="bench-edits-")) / "server.log"
-        server = ServerProcess.diffserve(
-            "--model", a.model, "--batching-mode", "step", "--dynamic-batch-max-size", str(a.count),
-            "--torch-threads", str(a.torch_threads), "--log-level", "warning", log_path=log,
-            startup_timeout_s=900)
-        with server:
-            rounds.append(asyncio.run(one_round(server.url, images, a.steps, size)))
-        print(f"round {r + 1}: one at a time {rounds[-1]['one_at_a_time_s']:.2f} s, at once "
-              f"{rounds[-1]['at_once_s']:.2f} s, x{rounds[-1]['ratio']:.2f}", flush=True)
-    from diffserve.executor.loading import load_model
-    from helpers import make_request
-    from reference import max_diff, solo
-
-    loaded = load_model(a.model, torch_threads=a.torch_threads)
-    worst = 0
+    with b.servers("edits", {"--batching-mode": "step", "--dynamic-batch-max-size": a.count}) as served:
+        alone, at_once, made = asyncio.run(timed(served.urls[0], images, a))
+    ref = kit.reference(a.model, a.torch_threads)
     for i, image in enumerate(images):
-        request = make_request(model=a.model, task="edit", prompt=f"edit number {i}", seed=100 + i,
-                               steps=a.steps, width=a.side, height=a.side, references=1,
-                               guidance=loaded.defaults.get("guidance_scale", 4.0))
-        expected = solo(loaded, {}, request, references=[image])[0]
-        worst = max(worst, *(max_diff(r["images"][i], expected) for r in rounds))
-    report = {"model": a.model, "count": a.count, "steps": a.steps, "size": size,
-              "ratio_median": statistics.median(r["ratio"] for r in rounds),
-              "rounds": [{k: v for k, v in r.items() if k != "images"} for r in rounds],
-              "worst_pixel_diff": worst}
-    print(f"{a.model}: {a.count} edits at once / one at a time: x{report['ratio_median']:.2f} "
-          f"(median of {a.rounds}); worst pixel difference from the pipeline alone: {worst}/255")
-    if a.output_file:
-        a.output_file.write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if worst <= 2 else 1
+        if i not in EXPECTED:
+            request = ImageRequest("ref", a.model, a.side, a.side, task="edit", references=1,
+                                   num_inference_steps=a.steps, guidance_scale=ref.guidance(4.0),
+                                   prompt=f"edit number {i}", seed=100 + i)
+            EXPECTED[i] = ref.images(request, references=[image])[0]
+    worst = max(ref.diff(m, EXPECTED[i]) for i, m in enumerate(made))
+    b.failed |= worst > 2
+    return {"one at a time s": alone, "at once s": at_once, SPEED_UP: alone / at_once, "worst pixel diff": worst}
+
+
+def edits_args(p) -> None:
+    p.add_argument("--count", type=kit.count, default=8, help="Edits, one at a time and at once.")
+    p.add_argument("--side", type=int, default=64, help="Side of the inputs and the outputs, pixels.")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(kit.main(__doc__, {"edits": kit.Scenario(edits, [(SPEED_UP, ">=", 2.0)], edits_args)},
+                      model="tiny-flux-kontext", rounds=3, steps=4, torch_threads=0))

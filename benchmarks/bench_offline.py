@@ -12,36 +12,22 @@ images/s. A server cannot beat B = its largest batch; without batching it cannot
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
+import kit
 from diffserve.config import DEFAULT_MODEL
 from diffserve.executor.process import bound_openmp_spin
 
-PROMPTS = Path(__file__).resolve().parent / "prompts.txt"
-
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="Embedded model, pipeline directory or hub id.")
+    p = kit.parser(__doc__, model=DEFAULT_MODEL, batch_sizes=[1, 2, 4, 8], size=None, steps=None, warmup=2,
+                   repeats=5, torch_threads=0, output_file=None)
     p.add_argument("--batching-mode", choices=("step", "request"), default="step")
-    p.add_argument("--batch-sizes", default="1,2,4,8", help="Comma-separated B values.")
-    p.add_argument("--size", default=None, help='"WIDTHxHEIGHT" (default: the model\'s).')
-    p.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the model's).")
-    p.add_argument("--warmup", type=int, default=2, help="Untimed runs per B.")
-    p.add_argument("--repeats", type=int, default=5, help="Timed runs per B.")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N.")
-    p.add_argument("--torch-threads", type=int, default=0, help="0: torch's default, as the server.")
-    p.add_argument("--output-file", default=None, help="Write the results as JSON here.")
     args = p.parse_args(argv)
-    sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
+    sizes = sorted(set(args.batch_sizes))
     if not sizes or sizes[0] < 1 or args.repeats < 1 or args.warmup < 0:
         p.error("--batch-sizes needs positive integers, --repeats >= 1, --warmup >= 0")
 
@@ -62,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded, info = rt.loaded, rt.info
     width, height = (int(v) for v in args.size.lower().split("x")) if args.size else (info.width, info.height)
     steps = args.steps or info.default_steps
-    prompts = [ln.strip() for ln in PROMPTS.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    prompts = kit.prompts()
     runner = rt.request_runner()
 
     def run(batch: int, seed: int) -> None:
@@ -87,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
               "device": loaded.device, "dtype": loaded.dtype, "width": width, "height": height,
               "num_inference_steps": steps, "guidance_scale": info.default_guidance_scale,
               "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
-              "cpu_count": os.cpu_count(), "platform": platform.platform(), "results": []}
+              **kit.machine(), "results": []}
     print(f"{args.model} ({loaded.pipeline_class}) on {loaded.device}/{loaded.dtype}, {width}x{height}, "
           f"{steps} steps, {args.batching_mode} mode, torch threads {torch.get_num_threads()}")
     for batch in sizes:
@@ -104,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         gain = batch / median / report["results"][0]["images_per_s"]
         print(f"  B={batch:<4d} {batch / median:8.2f} img/s {gain:6.2f}x B={sizes[0]}  median "
               f"{1000 * median:.1f} ms (min {1000 * min(times):.1f})", flush=True)
-    if args.output_file:
-        Path(args.output_file).write_text(json.dumps(report, indent=2) + "\n")
+    kit.write_json(args.output_file, report)
     return 0
 
 

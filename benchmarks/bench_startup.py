@@ -10,16 +10,12 @@ and what every server start in the test suite costs.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from diffserve.launcher import ServerProcess
+import kit
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -51,34 +47,21 @@ def processes(root: int) -> dict[str, int]:
     return found
 
 
-def one_start(args: argparse.Namespace) -> dict[str, float]:
-    log = Path(tempfile.mkdtemp(prefix="bench-startup-")) / "server.log"
-    server = ServerProcess.diffserve("--model", args.model, "--torch-threads", "1", *args.extra,
-                                     log_path=log, env={"OMP_NUM_THREADS": "1"})
+def one_start(args) -> dict[str, float]:
+    server = kit.server("--model", args.model, "--torch-threads", "1", *args.extra, env={"OMP_NUM_THREADS": "1"})
     started = time.monotonic()
     with server:
-        ready = time.monotonic() - started
-        found = {"ready_s": ready}
+        found = {"ready_s": time.monotonic() - started}
         for title, pid in processes(server.proc.pid).items():
             found[f"{title} cpu_s"] = cpu_s(pid)
     return found
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny-sd")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--output-file", help="write the rounds and medians as JSON here")
-    parser.add_argument("extra", nargs="*", help="more `diffserve serve` arguments (after --)")
-    args = parser.parse_args(argv)
-    rounds = [one_start(args) for _ in range(args.rounds)]
-    keys = sorted({k for r in rounds for k in r})
-    medians = {k: statistics.median(r[k] for r in rounds if k in r) for k in keys}
-    for k in keys:
-        print(f"{k:32s} median {medians[k]:6.2f}  rounds {[round(r.get(k, 0), 2) for r in rounds]}")
-    if args.output_file:
-        Path(args.output_file).write_text(json.dumps({"rounds": rounds, "medians": medians},
-                                                     indent=2))
+    p = kit.parser(__doc__, model="tiny-sd", rounds=3, output_file=None)
+    p.add_argument("extra", nargs="*", help="more `diffserve serve` arguments (after --)")
+    args = p.parse_args(argv)
+    kit.report("startup", [one_start(args) for _ in range(args.rounds)], args)
     return 0
 
 

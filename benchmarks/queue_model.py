@@ -15,12 +15,13 @@ its cost curve allows. Loads are shares of request mode's saturated throughput, 
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
 import sys
 from pathlib import Path
+
+import kit
 
 
 def cost_curve(points: dict[int, float]):
@@ -102,20 +103,18 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = kit.parser(__doc__, max_batch_size=8, output_file=None)
     p.add_argument("--step-ms", help="cost per denoiser step: 'images:ms,...' (e.g. 1:15,8:42)")
     p.add_argument("--offline-json", type=Path, help="bench_offline.py --output-file report to "
                    "take the curve from (its median per batch over its step count)")
     p.add_argument("--steps", type=int, help="steps per request (default: the JSON's, else 20)")
-    p.add_argument("--mixed-steps", default="8,32", help="step counts mixed at half load")
-    p.add_argument("--loads", default="25,50,80,90", help="percent of request mode's saturation")
-    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--mixed-steps", type=kit.ints, default=[8, 32], help="step counts mixed at half load")
+    p.add_argument("--loads", type=kit.floats, default=[25, 50, 80, 90], help="percent of request mode's saturation")
     p.add_argument("--step-max-batch-size", type=int,
                    help="bound of step mode's running set, if not --max-batch-size")
     p.add_argument("--delay-ms", type=float, default=8.0)
     p.add_argument("--requests", type=int, default=2000, help="per seed")
     p.add_argument("--seeds", type=int, default=10)
-    p.add_argument("--output-file", type=Path)
     a = p.parse_args(argv)
     if bool(a.step_ms) == bool(a.offline_json):
         p.error("give one of --step-ms and --offline-json")
@@ -132,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("batch sizes, costs, bounds and --requests must be positive")
     cost, delay = cost_curve(points), a.delay_ms / 1000
     saturated = a.max_batch_size / (steps * cost(a.max_batch_size))
-    mix = [int(s) for s in a.mixed_steps.split(",")]
+    mix = a.mixed_steps
 
     def run(rate: float, step_counts: list[int]):
         req, stp, kinds = [], [], []
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{steps} steps; request mode saturates at {saturated:.2f} req/s")
     print("| load | request p50 / p99 ms | step p50 / p99 ms | step/request p50 | p99 |")
     print("| --- | --- | --- | --- | --- |")
-    for load in (float(x) for x in a.loads.split(",")):
+    for load in a.loads:
         req, stp, _ = run(load / 100 * saturated, [steps])
         row = {"request_p50_s": quantile(req, 0.5), "request_p99_s": quantile(req, 0.99),
                "step_p50_s": quantile(stp, 0.5), "step_p99_s": quantile(stp, 0.99)}
@@ -166,10 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     means = [statistics.mean(x for x, k in zip(lat, kinds) if k == short) for lat in (req, stp)]
     out["mixed"] = {"steps": mix, "short_mean_request_s": means[0], "short_mean_step_s": means[1],
                     "ratio": means[1] / means[0]}
-    print(f"mixed {a.mixed_steps} at half load: {short}-step mean {1000 * means[0]:.0f} ms (request) "
+    print(f"mixed {','.join(map(str, mix))} at half load: {short}-step mean {1000 * means[0]:.0f} ms (request) "
           f"against {1000 * means[1]:.0f} ms (step), step/request {means[1] / means[0]:.2f}")
-    if a.output_file:
-        a.output_file.write_text(json.dumps(out, indent=2) + "\n")
+    kit.write_json(a.output_file, out)
     return 0
 
 

@@ -12,17 +12,16 @@ lowest PSNR is at least 30 dB.
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import math
 
-import httpx
+import aiohttp
 import numpy as np
 
-from bench_round import Bench
-from figures import ratio
+import kit
+from kit import Bench, Scenario, ratio
 
 QUALITY_DB = 30.0
+BEST = f"best img/s / uncached at PSNR >= {QUALITY_DB:g} dB"
 
 
 def cache(b: Bench) -> dict[str, float | None]:
@@ -31,16 +30,17 @@ def cache(b: Bench) -> dict[str, float | None]:
     twins: list[np.ndarray] | None = None
     for threshold in thresholds:
         name = f"threshold {threshold:g}"
-        config = {"--batching-mode": "step", "--step-cache": "first-block",
-                  "--cache-threshold": threshold}
+        config = {"--batching-mode": "step", "--step-cache": "first-block", "--cache-threshold": threshold}
         with b.servers(name, config) as served:
-            url = served[0][0]
-            before = _rows(url)
+            url = served.urls[0]
+            before = kit.metrics(url)
             result = b.load(served, name, max_concurrency=a.concurrency)
-            after = _rows(url)
+            after = kit.metrics(url)
             images = asyncio.run(_sample(url, a.cache_images, a.steps, a.size))
         f[f"img/s, {name}"] = result["images_per_s"]
-        hit, miss = (after[k] - before[k] for k in ("hit", "miss"))
+        hit, miss = ((kit.total(after, "diffserve_step_cache_rows_total", outcome=k) or 0.0)
+                     - (kit.total(before, "diffserve_step_cache_rows_total", outcome=k) or 0.0)
+                     for k in ("hit", "miss"))
         f[f"rows that hit, {name}"] = hit / (hit + miss) if hit + miss else None
         if twins is None:
             twins = images
@@ -52,7 +52,7 @@ def cache(b: Bench) -> dict[str, float | None]:
     kept = [f[f"img/s, threshold {t:g} / uncached"] for t in thresholds[1:]
             if f.get(f"PSNR min dB, threshold {t:g}", 0) >= QUALITY_DB
             and f.get(f"img/s, threshold {t:g} / uncached") is not None]
-    f[f"best img/s / uncached at PSNR >= {QUALITY_DB:g} dB"] = max(kept) if kept else None
+    f[BEST] = max(kept) if kept else None
     return f
 
 
@@ -61,30 +61,23 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return math.inf if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
 
 
-def _rows(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    counts = {"hit": 0.0, "miss": 0.0}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        if family.name == "diffserve_step_cache_rows":
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    counts[sample.labels["outcome"]] += sample.value
-    return counts
-
-
 async def _sample(url: str, count: int, steps: int | None, size: str | None) -> list[np.ndarray]:
     """``count`` images of fixed prompts and seeds, requested together."""
-    from PIL import Image
-
     extra = {**({"num_inference_steps": steps} if steps else {}), **({"size": size} if size else {})}
-    async with httpx.AsyncClient(timeout=3600) as client:
-        answers = await asyncio.gather(*(client.post(url + "/v1/images/generations", json={
-            "prompt": f"a coloured shape, number {i}", "seed": 7919 * i, **extra})
-            for i in range(count)))
-    images = []
-    for answer in answers:
-        answer.raise_for_status()
-        data = base64.b64decode(answer.json()["data"][0]["b64_json"])
-        images.append(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
-    return images
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as client:
+        async def one(i: int) -> np.ndarray:
+            body = {"prompt": f"a coloured shape, number {i}", "seed": 7919 * i, **extra}
+            async with client.post(url + kit.ENDPOINT, json=body, raise_for_status=True) as response:
+                return kit.decode((await response.json())["data"][0]["b64_json"])
+
+        return await kit.drive(one, count)
+
+
+def cache_args(p) -> None:
+    p.add_argument("--cache-thresholds", type=kit.floats, default=[0.1, 0.3],
+                   help="cache: the thresholds besides 0.")
+    p.add_argument("--cache-images", type=int, default=16,
+                   help="cache: images compared with their uncached twins per threshold.")
+
+
+SCENARIOS = {"cache": Scenario(cache, [(BEST, ">=", 1.4)], cache_args)}

@@ -1,8 +1,11 @@
 """Smoke runs of the tools in benchmarks/, so that they cannot rot.
 
-Each tool runs as a subprocess with absurdly small settings (a few requests, tiny-sd, one or two
-denoising steps, one intra-op thread) and must exit 0 with sane output. These are not
-measurements: nothing here checks a speed.
+Each tool runs with absurdly small settings (a few requests, tiny models, one or two denoising
+steps, one intra-op thread) and must exit 0 with sane output. These are not measurements: nothing
+here checks a speed. The runs that start servers spend most of their time waiting for them to
+load a model on one core, so they are early runs (tests/background.py) that start when collection
+ends and run beside other tests; so are the in-process tools, all in one interpreter (torch
+imports once). A test takes its own run's output with :func:`ran`.
 """
 
 from __future__ import annotations
@@ -23,25 +26,114 @@ from diffserve.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-TOOLS = ["bench_serving.py", "bench_offline.py", "compare.py", "naive_server.py", "bench_batcher.py",
-         "queue_model.py", "bench_lora_forward.py", "spike_padded_forward.py", "bench_startup.py"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
 TINY = ["--model", "tiny-sd", "--steps", "1", "--num-requests", "4", "--warmup", "1", "--concurrency", "4",
-        "--max-batch-size", "4", "--rounds", "1", "--startup-timeout", "120"]
+        "--max-batch-size", "4", "--rounds", "1", "--startup-timeout", "120", "--torch-threads", "1"]
 
 
-@pytest.fixture(scope="module")
-def env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1")
-
-
-def run_tool(tool: str, *args: str, env: dict[str, str], timeout: float = 120,
-             expect_rc: int = 0) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, str(BENCH / tool), *args], env=env, cwd=ROOT,
+def run_tool(tool: str, *args: str, timeout: float = 300, expect_rc: int = 0) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, str(BENCH / tool), *args], env=ENV, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == expect_rc, (
         f"{tool} {' '.join(args)} exited {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n"
         f"--- stderr\n{done.stderr[-3000:]}")
     return done
+
+
+def report(tool: str, name: str, *args: str) -> tuple[dict, str]:
+    """A kit.main tool's run: its <name>.json (checked for the shape every such report has), and
+    its stdout."""
+    out = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    done = run_tool(tool, *args, "--output-dir", str(out))
+    assert "| figure | median |" in done.stdout
+    result = json.loads((out / f"{name}.json").read_text())
+    assert (out / f"{name}.md").read_text().startswith(f"# {name}:")
+    (round_,) = result["rounds"]
+    assert "error" not in round_["figures"]
+    for run in round_["runs"]:
+        assert run["completed"] + run["failed"] == run["config"]["num_prompts"]
+    return result, done.stdout
+
+
+def compare(scenario: str, *extra: str):
+    return lambda: report("compare.py", scenario, scenario, *TINY, *extra)
+
+
+# The in-process tools in one interpreter, in order: (tool, its arguments).
+IN_PROCESS = [
+    ("bench_offline", "--model", "tiny-sd", "--batching-mode", "step", "--batch-sizes", "1,2", "--steps", "1",
+     "--warmup", "0", "--repeats", "1", "--torch-threads", "1"),
+    ("bench_offline", "--model", "tiny-sd", "--batching-mode", "request", "--batch-sizes", "1,2", "--steps", "1",
+     "--warmup", "0", "--repeats", "1", "--torch-threads", "1"),
+    *(("bench_step", what, "--model", "tiny-sd", "--batch-sizes", "1,2", "--steps", "3", "--repeats", "1",
+       "--rounds", "1", "--torch-threads", "1", "--loras", "2") for what in ("host", "quantization", "cache")),
+    ("bench_step", "compile", "--model", "tiny-sd", "--batch-sizes", "1", "--repeats", "1", "--rounds", "1",
+     "--torch-threads", "1"),
+]
+# --compile traced by dynamo's "eager" backend, as the default suite does (inductor's code
+# generation alone takes a minute and a half of CPU here); then each tool's main.
+IN_PROCESS_SCRIPT = """
+import json, sys
+from diffserve.executor.compiled import CompiledBlocks
+CompiledBlocks.__init__.__defaults__ = ("eager",)
+sys.path.insert(0, sys.argv[1])
+for tool, out, *argv in json.loads(sys.argv[2]):
+    print(f"=== {tool} {' '.join(argv)}", flush=True)
+    assert __import__(tool).main([*argv, "--output-file", out]) == 0
+"""
+
+
+def in_process() -> list[dict]:
+    out = Path(tempfile.mkdtemp(prefix="bench-in-process-"))
+    runs = [(tool, str(out / f"{i}.json"), *argv) for i, (tool, *argv) in enumerate(IN_PROCESS)]
+    done = subprocess.run([sys.executable, "-c", IN_PROCESS_SCRIPT, str(BENCH), json.dumps(runs)], env=ENV,
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
+    return [json.loads(Path(out).read_text()) for _, out, *_ in runs]
+
+
+def video() -> dict:
+    out = Path(tempfile.mkdtemp(prefix="bench-video-")) / "video.json"
+    run_tool("bench_video.py", "jobs", "--jobs", "2", "--rounds", "1", "--steps", "2", "--frames", "5",
+             "--torch-threads", "1", "--output-file", str(out))
+    return json.loads(out.read_text())
+
+
+def startup() -> tuple[dict, str]:
+    out = Path(tempfile.mkdtemp(prefix="bench-startup-")) / "startup.json"
+    done = run_tool("bench_startup.py", "--rounds", "1", "--output-file", str(out))
+    return json.loads(out.read_text()), done.stdout
+
+
+# Each early run: (about its seconds alone on this machine: the longest start first; the run).
+RUNS = {
+    "compare scale": (20, compare("scale")),
+    "compare baseline": (15, compare("baseline")),
+    "priorities": (16, lambda: report(
+        "bench_priorities.py", "priorities", "--model", "tiny-sd", "--rounds", "1", "--interactive-steps", "1",
+        "--batch-steps", "2", "--batch-clients", "1", "--interactive-requests", "3", "--alone-requests", "1",
+        "--max-batch-size", "2", "--torch-threads", "1", "--startup-timeout", "120", "--settle-s", "0.2")),
+    "in process": (15, in_process),
+    "compare sizes": (15, compare("sizes", "--sizes", "64x64,32x32", "--sizes-load", "50")),
+    "compare lora": (14, compare("lora", "--lora-counts", "0,2", "--lora-ranks", "4", "--lora-load", "50")),
+    "compare rollout": (12, compare("rollout", "--model", "tiny-flux", "--rollout-prompts", "2", "--rollout-n", "3",
+                                   "--rollout-repeats", "1")),
+    # --tree: the servers run from that checkout (here this one, by its path: the flag's effect
+    # shows in the servers' command environment, and the run must work through it).
+    "compare modes": (12, compare("modes", "--loads", "50,80", "--mixed-steps", "1,2", "--idle-requests", "2",
+                                 "--tree", str(ROOT))),
+    "compare cache": (9, compare("cache", "--cache-thresholds", "0.5", "--cache-images", "2")),
+    "edits": (8, lambda: report("bench_edits.py", "edits", "--model", "tiny-flux-kontext", "--count", "2",
+                                "--rounds", "1", "--steps", "1", "--side", "32", "--torch-threads", "1")),
+    "video": (10, video),
+    "startup": (4, startup),
+}
+for _name, (_weight, _run) in RUNS.items():
+    early(f"bench:{_name}", weight=_weight, run=_run)
+
+
+def ran(name: str):
+    return background.result(f"bench:{name}")
 
 
 @pytest.fixture
@@ -53,42 +145,12 @@ def diffserve_url(own_server):
     assert server.stop() == 0, server.log[-3000:]
 
 
-@pytest.mark.parametrize("tool", TOOLS)
-def test_help(tool, env):
-    assert "usage:" in run_tool(tool, "--help", env=env, timeout=60).stdout
-
-
-def test_bench_batcher(env, tmp_path):
-    out = tmp_path / "batcher.json"
-    done = run_tool("bench_batcher.py", "--cycles", "300", "--repeats", "1", "--backlog-depth", "20,200",
-                    "--mode", "step", "--output-file", str(out), env=env)
-    assert "decisions/s" in done.stdout
-    results = json.loads(out.read_text())["results"]
-    assert [r["scenario"] for r in results] == ["stream", "backlog@20", "backlog@200"]
-    assert all(r["decisions_per_s"] > 0 for r in results)
-
-
-@pytest.mark.parametrize("mode", ["step", "request"])
-def test_bench_offline(env, tmp_path, mode):
-    out = tmp_path / "offline.json"
-    done = run_tool("bench_offline.py", "--model", "tiny-sd", "--batching-mode", mode, "--batch-sizes", "1,2",
-                    "--steps", "1", "--warmup", "0", "--repeats", "1", "--torch-threads", "1",
-                    "--output-file", str(out), env=env)
-    assert "img/s" in done.stdout
-    report = json.loads(out.read_text())
-    assert report["batching_mode"] == mode and report["pipeline_class"] == "StableDiffusionPipeline"
-    assert [r["batch_size"] for r in report["results"]] == [1, 2]
-    assert all(r["images_per_s"] > 0 for r in report["results"])
-    assert (report["width"], report["height"], report["num_inference_steps"]) == (64, 64, 1)
-
-
 @pytest.mark.server("--model", "tiny-sd", "--dynamic-batch-max-size", "2", "--torch-threads", "1",
                     "--log-level", "warning", env={"OMP_NUM_THREADS": "1"})
-def test_bench_serving(env, tmp_path, diffserve_url):
+def test_bench_serving(tmp_path, diffserve_url):
     out = tmp_path / "serving.json"
     done = run_tool("bench_serving.py", "--base-url", diffserve_url, "--num-prompts", "4",
-                    "--max-concurrency", "2", "--steps", "1", "--warmup", "1", "--output-file", str(out),
-                    env=env)
+                    "--max-concurrency", "2", "--steps", "1", "--warmup", "1", "--output-file", str(out))
     assert "Throughput (images/s)" in done.stdout and "IPC, encoding, rest" in done.stdout
     result = json.loads(out.read_text())
     assert (result["completed"], result["failed"], result["images"]) == (4, 0, 4)
@@ -104,7 +166,7 @@ def test_bench_serving(env, tmp_path, diffserve_url):
     # its metrics are counted once).
     done = run_tool("bench_serving.py", "--base-url", f"{diffserve_url},{diffserve_url}/", "--num-requests",
                     "6", "--request-rate", "50", "--mixed-steps", "1,2", "--n", "2", "--warmup", "0",
-                    "--output-file", str(out), env=env)
+                    "--output-file", str(out))
     result = json.loads(out.read_text())
     assert (result["completed"], result["images"]) == (6, 12)
     assert result["server_metrics"]["images_generated"] == 12
@@ -113,159 +175,162 @@ def test_bench_serving(env, tmp_path, diffserve_url):
     assert "1 steps: mean/p50/p99" in done.stdout
 
 
-def test_bench_startup(env, tmp_path):
-    out = tmp_path / "startup.json"
-    done = run_tool("bench_startup.py", "--rounds", "1", "--output-file", str(out), env=env)
-    medians = json.loads(out.read_text())["medians"]
-    assert medians["ready_s"] > 0 and "median" in done.stdout
+def test_bench_serving_reports_unreachable_server():
+    done = run_tool("bench_serving.py", "--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "2",
+                    "--warmup", "1", "--timeout", "5", expect_rc=1)
+    assert "warm-up" in done.stderr
+
+
+def test_bench_batcher(tmp_path):
+    out = tmp_path / "batcher.json"
+    done = run_tool("bench_batcher.py", "--cycles", "300", "--repeats", "1", "--backlog-depth", "20,200",
+                    "--mode", "step", "--output-file", str(out))
+    assert "decisions/s" in done.stdout
+    results = json.loads(out.read_text())["results"]
+    assert [r["scenario"] for r in results] == ["stream", "backlog@20", "backlog@200"]
+    assert all(r["decisions_per_s"] > 0 for r in results)
+
+
+@pytest.mark.early("bench:in process")
+def test_bench_offline():
+    for report_, mode in zip(ran("in process")[:2], ("step", "request")):
+        assert report_["batching_mode"] == mode and report_["pipeline_class"] == "StableDiffusionPipeline"
+        assert [r["batch_size"] for r in report_["results"]] == [1, 2]
+        assert all(r["images_per_s"] > 0 and len(r["times_s"]) == 1 for r in report_["results"])
+        assert (report_["width"], report_["height"], report_["num_inference_steps"]) == (64, 64, 1)
+
+
+@pytest.mark.early("bench:in process")
+def test_bench_step():
+    host, quantization, cache, compiled = (r["results"] for r in ran("in process")[2:])
+    assert [(r["batch"], r["rows"], r["loras"]) for r in host] == [(1, 2, 0), (2, 4, 0), (1, 2, 2), (2, 4, 2)]
+    assert all(0 < r["host ms"] < r["forward ms"] and r["target ms (1.5 + 0.03 x rows)"] > 0 for r in host)
+    assert [r["quantization"] for r in quantization] == ["none", "int8-weight-only"]
+    for r in quantization:
+        assert 0 < r["denoiser weights MB"] <= r["denoiser weights MB unquantized"]
+        assert r["step ms, batch 1"] > 0 and r["step ms, batch 2"] > 0
+    assert quantization[1]["denoiser weights MB"] < quantization[0]["denoiser weights MB"]
+    assert [r["batch"] for r in cache] == [1, 2] and all(r["ceiling (all hit)"] > 0 for r in cache)
+    (bucket, counts) = compiled
+    assert bucket["batch"] == 1 and bucket["eager step ms"] > 0 and bucket["compiled step ms"] > 0
+    assert counts["graphs compiled while measuring"] == 0  # the buckets compiled before the timed steps
+
+
+@pytest.mark.early("bench:startup")
+def test_bench_startup():
+    result, stdout = ran("startup")
+    medians = result["summary"]["medians"]
+    assert medians["ready_s"] > 0 and "| ready_s |" in stdout
     assert medians["diffserve::executor-0 cpu_s"] > medians["diffserve::scheduler cpu_s"] > 0
     assert medians["diffserve::frontend cpu_s"] > 0
 
 
-def test_bench_serving_reports_unreachable_server(env):
-    done = run_tool("bench_serving.py", "--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "2",
-                    "--warmup", "1", "--timeout", "5", env=env, expect_rc=1)
-    assert "warm-up" in done.stderr
+@pytest.mark.early("bench:priorities")
+def test_bench_priorities():
+    result, _ = ran("priorities")
+    medians = result["summary"]["medians"]
+    assert medians["capacity req/s"] > 0 and medians["alone s"] > 0
+    for policy in ("fcfs", "priority"):
+        assert 0 < medians[f"interactive p50 s, {policy}"] <= medians[f"interactive p99 s, {policy}"]
+        assert medians[f"batch img/s, {policy}"] > 0 and medians[f"{policy} interactive p99 / alone"] > 0
+    assert medians["images checked"] >= 1 and medians["worst pixel diff"] <= 2 and medians["preemptions"] >= 0
 
 
-# Each compare.py run below, by test: the scenario, then its options.
-COMPARES = {
-    "test_compare_modes": ("modes", "--torch-threads", "1", "--loads", "50,80", "--mixed-steps",
-                           "1,2", "--idle-requests", "2"),
-    # --tree: the servers run from that checkout (here this one, by its path: the flag's effect
-    # shows in the servers' command environment, and the run must work through it).
-    "test_compare_overhead_against_another_checkout": (
-        "overhead", "--torch-threads", "1", "--idle-requests", "2", "--tree", str(ROOT)),
-    "test_compare_scale": ("scale",),
-    "test_compare_baseline": ("baseline", "--torch-threads", "1"),
-    "test_compare_lora": ("lora", "--torch-threads", "1", "--lora-counts", "0,2", "--lora-ranks",
-                          "4", "--lora-load", "50"),
-    "test_compare_sizes_against_an_earlier_checkout": (
-        "sizes", "--torch-threads", "1", "--sizes", "64x64,32x32", "--before-tree", str(ROOT),
-        "--sizes-load", "50"),
-    "test_compare_rollout": ("rollout", "--model", "tiny-flux", "--torch-threads", "1",
-                             "--rollout-prompts", "2", "--rollout-n", "3", "--rollout-repeats", "1"),
-}
-# The servers each scenario starts one after another (executors counted): the longest go first.
-SERVER_STARTS = {"scale": 5, "sizes": 3, "baseline": 3, "lora": 2, "rollout": 2, "modes": 2,
-                 "overhead": 2}
+@pytest.mark.early("bench:edits")
+def test_bench_edits():
+    result, _ = ran("edits")
+    medians = result["summary"]["medians"]
+    assert medians["one at a time s"] > 0 and medians["at once s"] > 0
+    assert medians["speed-up, at once / one at a time"] > 0 and medians["worst pixel diff"] <= 2
 
 
-def _declare_compares() -> None:
-    """Each compare.py run above as an early run (tests/background.py): it spends most of its
-    time starting servers one after another (one core each), so it runs beside other tests. A
-    test takes its own with :func:`compared`."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for name, (scenario, *extra) in COMPARES.items():
-        def run(scenario=scenario, extra=tuple(extra)):
-            out = Path(tempfile.mkdtemp(prefix=f"compare-{scenario}-"))
-            return run_compare(scenario, out, *extra, env=env)
-        early(f"compare:{name}", weight=SERVER_STARTS[scenario], run=run)
+@pytest.mark.early("bench:video")
+def test_bench_video():
+    result = ran("video")
+    assert result["jobs_per_s"]["concurrent"] > 0 and result["jobs_per_s"]["sequential"] > 0
+    assert len(result["rounds"]["concurrent"]) == 1 and result["ratio"] > 0
+    assert result["worst_mp4_psnr_db"] > 20 and result["worst_engine_diff"] <= 2
 
 
-_declare_compares()
-
-
-def compared(request) -> tuple[dict, Path]:
-    """The calling test's compare.py run, checked by :func:`run_compare`: (report, its directory)."""
-    return background.result(f"compare:{request.node.originalname}")
-
-
-def run_compare(scenario: str, out: Path, *extra: str, env: dict[str, str]) -> tuple[dict, Path]:
-    done = run_tool("compare.py", scenario, *TINY, *extra, "--output-dir", str(out), env=env, timeout=300)
-    assert "| figure | median |" in done.stdout
-    report = json.loads((out / f"{scenario}.json").read_text())
-    assert (out / f"{scenario}.md").read_text().startswith(f"# {scenario}:")
-    (round_,) = report["rounds"]
-    assert "error" not in round_["figures"]
-    for run in round_["runs"]:
-        assert run["completed"] + run["failed"] == run["config"]["num_prompts"]
-    return report, out
-
-
-@pytest.mark.early("compare:test_compare_modes")
-def test_compare_modes(request):
-    report, out = compared(request)
-    medians = report["summary"]["medians"]
+@pytest.mark.early("bench:compare modes")
+def test_compare_modes():
+    result, _ = ran("compare modes")
+    medians = result["summary"]["medians"]
     for mode in ("step", "request"):
         assert medians[f"saturated img/s, {mode}"] > 0
         assert medians[f"p99 ms @80%, {mode}"] >= medians[f"p50 ms @80%, {mode}"] > 0
-        assert f"idle overhead ms, {mode}" in medians
+        assert medians[f"short mean ms (mixed), {mode}"] > 0 and f"idle overhead ms, {mode}" in medians
     assert medians["saturated img/s, step/request"] > 0
-    assert set(report["summary"]["verdicts"]) == {t["figure"] for t in report["targets"]}
-    labels = [run["label"] for run in report["rounds"][0]["runs"]]
+    labels = [run["label"] for run in result["rounds"][0]["runs"]]
     assert labels[:5] == ["request saturated", "request 50%", "request 80%", "request mixed", "request idle"]
-    assert all(run["failed"] == 0 for run in report["rounds"][0]["runs"])
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return
-    assert (out / "modes.png").stat().st_size > 0
+    assert all(run["failed"] == 0 for run in result["rounds"][0]["runs"])
+    assert result["config"]["tree"] == str(ROOT)
 
 
-@pytest.mark.early("compare:test_compare_overhead_against_another_checkout")
-def test_compare_overhead_against_another_checkout(request):
-    report, _ = compared(request)
-    medians = report["summary"]["medians"]
-    for mode in ("step", "request"):
-        assert medians[f"saturated img/s, {mode}"] > 0 and f"idle overhead ms, {mode}" in medians
-    assert report["config"]["tree"] == str(ROOT)
-
-
-@pytest.mark.early("compare:test_compare_scale")
-def test_compare_scale(request):
-    report, _ = compared(request)
-    runs = {run["label"]: run for run in report["rounds"][0]["runs"]}
+@pytest.mark.early("bench:compare scale")
+def test_compare_scale():
+    result, _ = ran("compare scale")
+    runs = {run["label"]: run for run in result["rounds"][0]["runs"]}
     assert runs["dp2 x 1 thread"]["server_metrics"]["executors"] == 2
     pair = runs["2 servers x 1 thread, round-robin"]
     assert len(set(pair["base_urls"])) == 2 and pair["server_metrics"]["executors"] == 2
     assert pair["server_metrics"]["images_generated"] == 4
     assert all(run["failed"] == 0 for run in runs.values())
-    assert all(v is not None and v > 0 for v in report["summary"]["medians"].values())
+    assert all(v is not None and v > 0 for v in result["summary"]["medians"].values())
 
 
-@pytest.mark.early("compare:test_compare_baseline")
-def test_compare_baseline(request):
-    report, _ = compared(request)
-    runs = {run["label"]: run for run in report["rounds"][0]["runs"]}
+@pytest.mark.early("bench:compare baseline")
+def test_compare_baseline():
+    result, _ = ran("compare baseline")
+    runs = {run["label"]: run for run in result["rounds"][0]["runs"]}
     assert runs["max batch 1"]["server_metrics"]["mean_batch_size"] == 1
     assert runs["naive"]["server_metrics"] is None  # the baseline has no /metrics
     assert runs["naive"]["completed"] >= 1  # it may fail a request now and then (shared tokenizers)
-    assert report["summary"]["medians"]["img/s, diffserve/naive"] > 0
+    assert result["summary"]["medians"]["img/s, diffserve/naive"] > 0
 
 
-@pytest.mark.early("compare:test_compare_lora")
-def test_compare_lora(request):
-    report, _ = compared(request)
-    medians = report["summary"]["medians"]
+@pytest.mark.early("bench:compare lora")
+def test_compare_lora():
+    result, _ = ran("compare lora")
+    medians = result["summary"]["medians"]
     assert medians["saturated img/s, 2 adapters, step, rank 4"] > 0
     assert medians["saturated img/s, 2 adapters / none, rank 4"] > 0
     assert medians["p99 ms @50%, 2 adapters, rank 4"] > 0
-    runs = {run["label"]: run for run in report["rounds"][0]["runs"]}
+    runs = {run["label"]: run for run in result["rounds"][0]["runs"]}
     assert runs["step k=2 rank 4 saturated"]["config"]["models"] == ["L0", "L1"]
     assert all(run["failed"] == 0 for run in runs.values())
 
 
-@pytest.mark.early("compare:test_compare_sizes_against_an_earlier_checkout")
-def test_compare_sizes_against_an_earlier_checkout(request):
-    report, _ = compared(request)
-    medians = report["summary"]["medians"]
-    for figure in ("p99 ms size 1 (64x64), step", "p99 ms size 2 (32x32), step before",
-                   "p99 ms size 2 (32x32) alone", "p99 ms rare alone", "images per forward, uniform",
-                   "saturated img/s mixed, request"):
+@pytest.mark.early("bench:compare sizes")
+def test_compare_sizes():
+    result, _ = ran("compare sizes")
+    medians = result["summary"]["medians"]
+    for figure in ("p99 ms size 1 (64x64), step", "p50 ms size 2 (32x32), request", "p99 ms size 2 (32x32) alone",
+                   "p99 ms rare alone", "images per forward, uniform", "saturated img/s mixed, request",
+                   "saturated img/s mixed, step / request"):
         assert medians[figure] > 0, figure
-    labels = [run["label"] for run in report["rounds"][0]["runs"]]
-    assert labels[0] == "request saturated mixed" and "step before mixed @50%" in labels
-    assert set(report["summary"]["verdicts"]) == {t["figure"] for t in report["targets"]}
+    labels = [run["label"] for run in result["rounds"][0]["runs"]]
+    assert labels[:2] == ["request saturated mixed", "request mixed @50%"] and "step 90/10" in labels
 
 
-@pytest.mark.early("compare:test_compare_rollout")
-def test_compare_rollout(request):
-    report, _ = compared(request)
-    medians = report["summary"]["medians"]
+@pytest.mark.early("bench:compare rollout")
+def test_compare_rollout():
+    result, _ = ran("compare rollout")
+    medians = result["summary"]["medians"]
     for layout in ("groups, step", "singles, step", "groups, request"):
         assert medians[f"samples/s, {layout}"] > 0
         assert medians[f"last sample of a group ms, {layout}"] > 0
-    runs = {run["label"]: run for run in report["rounds"][0]["runs"]}
+    runs = {run["label"]: run for run in result["rounds"][0]["runs"]}
     assert runs["singles, step"]["completed"] == 6 and runs["groups, request"]["failed"] == 0
-    assert set(report["summary"]["verdicts"]) == {t["figure"] for t in report["targets"]}
+
+
+@pytest.mark.early("bench:compare cache")
+def test_compare_cache():
+    result, _ = ran("compare cache")
+    medians = result["summary"]["medians"]
+    for threshold in ("0", "0.5"):
+        assert medians[f"img/s, threshold {threshold}"] > 0
+        assert 0 <= medians[f"rows that hit, threshold {threshold}"] <= 1
+    assert medians["rows that hit, threshold 0"] == 0  # threshold 0 never reuses
+    assert medians["PSNR min dB, threshold 0.5"] > 20 and medians["img/s, threshold 0.5 / uncached"] > 0
+    assert "best img/s / uncached at PSNR >= 30 dB" in medians

@@ -1,0 +1,572 @@
+"""What the tools in benchmarks/ share, so that each tool is only its scenario: the shared
+arguments (:func:`parser`), servers started with diffserve's launcher and loaded (:func:`server`,
+:class:`Bench`), the OpenAI images API under a closed loop or Poisson arrivals with latency
+percentiles and the servers' /metrics delta (:func:`run_load`), medians over rounds with target
+verdicts (:func:`main`, :func:`report`), and the plain pipeline alone (:func:`reference`).
+
+A server-load scenario is a function of a :class:`Bench` that returns one round's figures::
+
+    def dp2(b: kit.Bench) -> dict:
+        with b.servers("dp2", {"--data-parallel-size": 2}) as served:
+            run = b.load(served, "dp2 saturated", max_concurrency=b.args.concurrency)
+        return {"img/s, dp2": run["images_per_s"]}
+
+    if __name__ == "__main__":
+        sys.exit(kit.main(__doc__, {"dp2": kit.Scenario(dp2, [("img/s, dp2", ">=", 10.0)])},
+                          num_requests=64, concurrency=16, warmup=2))
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import functools
+import io
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import aiohttp
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from diffserve.launcher import LaunchError, ServerProcess, free_port
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(1, str(HERE.parent))  # tools/ (random LoRA adapters)
+
+# -- arguments and output ------------------------------------------------------------------------
+
+
+def csv(kind: Callable[[str], Any] = str) -> Callable[[str], list]:
+    """An argument type: a comma-separated list of ``kind``."""
+    return lambda text: [kind(v.strip()) for v in text.split(",") if v.strip()]
+
+
+def count(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
+    return int(text)
+
+
+ints, floats, names, counts = csv(int), csv(float), csv(str), csv(count)
+
+ARGS = {  # the shared arguments: name -> (type, help[, choices]); a tool names those it takes
+    "model": (str, "Embedded model, pipeline directory or hub id."),
+    "size": (str, '"WIDTHxHEIGHT" (None: the model\'s).'),
+    "steps": (int, "num_inference_steps (None: the model's)."),
+    "num_requests": (count, "Requests per measurement."),
+    "concurrency": (count, "Closed-loop concurrency (saturation)."),
+    "warmup": (int, "Untimed requests per server (or runs) first."),
+    "repeats": (int, "Timed runs per measurement."),
+    "rounds": (count, "Rounds, each with fresh servers (or state); figures are their medians."),
+    "batch_sizes": (ints, "Comma-separated images per batch."),
+    "torch_threads": (int, "torch intra-op threads per executor (0: torch's default)."),
+    "max_batch_size": (int, "Most images in a batch (the servers' --dynamic-batch-max-size)."),
+    "batch_delay_ms": (float, "The servers' --dynamic-batch-delay-ms."),
+    "batching_mode": (str, "The servers' --batching-mode (None: theirs).", ("auto", "step", "request")),
+    "set_policy": (str, "The servers' --set-policy (step mode: which running set a step advances)."),
+    "scheduling_policy": (str, "The servers' --scheduling-policy."),
+    "tree": (str, "Run the servers from this checkout of the project instead of the installed one "
+                  "(e.g. a worktree of an earlier commit)."),
+    "startup_timeout": (float, "Longest server start, s."),
+    "output_file": (str, "Write the results as JSON here."),
+    "output_dir": (str, "JSON, markdown and server logs (None: benchmarks/results/<scenario>-<time>)."),
+}
+# Of those, the server flags: each server a Bench starts gets the ones its tool takes.
+SERVER_FLAGS = {"model": "--model", "torch_threads": "--torch-threads", "max_batch_size": "--dynamic-batch-max-size",
+                "batch_delay_ms": "--dynamic-batch-delay-ms", "batching_mode": "--batching-mode",
+                "set_policy": "--set-policy", "scheduling_policy": "--scheduling-policy"}
+
+
+def parser(doc: str, **defaults) -> argparse.ArgumentParser:
+    """A tool's parser, described by the first paragraph of ``doc``, with the shared arguments
+    named in ``defaults`` at the tool's defaults."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for name, default in defaults.items():
+        kind, text, *choices = ARGS[name]
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text,
+                       choices=choices[0] if choices else None)
+    return p
+
+
+def write_json(path: str | Path | None, data: Any) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def machine() -> dict:
+    """What a figure was measured on (the load average says how busy the machine was)."""
+    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()}
+
+
+def prompts() -> list[str]:
+    lines = (line.strip() for line in (HERE / "prompts.txt").read_text(encoding="utf-8").splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+# -- figures -------------------------------------------------------------------------------------
+
+Target = tuple[str, str, float]  # (figure, ">=" or "<=", bound)
+
+
+def median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
+
+
+def judge(value: float | None, op: str, bound: float) -> bool | None:
+    """True (met), False (missed) or None (not measured)."""
+    return None if value is None else (value >= bound if op == ">=" else value <= bound)
+
+
+def summarize(rounds: list[dict[str, float | None]], targets: list[Target] = ()) -> dict:
+    """Medians over rounds of every figure (a ratio is taken within its round, so a machine whose
+    speed drifts between rounds moves it less), and each target's verdict on its median."""
+    by_round = {name: [r.get(name) for r in rounds] for name in dict.fromkeys(n for r in rounds for n in r)}
+    medians = {name: median(values) for name, values in by_round.items()}
+    return {"medians": medians, "by_round": by_round,
+            "verdicts": {name: judge(medians.get(name), op, bound) for name, op, bound in targets}}
+
+
+def format_table(summary: dict, targets: list[Target] = ()) -> str:
+    bounds = {name: f"{op} {bound:g}" for name, op, bound in targets}
+    word = {True: "met", False: "**MISSED**", None: "not measured"}
+    num = lambda v: "n/a" if v is None else f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"  # noqa: E731
+    rows = ["| figure | median | by round | target | verdict |", "| --- | --- | --- | --- | --- |"]
+    rows += [f"| {name} | {num(value)} | {', '.join(num(v) for v in summary['by_round'][name])} | "
+             f"{bounds.get(name, '')} | {word[summary['verdicts'][name]] if name in bounds else ''} |"
+             for name, value in summary["medians"].items()]
+    rows += [f"| {name} | n/a | | {bounds[name]} | not measured |" for name in bounds
+             if name not in summary["medians"]]
+    return "\n".join(rows)
+
+
+def report(name: str, rounds: list[dict], args: argparse.Namespace, targets: list[Target] = (),
+           figures: Callable[[dict], dict] = lambda r: r) -> dict:
+    """The summary of ``rounds`` (``figures`` picks a round's figures), printed as a table and
+    written to the tool's ``--output-file``."""
+    summary = summarize([{k: v for k, v in figures(r).items() if k != "error"} for r in rounds], targets)
+    result = {"scenario": name, "config": vars(args), "machine": machine(), "summary": summary,
+              "targets": [{"figure": f, "op": op, "bound": bound, "met": summary["verdicts"][f]}
+                          for f, op, bound in targets], "rounds": rounds}
+    print("\n" + format_table(summary, targets))
+    write_json(getattr(args, "output_file", None), result)
+    return result
+
+
+# -- servers -------------------------------------------------------------------------------------
+
+
+def server(*flags: object, log: str | Path | None = None, name: str = "diffserve", tree: str | None = None,
+           env: dict[str, str] | None = None, startup_timeout: float = 600.0) -> ServerProcess:
+    """``diffserve serve *flags`` on a free port, its output in ``log`` (by default a fresh
+    temporary file); ``with`` starts it, waits for /health and always stops it. ``tree``: that
+    checkout's diffserve, not this one's."""
+    log = log or Path(tempfile.mkdtemp(prefix="diffserve-bench-")) / "server.log"
+    env = {**(env or {}), **({"PYTHONPATH": str(Path(tree).resolve())} if tree else {})}
+    return ServerProcess.diffserve(*map(str, flags), log_path=log, name=name, env=env,
+                                   startup_timeout_s=startup_timeout)
+
+
+class Served(NamedTuple):
+    urls: list[str]
+    ours: bool  # all diffserve (the naive baseline's failures are its own)
+
+
+class Bench:
+    """One round of a scenario: starts servers, loads them and keeps every result in ``runs``;
+    ``failed`` once a diffserve server failed a request (or the scenario says so)."""
+
+    def __init__(self, args: argparse.Namespace, out_dir: Path, round_index: int = 1) -> None:
+        self.args, self.out_dir, self.round = args, out_dir, round_index
+        self.runs: list[dict] = []
+        self.failed = False
+
+    def serve_args(self, overrides: dict[str, object]) -> list[str]:
+        """The shared server flags of the tool, then ``overrides`` (a list: several values)."""
+        opts = {"--log-level": "warning", **{flag: v for name, flag in SERVER_FLAGS.items()
+                                             if (v := getattr(self.args, name, None)) is not None}, **overrides}
+        return [str(s) for flag, v in opts.items() for s in (flag, *(v if isinstance(v, (list, tuple)) else [v]))]
+
+    @contextlib.contextmanager
+    def servers(self, name: str, *configs: dict | None):
+        """One server per config (None: the naive baseline), started side by side; yields
+        :class:`Served`."""
+        a, procs = self.args, []
+        for i, overrides in enumerate(configs):
+            log = self.out_dir / "logs" / f"r{self.round}-{name.replace(' ', '_').replace('/', '_')}-{i}.log"
+            if overrides is None:
+                port = free_port()
+                procs.append(ServerProcess(
+                    [sys.executable, str(HERE / "naive_server.py"), "--model", a.model, "--port", str(port)], port,
+                    log, env={"OMP_NUM_THREADS": str(a.torch_threads or os.cpu_count())}, name=name,
+                    startup_timeout_s=a.startup_timeout))
+            else:
+                procs.append(server(*self.serve_args(overrides), log=log, name=name, tree=getattr(a, "tree", None),
+                                    startup_timeout=a.startup_timeout))
+        with contextlib.ExitStack() as stack:
+            for proc in procs:
+                stack.callback(proc.stop)
+                proc.launch()
+            for proc in procs:
+                proc.wait_ready()
+            print(f"[{name}] ready after {max(p.startup_s for p in procs):.1f} s", flush=True)
+            yield Served([proc.url for proc in procs], all(c is not None for c in configs))
+
+    def load(self, served: Served, label: str, **overrides) -> dict:
+        """:func:`run_load` on ``served``: the tool's --num-requests, --size, --steps and --warmup,
+        the round as the seed, ``overrides`` over them."""
+        a = self.args
+        result = asyncio.run(run_load(Load(**{
+            "base_urls": served.urls, "num_prompts": a.num_requests, "size": a.size, "steps": a.steps,
+            "seed": self.round, "warmup": a.warmup, "label": label, **overrides})))
+        result["round"] = self.round
+        self.runs.append(result)
+        self.failed |= bool(result["failed"]) and served.ours
+        lat = result["latency_s"]
+        print(f"[{label}] {result['images_per_s']:.2f} img/s, p50 {ms(lat['p50']) or 0:.0f} ms, "
+              f"p99 {ms(lat['p99']) or 0:.0f} ms, failed {result['failed']}", flush=True)
+        return result
+
+
+@dataclass
+class Scenario:
+    run: Callable[[Bench], dict[str, float | None]]  # one round's figures
+    targets: list[Target] = field(default_factory=list)
+    args: Callable[[argparse.ArgumentParser], None] = lambda p: None  # its own arguments
+    after: Callable[[dict, argparse.Namespace, Path, str], None] = lambda *_: None  # e.g. a plot
+
+
+def main(doc: str, scenarios: dict[str, Scenario], argv: list[str] | None = None, **shared) -> int:
+    """A server-load tool: its scenario (named first on the command line where it has several)
+    over --rounds rounds of fresh servers; the rounds, medians and verdicts go to <scenario>.json
+    and <scenario>.md in --output-dir. ``shared``: the shared arguments the tool takes."""
+    from diffserve.config import DEFAULT_MODEL
+    from diffserve.models.registry import resolve_model, serving_defaults
+
+    p = parser(doc, **{"model": DEFAULT_MODEL, "rounds": 1, "startup_timeout": 600.0, "output_dir": None,
+                       "output_file": None, **shared})
+    if len(scenarios) > 1:
+        p.add_argument("scenario", choices=scenarios)
+    for scenario in scenarios.values():
+        scenario.args(p)
+    args = p.parse_args(argv)
+    name = getattr(args, "scenario", next(iter(scenarios)))
+    # Built once here rather than by several servers at once; the steps a request runs by default.
+    args.default_steps = int(serving_defaults(resolve_model(args.model)).get("num_inference_steps", 20))
+    out_dir = Path(args.output_dir or HERE / "results" / time.strftime(f"{name}-%Y%m%d-%H%M%S"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scenario, rounds, failed = scenarios[name], [], False
+    for index in range(1, args.rounds + 1):
+        print(f"=== {name}, round {index}/{args.rounds}", flush=True)
+        bench = Bench(args, out_dir, index)
+        try:
+            figures = scenario.run(bench)
+        except (LaunchError, RuntimeError, OSError) as error:
+            print(f"round {index} failed: {error}", file=sys.stderr)
+            figures, bench.failed = {"error": str(error)}, True
+        failed |= bench.failed
+        rounds.append({"figures": figures, "runs": bench.runs})
+    result = report(name, rounds, args, scenario.targets, lambda r: r["figures"])
+    title = ", ".join(part for part in (
+        f"{name}: {args.model}", hasattr(args, "steps") and f"steps {args.steps or args.default_steps}",
+        hasattr(args, "num_requests") and f"{args.num_requests} requests/measurement", f"{args.rounds} round(s)") if part)
+    write_json(out_dir / f"{name}.json", result)
+    (out_dir / f"{name}.md").write_text(f"# {title}\n\n{format_table(result['summary'], scenario.targets)}\n")
+    scenario.after(result["summary"], args, out_dir, title)
+    print(f"results: {out_dir / (name + '.json')}")
+    return 1 if failed else 0
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+ENDPOINT = "/v1/images/generations"
+
+
+@dataclass
+class Load:
+    """A load on the OpenAI images API; its fields are a run's JSON ``config``."""
+
+    base_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])  # round-robin
+    num_prompts: int = 200
+    max_concurrency: int | None = None  # None: no limit
+    request_rate: float = math.inf  # of Poisson arrivals, requests/s; inf: all at once
+    size: str | None = None
+    steps: int | None = None
+    mixed_steps: list[int] | None = None  # each request draws its steps from these (seeded)
+    sizes: list[str] | None = None  # mixed: in turn, or drawn with size_weights (seeded)
+    size_weights: list[float] | None = None
+    models: list[str] | None = None  # `model` of request i: models[i % len] (e.g. LoRA adapters)
+    n: int = 1
+    seed: int = 0
+    warmup: int = 2  # per base URL
+    output_format: str | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 600.0
+    label: str | None = None
+
+
+def payloads(cfg: Load, total: int, rng: random.Random) -> list[dict[str, Any]]:
+    """``total`` request bodies: prompts from prompts.txt (shuffled, cycled), distinct seeds (n
+    from each), and each one's steps and size, drawn with ``rng`` where they are mixed."""
+    pool, chosen, bodies = prompts(), [], []
+    while len(chosen) < total:
+        chosen += rng.sample(pool, len(pool))
+    for i, prompt in enumerate(chosen[:total]):
+        size = cfg.sizes[i % len(cfg.sizes)] if cfg.sizes else cfg.size
+        if cfg.sizes and cfg.size_weights:
+            size = rng.choices(cfg.sizes, cfg.size_weights)[0]
+        body = {"prompt": prompt, "n": cfg.n, "seed": cfg.seed * 1_000_003 % 2**31 + i * cfg.n,
+                "num_inference_steps": rng.choice(cfg.mixed_steps) if cfg.mixed_steps else cfg.steps,
+                "size": size, "output_format": cfg.output_format,
+                "model": cfg.models[i % len(cfg.models)] if cfg.models else None}
+        bodies.append({**{k: v for k, v in body.items() if v is not None}, **cfg.extra_body})
+    return bodies
+
+
+async def send(client: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    """One request: {ok, latency_s, images, error}. Latency ends with the body read and parsed."""
+    start = time.perf_counter()
+    try:
+        async with client.post(url + ENDPOINT, json=body) as response:
+            raw, status = await response.read(), response.status
+        if status != 200:
+            images, error = 0, f"HTTP {status}: {raw[:300].decode('utf-8', 'replace')}"
+        else:
+            images = sum(1 for d in json.loads(raw).get("data") or [] if d.get("b64_json") or d.get("url"))
+            error = None if images == body["n"] else f"expected {body['n']} images, got {images}"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        images, error = 0, f"{type(e).__name__}: {e}"[:200]
+    return {"ok": error is None, "latency_s": time.perf_counter() - start, "images": images, "error": error}
+
+
+async def drive(one: Callable[[int], Any], total: int, rate: float = math.inf, concurrency: int | None = None,
+                rng: random.Random | None = None) -> list:
+    """``await one(i)`` for i < total at Poisson arrivals of ``rate``/s drawn from ``rng`` (the
+    first at once; inf: all at once), at most ``concurrency`` in flight (a closed loop): the
+    results in order. The wait for a free slot is not in ``one``'s time."""
+    arrivals = [0.0] * total
+    if not math.isinf(rate):
+        arrivals = list(np.cumsum([0.0] + [rng.expovariate(rate) for _ in range(total - 1)]))
+    limit = asyncio.Semaphore(concurrency or max(total, 1))
+
+    async def gated(i: int):
+        async with limit:
+            return await one(i)
+
+    start, tasks = time.perf_counter(), []
+    for i, at in enumerate(arrivals):
+        if (delay := start + at - time.perf_counter()) > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(gated(i)))
+    return list(await asyncio.gather(*tasks))
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return dict.fromkeys(("count", "mean", "p50", "p90", "p99", "max"))
+    a = np.asarray(values)
+    return {"count": len(values), "mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)},
+            "max": float(a.max())}
+
+
+async def run_load(cfg: Load) -> dict[str, Any]:
+    """A warm-up, then ``cfg``: throughput, latency (overall, per step count and per size) and
+    the servers' /metrics delta."""
+    if cfg.num_prompts < 1 or (cfg.max_concurrency or 1) < 1 or not cfg.request_rate > 0:
+        raise ValueError("num_prompts and max_concurrency must be >= 1 and request_rate > 0")
+    urls, rng = [u.rstrip("/") for u in cfg.base_urls], random.Random(cfg.seed)
+    warm = payloads(cfg, cfg.warmup * len(urls), random.Random(cfg.seed - 1))
+    bodies = payloads(cfg, cfg.num_prompts, rng)
+    slots = min(cfg.max_concurrency or len(bodies), len(bodies))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=slots + 4),
+                                     timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as client:
+        if warm:
+            done = await drive(lambda i: send(client, urls[i % len(urls)], warm[i]), len(warm), concurrency=slots)
+            if not any(o["ok"] for o in done):
+                raise RuntimeError(f"every warm-up request failed; first error: {done[0]['error']}")
+        before, start = await fetch_metrics(client, urls), time.perf_counter()
+        outcomes = await drive(lambda i: send(client, urls[i % len(urls)], bodies[i]), len(bodies),
+                               cfg.request_rate, cfg.max_concurrency, rng)
+        duration = time.perf_counter() - start
+        after = await fetch_metrics(client, urls)
+    ok = [(b, o) for b, o in zip(bodies, outcomes) if o["ok"]]
+    of = lambda key, value: percentiles([o["latency_s"] for b, o in ok if b.get(key) == value])  # noqa: E731
+    latency, images = percentiles([o["latency_s"] for _, o in ok]), sum(o["images"] for _, o in ok)
+    return {"label": cfg.label, "base_urls": urls, "duration_s": duration,
+            "config": {**asdict(cfg), "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate},
+            "completed": len(ok), "failed": len(outcomes) - len(ok), "images": images,
+            "requests_per_s": len(ok) / duration, "images_per_s": images / duration, "latency_s": latency,
+            "latency_by_steps_s": {str(k): of("num_inference_steps", k) for k in sorted(set(cfg.mixed_steps or []))},
+            "latency_by_size_s": {size: of("size", size) for size in dict.fromkeys(cfg.sizes or [])},
+            "latencies_s": [round(o["latency_s"], 6) for _, o in ok],
+            "errors": dict(Counter(o["error"] for o in outcomes if not o["ok"])),
+            "server_metrics": metrics_delta(before, after, duration, latency["mean"])}
+
+
+def decode(b64: str) -> np.ndarray:
+    """An answer's image (``b64_json``) as RGB pixels."""
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+# -- /metrics ------------------------------------------------------------------------------------
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (name, sorted labels) -> value
+# Not a metric of the server's: the executors of the servers read, each counted once. Every
+# executor's series exist from start-up, so counting them does not depend on whether an executor
+# had finished loading when the snapshot was taken (summing its readiness would).
+EXECUTORS = ("executors", ())
+
+
+def parse_metrics(text: str, into: Samples | None = None) -> Samples:
+    """Every sample of the exposition ``text``, added to ``into`` (a sum over servers)."""
+    samples, executors = {} if into is None else into, set()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            samples[key] = samples.get(key, 0.0) + s.value
+            if s.name == "diffserve_executor_ready":
+                executors.add(s.labels.get("executor"))
+    samples[EXECUTORS] = samples.get(EXECUTORS, 0.0) + len(executors)
+    return samples
+
+
+def total(samples: Samples, name: str, **match: str) -> float | None:
+    """Sum of the samples of ``name`` whose labels include ``match``; None if there are none."""
+    values = [v for (n, labels), v in samples.items() if n == name and all(kv in labels for kv in match.items())]
+    return sum(values) if values else None
+
+
+def metrics(url: str) -> Samples:
+    """One server's /metrics now."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as response:
+        return parse_metrics(response.read().decode())
+
+
+async def fetch_metrics(client: aiohttp.ClientSession, base_urls: list[str]) -> Samples | None:
+    """diffserve's metrics summed over ``base_urls`` (each counted once); None if any of them
+    has no diffserve /metrics."""
+    async def one(url: str) -> str | None:
+        try:
+            async with client.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
+                text = await response.text()
+                return text if response.status == 200 and "diffserve_batch_size" in text else None
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+
+    texts = await asyncio.gather(*(one(url.rstrip("/")) for url in dict.fromkeys(base_urls)))
+    if any(text is None for text in texts):
+        return None
+    samples: Samples = {}
+    for text in texts:
+        parse_metrics(text, samples)
+    return samples
+
+
+def metrics_delta(before: Samples | None, after: Samples | None, duration_s: float,
+                  client_mean_latency_s: float | None = None) -> dict | None:
+    """What the servers did between two snapshots ``duration_s`` apart, and where a request's
+    time went given the client's mean latency."""
+    if before is None or after is None:
+        return None
+
+    def change(name: str, **match: str) -> float | None:
+        a = total(after, name, **match)
+        return None if a is None else a - (total(before, name, **match) or 0.0)
+
+    def mean(name: str) -> float | None:
+        s, n = change(name + "_sum"), change(name + "_count")
+        return s / n if s is not None and n else None
+
+    def by_label(name: str, label: str) -> dict[str, float]:
+        """The nonzero changes of ``name`` per value of ``label``."""
+        values = sorted({dict(labels).get(label) for n, labels in after if n == name} - {None})
+        return {v: d for v in values if (d := change(name, **{label: v}))}
+
+    executors, busy = after.get(EXECUTORS) or 1.0, change("diffserve_executor_busy_seconds_total")
+    d = {"batching_mode": ",".join(sorted(dict(labels)["mode"] for (n, labels), v in after.items()
+                                          if n == "diffserve_batching_mode" and v)),
+         "executors": executors, "dispatches": change("diffserve_batch_size_count"),
+         "dispatches_by_reason": by_label("diffserve_dispatches_total", "reason"),
+         "mean_batch_size": mean("diffserve_batch_size"),
+         "mean_step_running_images": mean("diffserve_step_running_images"),
+         "mean_queue_time_s": mean("diffserve_queue_time_seconds"),
+         "mean_batch_execution_s": mean("diffserve_batch_execution_seconds"),
+         "mean_request_execution_s": mean("diffserve_request_execution_seconds"),
+         "mean_server_latency_s": mean("diffserve_request_latency_seconds"),
+         "images_generated": change("diffserve_images_generated_total"),
+         "requests_by_status": by_label("diffserve_requests_total", "status"),
+         # Share of the run the executors spent computing: what the server loses to its own gaps.
+         "executor_busy_fraction": None if busy is None or duration_s <= 0 else busy / duration_s / executors,
+         "mean_server_overhead_s": None, "mean_client_and_http_s": None}
+    if None not in (client_mean_latency_s, d["mean_server_latency_s"], d["mean_queue_time_s"],
+                    d["mean_request_execution_s"]):
+        # Per request: the client and HTTP (client latency over the frontend's), and the server's
+        # own work besides waiting and computing (validation, IPC, image encoding).
+        d["mean_client_and_http_s"] = client_mean_latency_s - d["mean_server_latency_s"]
+        d["mean_server_overhead_s"] = d["mean_server_latency_s"] - d["mean_queue_time_s"] - d["mean_request_execution_s"]
+    return d
+
+
+# -- references ----------------------------------------------------------------------------------
+
+
+class Reference:
+    """The model's plain diffusers pipeline called alone in this process (tests/reference.py);
+    ``task_pipelines``: each task's own pipeline rather than the loaded one."""
+
+    def __init__(self, model: str, torch_threads: int = 0, task_pipelines: bool = False) -> None:
+        sys.path.insert(0, str(HERE.parent / "tests"))
+        from diffserve.executor import loading
+        from diffserve.executor.families import family_for
+
+        self.loaded = loading.load_model(model, torch_threads=torch_threads)
+        family = family_for(self.loaded.pipeline_class)
+        self.pipelines = loading.task_pipelines(self.loaded.pipe, family) if task_pipelines else {}
+
+    def images(self, request, **kwargs) -> np.ndarray:
+        from reference import solo
+
+        return solo(self.loaded, self.pipelines, request, **kwargs)
+
+    def guidance(self, default: float) -> float:
+        """The model's default guidance scale, as the server's requests get it."""
+        return self.loaded.defaults.get("guidance_scale", default)
+
+    @staticmethod
+    def diff(a: np.ndarray, b: np.ndarray) -> int:
+        """The largest difference of one pixel value, of 255."""
+        assert a.shape == b.shape, (a.shape, b.shape)
+        return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+@functools.cache
+def reference(model: str, torch_threads: int = 0, task_pipelines: bool = False) -> Reference:
+    """The model's :class:`Reference`, loaded once per process."""
+    return Reference(model, torch_threads, task_pipelines)
