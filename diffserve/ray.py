@@ -69,27 +69,31 @@ def deployment_options(config: ServerConfig, given: dict[str, Any]) -> dict[str,
     return options
 
 
-def replica_app(config: ServerConfig):
-    """The ASGI app of one replica: its own engine, started and loaded before it serves. A video
+def start_engine(config: ServerConfig):
+    """A replica's engine, started (its model loads in the engine's own processes)."""
+    from diffserve.engine import Engine
+
+    rank = _rank()
+    if config.video_dir:
+        config = dataclasses.replace(config, video_dir=f"{config.video_dir}/replica-{rank}")
+    return Engine(config)
+
+
+def _rank() -> int:
+    from ray import serve
+
+    return serve.get_replica_context().rank.rank
+
+
+def replica_app(host):
+    """The ASGI app of one replica over its engine ``host``, which has loaded its model. A video
     model's replica keeps its jobs in a store of its own (``--video-dir``/replica-<rank>) and
     reaches the other replicas' jobs through them (:mod:`diffserve.frontend.videos.peers`)."""
     import logging
 
-    from diffserve.engine import Engine
     from diffserve.frontend.app import create_app
-    from diffserve.frontend.engine_client import StartupError
 
-    from ray import serve
-
-    rank = serve.get_replica_context().rank.rank
-    if config.video_dir:
-        config = dataclasses.replace(config, video_dir=f"{config.video_dir}/replica-{rank}")
-    host = Engine(config)
-    try:
-        host.wait_ready()
-    except StartupError:
-        host.stop()
-        raise
+    config = host.config
 
     def engine_failed(reason: str) -> None:
         # Every waiting request has its 503; the health check fails from now on, and Ray Serve
@@ -100,6 +104,7 @@ def replica_app(config: ServerConfig):
     if host.client.model_info.num_frames:
         from diffserve.frontend.videos.peers import Peers
 
+        rank = _rank()
         directory = _video_directory()
         peers = Peers(rank, lambda r: directory.address.remote(r), directory.addresses.remote)
 
@@ -180,19 +185,50 @@ async def _internal_listener(app):
         await task
 
 
+# The replica's engine, between its deployment's constructor and the app builder Ray calls
+# after it (a Ray Serve replica is a process of its own, one engine each).
+_loaded: list = []
+
+
 def app(args: dict[str, Any]):
     """The Ray Serve application builder (``serve run diffserve.ray:app key=value ...``)."""
+    import asyncio
+
     from ray import serve
+
+    from diffserve.frontend.engine_client import StartupError
 
     config, options = parse_args(args)
 
-    def build():  # runs on each replica as it starts (a plain function: Ray requires one)
-        return replica_app(config)
+    def build():  # on each replica, after its constructor (Ray requires a plain function)
+        return replica_app(_loaded.pop())
 
     @serve.deployment(name="diffserve", **options)
     @serve.ingress(build)
     class Diffserve:
         """One diffserve engine behind Ray Serve's HTTP proxy."""
+
+        async def __init__(self) -> None:
+            # The model loads in the engine's processes; the wait for it runs off the replica's
+            # event loop, so that a stop asked for meanwhile (serve run's Ctrl-C, a scale-down)
+            # is heard at once (__del__), not once the model has loaded or Ray's grace period
+            # (--shutdown-timeout-s + 5 s) is over.
+            self.host, self.loading, self.stopped = start_engine(config), True, False
+            try:
+                await asyncio.to_thread(self.host.wait_ready)
+            except StartupError:  # the scheduler has exited or is exiting: this is quick
+                self.host.stop()
+                if self.stopped:
+                    raise StartupError("the replica was stopped while its model loaded") from None
+                raise
+            self.loading = False
+            _loaded.append(self.host)
+
+        async def __del__(self) -> None:
+            if getattr(self, "loading", False):  # nothing to drain: the wait above ends at once
+                self.stopped = True
+                self.host.scheduler.kill()  # (its executors die with it)
+            await super().__del__()  # the app's lifespan: the engine drains, then stops
 
         def check_health(self) -> None:
             host = self.app.state.engine_host

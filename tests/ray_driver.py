@@ -89,6 +89,29 @@ def stop_cluster(env: dict) -> None:
     subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
+def stop_while_loading(logs: Path, env: dict) -> dict:
+    """``serve run`` stopped (Ctrl-C) while its replicas load their model: how it went."""
+    serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-sd",
+                           "num_replicas=2", "torch_threads=1"], RAY_PORT,
+                          logs / "serve-stopped.log", env=env, name="serve run").launch()
+    # Both replicas' engines have started their executors, which now load the model (seconds:
+    # they import torch first). The log is the only event there is.
+    while serve.log.count("diffserve.scheduler.supervisor: started executor 0") < 2:
+        if serve.proc.poll() is not None:
+            raise RuntimeError(serve.log[-3000:])
+        time.sleep(0.05)
+    started = time.monotonic()
+    code = serve.stop()  # SIGINT, and at most 30 s (else TimeoutExpired fails the run)
+    seconds = time.monotonic() - started
+    # How each replica's start ended, in the Serve controller's own log file (serve run's
+    # console may exit before Ray has forwarded it).
+    said = [path.read_text(errors="replace") for path in (logs / "ray").rglob("worker-*.err")]
+    return {"exit_code": code, "seconds": round(seconds, 2),
+            "stopped_while_loading": sum(text.count("StartupError: the replica was stopped while "
+                                                    "its model loaded") for text in said),
+            "loaded": serve.log.count("diffserve.scheduler.process: executor 0 is ready")}
+
+
 def main() -> None:
     # The plain server needs no cluster: it starts while the cluster does.
     single = ServerProcess.diffserve("--model", "tiny-sd", "--torch-threads", "1",
@@ -126,6 +149,7 @@ def main() -> None:
                 found["models"] = c.get(f"{serve.url}/v1/models").json()
                 found["health"] = c.get(f"{serve.url}/health").status_code
         single.stop()
+        result["stop_while_loading"] = stop_while_loading(logs, env)
         import ray
 
         ray.shutdown()  # the Serve controller went with `serve run`: the next status asks anew

@@ -88,6 +88,18 @@ def test_two_replicas_serve_the_same_api_and_images_as_one_server(found):
 
 
 @pytest.mark.early("ray")
+def test_serve_run_stops_at_once_while_its_replicas_load(found):
+    """Ctrl-C as the second replica starts loading its model: a replica still loading stops
+    without waiting for the load to finish (or for Ray's grace period, which waits behind a
+    constructor that blocks), within the 30 s ServerProcess.stop allows. (The first replica
+    may have loaded by then, and stops as a serving one does.)"""
+    stop = found["stop_while_loading"]
+    assert stop["stopped_while_loading"] >= 1, stop
+    assert stop["stopped_while_loading"] + stop["loaded"] == 2, stop
+    assert stop["exit_code"] is not None
+
+
+@pytest.mark.early("ray")
 def test_video_jobs_answer_through_whichever_replica_the_proxy_picks(found):
     """Each replica holds the jobs it made; an id routes to its holder from either replica, the
     list merges both, and a replaced replica serves its predecessor's jobs again."""

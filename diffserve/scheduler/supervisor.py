@@ -122,9 +122,14 @@ class ExecutorSupervisor:
             ex.state = STOPPED
 
     def stop_all(self, ask: Callable[[int], None], timeout_s: float = 5.0) -> None:
-        """``ask(index)`` sends an executor its shutdown message; then each gets ``timeout_s``
-        before it is killed."""
+        """``ask(index)`` sends a serving executor its shutdown message; then each gets
+        ``timeout_s`` before it is killed. One still loading its model holds no work and reads no
+        message until it has loaded (minutes, for a large model): it is killed at once."""
         running = [ex for ex in self.executors if ex.process is not None and ex.process.is_alive()]
+        for ex in [ex for ex in running if ex.state != READY]:
+            processes.kill(ex.process)
+            ex.state = STOPPED
+        running = [ex for ex in running if ex.state == READY]
         for ex in running:
             ask(ex.index)
         for ex in running:
