@@ -3,10 +3,13 @@ caller's slot reused at once, and a crash mid-run that answers everyone."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -60,22 +63,37 @@ def test_a_short_request_that_arrives_during_a_long_one_finishes_first(server):
 
 
 def test_a_departed_caller_frees_its_slot_and_the_others_are_unchanged(server):
+    """The running set holds two; once both run, the second caller hangs up. Its slot is free
+    at the next step: a newcomer is admitted and done while the first request still runs (it has
+    many more steps than the newcomer and the cancel take), and the first is unchanged."""
     loaded = load_model("tiny-sd", torch_threads=1)
-    stays = {"prompt": "stays", "num_inference_steps": 150, "seed": 3, "guidance_scale": 3.0}
+    stays = {"prompt": "stays", "num_inference_steps": 300, "seed": 3, "guidance_scale": 3.0}
     before = metric(httpx.get(server.url + "/metrics").text, "diffserve_step_retirements_total",
                     outcome="cancelled")
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(1) as pool:
         kept = pool.submit(post, server, stays)
-        with pytest.raises(httpx.ReadTimeout):  # the second slot's caller leaves mid-run
-            post(server, {"prompt": "leaves", "num_inference_steps": 900, "seed": 4}, timeout=1.0)
+        wait_for_metric(server, "diffserve_num_requests_running", lambda v: v >= 1)
+        with hanging_up(server, {"prompt": "leaves", "num_inference_steps": 900, "seed": 4}):
+            wait_for_metric(server, "diffserve_num_requests_running", lambda v: v >= 2)
         wait_for_metric(server, "diffserve_step_retirements_total", lambda v: v > before,
                         outcome="cancelled")
         # The running set is full without the departed caller's slot; a newcomer gets it now.
         newcomer = post(server, {"prompt": "newcomer", "num_inference_steps": 2, "seed": 5})
         assert newcomer.status_code == 200 and not kept.done()
         response = kept.result()
-    expected = solo(loaded, {}, make_request(prompt="stays", seed=3, steps=150, guidance=3.0))[0]
+    expected = solo(loaded, {}, make_request(prompt="stays", seed=3, steps=300, guidance=3.0))[0]
     assert max_diff(decode(response.json()["data"][0]["b64_json"]), expected) <= 2
+
+
+@contextmanager
+def hanging_up(server: Server, body: dict):
+    """A caller that sends ``body`` and hangs up (closes its connection) when the block ends."""
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(b"POST " + GENERATE.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        yield
 
 
 # Four guided 64x64 images cost 8: the running set fills the executor's cost budget.
