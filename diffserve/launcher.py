@@ -38,10 +38,12 @@ class ServerProcess:
 
     def __init__(self, cmd: list[str], port: int, log_path: str | Path,
                  env: dict[str, str] | None = None, startup_timeout_s: float = 300.0,
-                 name: str = "server") -> None:
+                 name: str = "server", stop_timeout_s: float = 30.0) -> None:
+        """``stop_timeout_s``: how long :meth:`stop` gives it after the signal by default."""
         self.cmd, self.port, self.log_path = cmd, port, Path(log_path)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
         self.name = name
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
@@ -104,13 +106,14 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
 
-    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 30.0) -> int | None:
-        """A clean shutdown (SIGINT), then SIGKILL if it lingers. Returns the exit code."""
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float | None = None) -> int | None:
+        """A clean shutdown (SIGINT), then SIGKILL if it lingers past ``timeout_s`` (default
+        ``stop_timeout_s``), raising TimeoutExpired. Returns the exit code."""
         if self.proc is None:
             return None
         self.send_signal(sig)
         try:
-            return self.proc.wait(timeout_s)
+            return self.proc.wait(self.stop_timeout_s if timeout_s is None else timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)

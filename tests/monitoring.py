@@ -29,6 +29,7 @@ import httpx
 import yaml
 
 from diffserve.launcher import free_port
+from pace import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
@@ -172,7 +173,7 @@ class Prometheus:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            self._wait_ready(timeout_s=60)
+            self._wait_ready(timeout_s=scaled(60))
         except BaseException:
             self.__exit__()
             raise
@@ -196,10 +197,10 @@ class Prometheus:
         self.client.close()
         self.proc.terminate()
         try:
-            self.proc.wait(15)
+            self.proc.wait(scaled(15))
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait(10)
+            self.proc.wait(scaled(10))
 
     def api(self, path: str, **params) -> dict:
         response = self.client.get("/api/v1/" + path, params=params)

@@ -22,6 +22,7 @@ import numpy as np
 from PIL import Image
 
 from diffserve.launcher import ServerProcess
+from pace import scaled
 
 RAY_PORT = 8000  # Ray Serve's HTTP proxy, its default address inside the namespace
 GCS_PORT = 6379  # the cluster's head
@@ -67,13 +68,13 @@ def start_cluster() -> tuple[Path, dict]:
     # that, clients find the cluster by its address, not by the file /tmp/ray would hold.
     subprocess.run(["ray", "start", "--head", f"--port={GCS_PORT}", "--include-dashboard=false",
                     "--num-cpus=4", "--disable-usage-stats", f"--temp-dir={logs / 'ray'}"],
-                   check=True, env=env, capture_output=True, timeout=180)
+                   check=True, env=env, capture_output=True, timeout=scaled(180))
     env["RAY_ADDRESS"] = os.environ["RAY_ADDRESS"] = f"127.0.0.1:{GCS_PORT}"
     return logs, env
 
 
 def wait_for_replicas(serve: ServerProcess, count: int = 2) -> None:
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + scaled(180)
     while replicas_running() < count:  # /health answers once the first replica is up
         if time.monotonic() > deadline:
             raise RuntimeError(f"{count} replicas did not come up:\n" + serve.log[-3000:])
@@ -86,14 +87,15 @@ def stop_cluster(env: dict) -> None:
     if ray.is_initialized():  # leave first: a driver whose cluster goes away exits with 1
         ray.shutdown()
     # This runs in the test's own PID namespace: `ray stop` sees only the cluster it started.
-    subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+    subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=scaled(120))
 
 
 def stop_while_loading(logs: Path, env: dict) -> dict:
     """``serve run`` stopped (Ctrl-C) while its replicas load their model: how it went."""
     serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-sd",
                            "num_replicas=2", "torch_threads=1"], RAY_PORT,
-                          logs / "serve-stopped.log", env=env, name="serve run").launch()
+                          logs / "serve-stopped.log", env=env, name="serve run",
+                          stop_timeout_s=scaled(30)).launch()
     # Both replicas' engines have started their executors, which now load the model (seconds:
     # they import torch first). The log is the only event there is.
     while serve.log.count("diffserve.scheduler.supervisor: started executor 0") < 2:
@@ -101,7 +103,7 @@ def stop_while_loading(logs: Path, env: dict) -> dict:
             raise RuntimeError(serve.log[-3000:])
         time.sleep(0.05)
     started = time.monotonic()
-    code = serve.stop()  # SIGINT, and at most 30 s (else TimeoutExpired fails the run)
+    code = serve.stop()  # SIGINT; TimeoutExpired past its bound fails the run
     seconds = time.monotonic() - started
     # How each replica's start ended, in the Serve controller's own log file (serve run's
     # console may exit before Ray has forwarded it).
@@ -116,7 +118,8 @@ def main() -> None:
     # The plain server needs no cluster: it starts while the cluster does.
     single = ServerProcess.diffserve("--model", "tiny-sd", "--torch-threads", "1",
                                      log_path=Path(tempfile.mkdtemp(prefix="diffserve-single-"))
-                                     / "single.log").launch()
+                                     / "single.log", startup_timeout_s=scaled(300),
+                                     stop_timeout_s=scaled(30)).launch()
     env: dict = {}
     found: dict = {}
     result = {"images": found}
@@ -124,13 +127,14 @@ def main() -> None:
         logs, env = start_cluster()
         serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-sd",
                                "num_replicas=2", "torch_threads=1"], RAY_PORT, logs / "serve.log",
-                              env=env, name="serve run")
+                              env=env, name="serve run", startup_timeout_s=scaled(300),
+                              stop_timeout_s=scaled(30))
         with serve:
             single.wait_ready()
             wait_for_replicas(serve)
             bodies = [{"prompt": f"request {i} of {COUNT}", "seed": 40 + 7 * i, "n": 1 + i % 2}
                       for i in range(COUNT)]
-            with httpx.Client(timeout=180) as c, ThreadPoolExecutor(COUNT) as pool:
+            with httpx.Client(timeout=scaled(180)) as c, ThreadPoolExecutor(COUNT) as pool:
                 on_ray = list(pool.map(lambda b: c.post(f"{serve.url}/v1/images/generations", json=b), bodies))
                 alone = [c.post(f"{single.url}/v1/images/generations", json=b) for b in bodies]
                 found["statuses"] = [r.status_code for r in on_ray]

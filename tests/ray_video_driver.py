@@ -14,6 +14,7 @@ import warnings
 import httpx
 
 from diffserve.launcher import ServerProcess
+from pace import scaled
 from ray_driver import RAY_PORT, replicas_running, wait_for_replicas
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -37,7 +38,7 @@ def kill_one_replica() -> None:
 
     victim = replica_actors()[0]
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while any(a["name"] == victim["name"] for a in replica_actors()):
         assert time.monotonic() < deadline, f"{victim['name']} still alive after ray.kill"
         time.sleep(0.2)
@@ -55,7 +56,8 @@ def videos(logs, env: dict) -> dict:
     found: dict = {}
     serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-wan", "num_replicas=2",
                            "torch_threads=1", f"video_dir={videos}"], RAY_PORT,
-                          logs / "serve-videos.log", env=env, name="serve run (videos)")
+                          logs / "serve-videos.log", env=env, name="serve run (videos)",
+                          startup_timeout_s=scaled(300), stop_timeout_s=scaled(30))
     with serve:
         wait_for_replicas(serve)
         client = OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
@@ -66,13 +68,13 @@ def videos(logs, env: dict) -> dict:
         found["holders"] = sorted({holder(video_id) for video_id in made})
         done = {}
         for video_id in made:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + scaled(120)
             while (video := client.videos.retrieve(video_id)).status not in ("completed", "failed"):
                 assert time.monotonic() < deadline, video
                 time.sleep(0.1)
             done[video_id] = video.status
         found["statuses"] = sorted(set(done.values()))
-        with httpx.Client(base_url=serve.url, timeout=60) as c:
+        with httpx.Client(base_url=serve.url, timeout=scaled(60)) as c:
             answers, contents = set(), set()
             for _ in range(ROUNDS):
                 for video_id in made:
@@ -95,7 +97,7 @@ def videos(logs, env: dict) -> dict:
             kill_one_replica()
             wait_for_replicas(serve)
             kept = made[2:]
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + scaled(120)
             while True:
                 codes = [c.get(f"/v1/videos/{v}/content").status_code for v in kept]
                 if set(codes) == {200} or time.monotonic() > deadline:

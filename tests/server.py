@@ -21,6 +21,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from diffserve.launcher import ServerProcess, diffserve_command, free_port
+from pace import scaled
 from workers import this_worker
 
 def descendants(pid: int) -> list[int]:
@@ -81,7 +82,7 @@ class Server(ServerProcess):
         log = Path(tempfile.mkdtemp(prefix="diffserve-test-")) / "server.log"
         super().__init__(diffserve_command("--port", str(port), *args), port, log,
                          env={"OMP_NUM_THREADS": "1", **(env or {})},
-                         startup_timeout_s=timeout_s)
+                         startup_timeout_s=scaled(timeout_s), stop_timeout_s=scaled(30))
 
     stop_later = False  # see __exit__
 
@@ -103,7 +104,7 @@ class Server(ServerProcess):
     def wait_for_line(self, text: str, timeout_s: float = 60) -> bool:
         """Wait until the server logs ``text`` (True) or exits without it (False). The log is a
         file: it is read again every 20 ms, the server having no other way to say it."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         while True:
             if text in self.log:
                 return True
@@ -114,7 +115,7 @@ class Server(ServerProcess):
             time.sleep(0.02)
 
     def client(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 120), verify=TLS,
+        return httpx.Client(base_url=self.url, timeout=scaled(kwargs.pop("timeout", 120)), verify=TLS,
                             **kwargs)
 
 
@@ -141,7 +142,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 def wait_for_metric(server: "Server", name: str, predicate, timeout_s: float = 60,
                     **labels: str) -> float:
     """Poll /metrics until ``predicate(value)``: the server exposes no push event for this."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     with server.client() as c:
         while True:
             value = metric(c.get("/metrics").text, name, **labels)
@@ -179,7 +180,7 @@ class Stopping:
     interpreter exiting) then overlaps the next tests instead of holding them up."""
 
     def __init__(self, timeout_s: float = 30) -> None:
-        self.timeout_s = timeout_s
+        self.timeout_s = scaled(timeout_s)
         self.threads: list[threading.Thread] = []
         self.failures: list[str] = []
 

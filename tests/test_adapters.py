@@ -20,6 +20,7 @@ from helpers import make_request
 from reference import max_diff, solo, with_adapters
 from server import Queue, assert_openai_error, decode, metric, spec, wait_for_metric
 from tools.loras import write_kohya, write_lora
+from pace import scaled
 
 GENERATE = "/v1/images/generations"
 SPECS = {"A": dict(rank=4, seed=1), "B": dict(rank=16, seed=2),
@@ -283,5 +284,5 @@ def test_a_kohya_file_serves_like_its_diffusers_twin(servers, reference):
 
 def test_an_adapter_that_does_not_fit_stops_the_start_naming_it(servers):
     srv = servers.take("misfit")  # a tiny-sdxl adapter for tiny-sd
-    assert srv.proc.wait(120) == 1
+    assert srv.proc.wait(scaled(120)) == 1
     assert "LoRA adapter 'misfit'" in srv.log, srv.log[-3000:]

@@ -14,6 +14,7 @@ import pytest
 from diffserve.executor.loading import load_model
 from helpers import make_request
 from reference import max_diff, solo
+from pace import scaled
 from server import Server, decode, metric, pids_titled, wait_for_metric
 
 GENERATE = "/v1/images/generations"
@@ -22,7 +23,7 @@ GENERATE = "/v1/images/generations"
 def wait_all_ready(server: Server, timeout_s: float = 120) -> dict:
     """/health is 200 once one executor serves; wait for every one (a restart or a slower start
     is reported only there)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while True:
         body = httpx.get(server.url + "/health").json()
         if all(e["state"] == "ready" for e in body["executors"]):

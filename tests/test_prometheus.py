@@ -42,6 +42,7 @@ from monitoring import (
     substitute,
     write_test_config,
 )
+from pace import scaled
 
 INSTALL_HINT = ("not installed: install Prometheus to run this test (Debian/Ubuntu: "
                 "`apt-get install prometheus`, which provides both `prometheus` and `promtool`; "
@@ -191,7 +192,7 @@ def test_every_dashboard_query_and_alert_expression_returns_data(tmp_path, own_s
             assert set(statuses) <= {200, 400}, statuses
 
             # Wait until Prometheus holds the load: several scrapes, the last one after it.
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + scaled(30)
             while True:
                 scrapes = prom.query('count_over_time(up{job="diffserve"}[1m])')
                 done = prom.query('sum(diffserve_requests_total{job="diffserve"})')
@@ -220,7 +221,7 @@ def test_every_dashboard_query_and_alert_expression_returns_data(tmp_path, own_s
             checks += [(f"alert {rule['alert']}", part) for rule in load_rules()
                        for part in data_parts(rule["expr"])]
             failures: dict[str, str] = {}
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + scaled(20)
             pending = checks
             while pending:
                 failures = {}

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import background
+from pace import scaled
 from background import early
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install '.[ray]'")
@@ -69,7 +70,7 @@ def run_driver(driver: Path) -> dict:
     bin_dir = str(Path(sys.executable).parent)  # `ray` and `serve` of this environment
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     done = subprocess.run(namespace_command(sys.executable, str(driver)), capture_output=True,
-                          text=True, env=env, timeout=900)
+                          text=True, env=env, timeout=scaled(900))
     assert done.returncode == 0, done.stderr[-5000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     return json.loads(line.removeprefix("RESULT "))

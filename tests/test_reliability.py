@@ -23,6 +23,7 @@ from server import (
     spec,
     wait_for_metric,
 )
+from pace import scaled
 
 # Long enough (seconds on a small CPU) to act while it runs.
 SLOW = {"prompt": "a slow one", "num_inference_steps": 150, "seed": 1}
@@ -162,7 +163,7 @@ def test_scheduler_crash_answers_503_and_the_server_exits_nonzero(own_server):
             answered_in = time.monotonic() - killed_at
         assert_openai_error(response, 503)
         assert answered_in < 2.0
-        assert srv.proc.wait(30) == 1
+        assert srv.proc.wait(scaled(30)) == 1
         assert session_members(root) == [], "processes left behind"  # the executor died with its parent
     finally:
         srv.stop()
@@ -199,7 +200,7 @@ def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig, target, mode,
         except httpx.TransportError:
             pass  # the listener is closed already: refused, which is also "not accepted"
         assert [f.result().status_code for f in futures] == [200, 200, 200]
-    assert srv.proc.wait(60) == 0, srv.log
+    assert srv.proc.wait(scaled(60)) == 0, srv.log
     assert session_members(root) == [], "processes left behind"
     assert " ERROR " not in srv.log and "leaked" not in srv.log, srv.log
 
@@ -217,7 +218,7 @@ def test_shutdown_timeout_answers_what_is_left_with_503(own_server):
         srv.proc.send_signal(signal.SIGTERM)
         assert_openai_error(slow.result(), 503)
         assert_openai_error(queued.result(), 503)
-    assert srv.proc.wait(60) == 0, srv.log
+    assert srv.proc.wait(scaled(60)) == 0, srv.log
     assert session_members(root) == [], "processes left behind"
 
 
@@ -255,8 +256,8 @@ def test_children_die_with_a_killed_frontend(own_server):
     children = descendants(srv.proc.pid)
     assert len(children) >= 2
     srv.proc.kill()
-    srv.proc.wait(30)
-    deadline = time.monotonic() + 30
+    srv.proc.wait(scaled(30))
+    deadline = time.monotonic() + scaled(30)
     while any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in children):
         assert time.monotonic() < deadline, "scheduler/executor outlived the frontend"
         time.sleep(0.05)

@@ -26,6 +26,7 @@ from server import (
     session_members,
     spec,
 )
+from pace import scaled
 
 METRIC_NAMES = [
     "diffserve_requests_total", "diffserve_num_requests_waiting", "diffserve_num_requests_running",
@@ -262,5 +263,5 @@ def test_flux_family_serves_end_to_end(own_server):
 def test_a_model_that_cannot_load_stops_the_server_with_a_clear_message(model, message,
                                                                        own_server):
     srv = own_server
-    assert srv.proc.wait(120) == 1
+    assert srv.proc.wait(scaled(120)) == 1
     assert message in srv.log, srv.log

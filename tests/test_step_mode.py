@@ -28,6 +28,7 @@ from server import (
     spec,
     wait_for_metric,
 )
+from pace import scaled
 
 GENERATE = "/v1/images/generations"
 
@@ -122,7 +123,7 @@ def test_an_executor_crash_mid_run_answers_every_running_request_at_once(own_ser
 @pytest.mark.server("--model", "tiny-hunyuandit", "--batching-mode", "step")
 def test_step_mode_on_a_family_it_does_not_know_refuses_to_start(own_server):
     srv = own_server
-    assert srv.proc.wait(120) == 1
+    assert srv.proc.wait(scaled(120)) == 1
     assert "--batching-mode step does not support HunyuanDiTPipeline" in srv.log, srv.log
     assert "Use --batching-mode request" in srv.log
 

@@ -21,6 +21,7 @@ from diffserve.frontend.videos.encode import decode_mp4
 from diffserve.protocol import ImageRequest
 from reference import sample_image, solo
 from server import LAUNCHES, Server, assert_openai_error, metric, serves, spec
+from pace import scaled
 
 openai = pytest.importorskip("openai")
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the SDK marks Sora's API so
@@ -118,7 +119,7 @@ def test_list_pages_by_cursor_in_both_orders(wan):
 
 
 def wait_status(client, video_id: str, wanted: set[str], timeout_s: float = 60):
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while (video := client.videos.retrieve(video_id)).status not in wanted:
         assert time.monotonic() < deadline, video
         time.sleep(0.02)
@@ -151,7 +152,7 @@ def test_delete_queued_running_and_finished_then_404(wan):
                            status="cancelled")
         assert cancelled >= 2
         # The cancelled job left the engine at its next step: nothing runs any more.
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while metric(c.get("/metrics").text, "diffserve_num_requests_running") > 0:
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -260,7 +261,7 @@ def test_restart_keeps_completed_jobs_and_fails_the_ones_a_kill_interrupted(own_
         waiting = client.videos.create(prompt="never started", size="48x48",
                                        extra_body={"num_frames": 33, "num_inference_steps": 200})
         server.send_signal(signal.SIGKILL)
-        server.proc.wait(30)
+        server.proc.wait(scaled(30))
     with Server(*args, model="tiny-wan") as server:
         client = sdk(server)
         again = client.videos.retrieve(done.id)

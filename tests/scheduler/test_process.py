@@ -14,6 +14,7 @@ from diffserve.protocol import Kind, encode
 from diffserve.scheduler.process import SchedulerSpec
 from helpers import make_request, scheduler_failing_at_dispatch
 from server import descendants
+from pace import scaled
 
 
 def test_a_failing_scheduler_loop_stops_its_executors_and_exits(tmp_path):
@@ -28,7 +29,7 @@ def test_a_failing_scheduler_loop_stops_its_executors_and_exits(tmp_path):
         executors = descendants(scheduler.pid)
         assert executors
         client._out.send_multipart(encode(Kind.SUBMIT, make_request(model="tiny-sd")))
-        scheduler.join(30)
+        scheduler.join(scaled(30))
         assert scheduler.exitcode == 1  # gone, so the frontend's watch on it fires
         assert not [pid for pid in executors if os.path.exists(f"/proc/{pid}")
                     and open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] != "Z"]
