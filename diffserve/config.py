@@ -124,10 +124,13 @@ class ServerConfig:
                                    "height; checked from the file's header before it is decoded.",
                                    ge=64, le=1 << 30)
     device: str = option("auto", "Torch device of every executor when --devices is unset: auto "
-                         "(executor i on GPU i modulo the visible GPUs, else cpu), cpu, cuda, "
-                         "cuda:N.")
-    dtype: str = option("auto", "Weights dtype: auto (float16 on cuda, float32 on cpu), float32, "
-                        "float16, bfloat16.", choices=("auto", "float32", "float16", "bfloat16"))
+                         "(executor i on GPU i modulo the visible GPUs, else cpu), cuda (the "
+                         "same spread over the GPUs), cuda:N (all on GPU N), cpu.")
+    dtype: str = option("auto", "Weights dtype: auto (on a GPU the dtype the model's family is "
+                        "published in: float16 for SD 1.x/2.x and SDXL, bfloat16 for the others "
+                        "and for pipelines the step engine does not know, float16 where the GPU "
+                        "has no bfloat16; float32 on the CPU), float32, float16, bfloat16.",
+                        choices=("auto", "float32", "float16", "bfloat16"))
     torch_threads: int = option(0, "Intra-op threads for torch in each executor; 0 = torch's "
                                 "default (OMP_NUM_THREADS if set, else the cores), shared out "
                                 "between the executors when several run on the CPU.",

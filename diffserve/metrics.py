@@ -166,6 +166,10 @@ class EngineMetrics:
             "diffserve_images_generated", "Images produced by the executor.", ex)
         self.partial_images_total = Counter(
             "diffserve_partial_images", "Streamed partial images decoded by the executor.", ex)
+        self.non_finite_outputs_total = Counter(
+            "diffserve_non_finite_outputs", "Requests failed because an image came out with NaN "
+            "or infinite pixels (a model overflowing its dtype), answered 500 non_finite_output "
+            "instead of a black image.", ex)
         self.class_queue_time_seconds = Histogram(
             "diffserve_class_queue_time_seconds", "Queue time (arrival to first dispatch) by the "
             f"request's priority class (past {PRIORITY_LABELS} classes, the rest count as "
@@ -256,7 +260,7 @@ class EngineMetrics:
         for metric in (self.batch_size, self.batch_execution_seconds, self.executor_busy_seconds,
                        self.preemptions_total,
                        self.images_generated_total, self.partial_images_total,
-                       self.batches_interrupted_total, self.executor_restarts_total,
+                       self.non_finite_outputs_total, self.batches_interrupted_total, self.executor_restarts_total,
                        self.step_seconds, self.step_running_images, self.step_admissions_total,
                        self.forward_cost,
                        self.lora_loads_total, self.lora_unloads_total, self.lora_evictions_total,

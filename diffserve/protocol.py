@@ -176,6 +176,7 @@ class ItemResult:
     error: str | None = None
     prompt_tokens: int = 0
     cached_steps: list[int] | None = None  # per image, steps that reused its step cache
+    code: str | None = None  # a failure's error code for the client (e.g. non_finite_output)
 
 
 @dataclass(frozen=True)

@@ -90,13 +90,44 @@ def sd3_four_channels():
     """SD3's architecture with 4-channel latents: every task runs but inpainting, which diffusers'
     SD3 inpainting pipeline refuses ("should have 16 input channels or 33 input channels").
     Built once per session beside the embedded models."""
-    from diffserve.models.embedded import cache_root
     from diffserve.models.tiny import sd3
 
-    directory = cache_root() / "test-models" / "sd3-four-channels"
+    return _session_model("sd3-four-channels", lambda d: sd3.build(d, latent_channels=4))
+
+
+@pytest.fixture(scope="session")
+def nan_sd():
+    """The tiny SD whose text encoder embeds '!' as NaN: every image of a prompt with a '!' comes
+    out NaN (as a half-precision model's that overflows), every other image is finite."""
+    return _session_model("sd-nan-bang", _build_nan_sd)
+
+
+def _build_nan_sd(directory):
+    import shutil
+
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from diffserve.models.registry import resolve_model
+    from diffserve.models.tiny.common import SERVING_DEFAULTS_FILE
+
+    source = resolve_model("tiny-sd")
+    pipe = DiffusionPipeline.from_pretrained(source)
+    vocab = pipe.tokenizer.get_vocab()
+    with torch.no_grad():
+        pipe.text_encoder.get_input_embeddings().weight[[vocab["!"], vocab["!</w>"]]] = float("nan")
+    pipe.save_pretrained(directory)
+    shutil.copy(os.path.join(source, SERVING_DEFAULTS_FILE), directory)
+
+
+def _session_model(name: str, build):
+    """A test model built once (its directory beside the embedded models), ``build(directory)``."""
+    from diffserve.models.embedded import cache_root
+
+    directory = cache_root() / "test-models" / name
     if not (directory / "model_index.json").exists():
         staging = directory.with_name(f"{directory.name}.{os.getpid()}")
-        sd3.build(staging, latent_channels=4)
+        build(staging)
         try:
             staging.rename(directory)
         except OSError:  # the other worker built it meanwhile

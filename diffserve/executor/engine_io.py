@@ -10,6 +10,7 @@ from typing import Any
 import zmq
 
 from diffserve import metrics
+from diffserve.executor.results import NON_FINITE
 from diffserve.protocol import (
     AdapterResult,
     ItemImages,
@@ -61,6 +62,8 @@ class EngineIO:
         if not outcomes:
             return
         for o in outcomes:
+            if o.code == NON_FINITE:
+                self.metrics.non_finite_outputs_total.labels(executor=self.label).inc()
             if o.tensors is not None:
                 self._send_tensors(o)
             elif o.images is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from diffserve.config import ConfigError, ServerConfig
 from diffserve.costs import ABOVE_ONE, default_bounds, image_cost, uses_cfg
+from diffserve.executor.devices import pick_device, pipeline_class_of, resolve_dtype, use_device
 from diffserve.executor.samplers import offered
 from diffserve.models.registry import resolve_model, serving_defaults
 from diffserve.protocol import REQUEST_MODE, STEP_MODE, ModelInfo
@@ -27,15 +28,6 @@ DEFAULT_FPS = 16  # Wan's; a video model's diffserve.json may say otherwise
 
 class UnsupportedMode(ConfigError):
     """--batching-mode step on a pipeline whose family the step engine does not know."""
-
-
-def pick_device(requested: str, index: int = 0) -> str:
-    import torch
-
-    if requested == "auto":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return f"cuda:{index % count}" if count else "cpu"
-    return requested
 
 
 def leave_out_unused_libraries(serves_adapters: bool, quantization: str) -> None:
@@ -101,6 +93,21 @@ class LoadedModel:
         return type(self.pipe).__name__
 
 
+def auto_dtype(requested: str, device: str, path: str) -> str:
+    """The weights' dtype (:func:`~diffserve.executor.devices.resolve_dtype`, with the family the
+    model directory declares); ``auto``'s choice is logged."""
+    from diffserve.executor.families import family_for
+
+    pipeline = pipeline_class_of(path)
+    family = family_for(pipeline) if pipeline else None
+    dtype = resolve_dtype(requested, device, family.published_dtype if family else None)
+    if requested == "auto" and device.startswith("cuda"):
+        log.info("--dtype auto: %s on %s (%s)", dtype, device,
+                 f"the {family.name} family's published dtype" if family else
+                 "the default for a pipeline the step engine does not know")
+    return dtype
+
+
 def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_threads: int = 0,
                index: int = 0, quantization: str = "none") -> LoadedModel:
     """``quantization``: a scheme of :mod:`diffserve.executor.quantization` for the denoiser."""
@@ -115,9 +122,9 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
     if torch_threads:  # 0: torch's default (OMP_NUM_THREADS if set, else the cores)
         torch.set_num_threads(torch_threads)
     device = pick_device(device, index)
-    if dtype == "auto":
-        dtype = "float16" if device.startswith("cuda") else "float32"
+    use_device(device)
     path = resolve_model(model)
+    dtype = auto_dtype(dtype, device, path)
     defaults = serving_defaults(path)
     allow_processors_without_torchvision()
     quantized = quant.pipeline_config(quantization, path, device)

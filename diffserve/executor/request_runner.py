@@ -19,13 +19,19 @@ import numpy as np
 
 from diffserve.costs import WITH_NEGATIVE
 from diffserve.executor.adapters import AdapterStore
-from diffserve.executor.families.base import Family, scheduler_swapped, to_uint8
+from diffserve.executor.families.base import (
+    Family,
+    NonFiniteOutput,
+    scheduler_swapped,
+    split_finite,
+    to_uint8,
+)
 from diffserve.executor.loading import LoadedModel
 from diffserve.executor.samplers import build as build_sampler
-from diffserve.executor.results import Outcome, PartialImage, describe, partial_steps
+from diffserve.executor.results import Outcome, PartialImage, partial_steps
 from diffserve.protocol import Work, WorkItem
 from diffserve.tasks import REFERENCE
-from diffserve.samples import chunks, generators, group_by, input_arrays, isolate
+from diffserve.samples import generators, group_by, input_arrays, isolate
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +89,7 @@ class RequestRunner:
         elapsed = time.perf_counter() - start
         if self._interrupted:
             return [Outcome.cancelled(item, elapsed) for item in work.items]
-        return [Outcome.failed(item, describe(images), elapsed) if isinstance(images, Exception)
+        return [Outcome.failed(item, images, elapsed) if isinstance(images, Exception)
                 else Outcome.made(item, images, elapsed, self.count_tokens(item.request.prompt))
                 for (item, _), images in results]
 
@@ -169,10 +175,11 @@ class RequestRunner:
         with self.torch.inference_mode(), self._adapters(first.loras), self._sampler(pipe, first):
             output = pipe(**kwargs)
         # Video pipelines answer frames (k, frames, H, W, 3) where image ones answer images.
-        images = to_uint8(output.frames if first.num_frames else output.images)
-        check_output(images, len(samples), first.width, first.height, type(pipe).__name__,
+        made = np.asarray(output.frames if first.num_frames else output.images)
+        check_output(made, len(samples), first.width, first.height, type(pipe).__name__,
                      first.num_frames)
-        return chunks(images, [item.samples for item, _ in pairs])
+        # An item with a non-finite image gets its error as its result; the others their pixels.
+        return split_finite(lambda: to_uint8(made), [item.samples for item, _ in pairs])
 
     def _sampler(self, pipe, request):
         """The call with the request's sampler (a batch shares it: it is a call field) in place
@@ -229,9 +236,14 @@ class RequestRunner:
         if not due:
             return
         first = samples[0][0].request
-        pixels = self.family.decode(latents[[row for row, *_ in due]], first.width, first.height,
-                                    first.task_spec)
+        try:
+            pixels = self.family.decode(latents[[row for row, *_ in due]], first.width,
+                                        first.height, first.task_spec)
+        except NonFiniteOutput as bad:  # no preview of those; their final decode fails them
+            pixels = [None if j in bad.rows else image for j, image in enumerate(bad.pixels)]
         for (_, item, i, index), image in zip(due, pixels):
+            if image is None:
+                continue
             self.emit_partial(PartialImage(item.request.request_id, i, index, image))
             self._sent.add((item.request.request_id, i, index))
 

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 CANCELLED_MESSAGE = "cancelled: the client went away"
+NON_FINITE = "non_finite_output"  # the error code of an image with NaN or infinite pixels
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Outcome:
     prompt_tokens: int = 0
     tensors: dict | None = None  # rollouts: the answer's tensors (diffserve.rollouts)
     cached_steps: list[int] | None = None  # per image, steps that reused its step cache
+    code: str | None = None  # a failure's error code for the client (e.g. non_finite_output)
 
     @classmethod
     def made(cls, item: WorkItem, images, execution_s: float, prompt_tokens: int = 0,
@@ -34,7 +36,11 @@ class Outcome:
                    cached_steps)
 
     @classmethod
-    def failed(cls, item: WorkItem, error: str, execution_s: float) -> "Outcome":
+    def failed(cls, item: WorkItem, error: str | BaseException, execution_s: float) -> "Outcome":
+        """``error``: the message, or the exception (its code, if it has one, goes along)."""
+        if isinstance(error, BaseException):
+            return cls(item, FAILED, None, describe(error), execution_s,
+                       code=getattr(error, "code", None))
         return cls(item, FAILED, None, error, execution_s)
 
     @classmethod
@@ -45,7 +51,8 @@ class Outcome:
         item = self.item
         return ItemResult(item.request.request_id, item.start, item.stop, self.status,
                           self.execution_s, self.error, self.prompt_tokens,
-                          list(self.cached_steps) if self.cached_steps is not None else None)
+                          list(self.cached_steps) if self.cached_steps is not None else None,
+                          self.code)
 
 
 @dataclass

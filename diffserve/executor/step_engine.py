@@ -42,7 +42,7 @@ from contextlib import nullcontext
 from typing import Any, Callable
 
 from diffserve.executor.adapters import AdapterStore
-from diffserve.executor.families.base import Family, move_state, moved
+from diffserve.executor.families.base import Family, move_state, moved, split_finite
 from diffserve.executor.families.conditioning import Encoded
 from diffserve.executor.planner import Entry, Planner, StepPlan
 from diffserve.executor.results import Outcome, PartialImage, describe
@@ -53,7 +53,7 @@ from diffserve.policies import SetPolicy
 from diffserve.policies.fair import TimeFair
 from diffserve.policies.base import Member
 from diffserve.protocol import WorkItem
-from diffserve.samples import chunks, group_by, isolate
+from diffserve.samples import group_by, isolate
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +326,7 @@ class StepEngine:
 
     def _fail(self, unit: Unit, out: StepOutput, error: Exception, what: str) -> None:
         log.warning("%s failed for %s: %s: %s", what, _request_id(unit), type(error).__name__, error)
-        self._remove(unit, out, Outcome.failed(unit.item, describe(error),
+        self._remove(unit, out, Outcome.failed(unit.item, error,
                                                self.clock() - unit.admitted_at))
 
     def _remove(self, unit: Unit, out: StepOutput, outcome: Outcome) -> None:
@@ -385,18 +385,20 @@ class StepEngine:
         u.step += 1
 
     def _decode(self, units: list[Unit]) -> list[Any]:
-        """Pixels of each unit's latents: one VAE call per task among them (they share a size)."""
+        """Pixels of each unit's latents: one VAE call per task among them (they share a size).
+        A unit with an image that is not finite gets a NonFiniteOutput, which fails it alone."""
         by_unit: dict[int, Any] = {}
         for group in group_by(units, lambda u: u.request.task).values():
             r = group[0].request
+            latents = self.family.torch.cat([u.prepared.latents for u in group])
             start = self.clock()
             try:
-                pixels = self.family.decode(
-                    self.family.torch.cat([u.prepared.latents for u in group]), r.width, r.height,
-                    r.task_spec)
+                parts = split_finite(lambda: self.family.decode(latents, r.width, r.height,
+                                                                r.task_spec),
+                                     [u.samples for u in group])
             finally:
                 self._inner_s += self.clock() - start
-            by_unit.update(zip(map(id, group), chunks(pixels, [u.samples for u in group])))
+            by_unit.update(zip(map(id, group), parts))
         return [by_unit[id(u)] for u in units]
 
     def _partials(self, units: list[Unit], out: StepOutput) -> None:

@@ -25,7 +25,7 @@ def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, 
         """The base model, then every LoRA adapter as a model of its own (its ``parent`` the
         base), so that the unmodified SDK can pick one by name."""
         info = engine.model_info
-        card = dict(created=int(started), pipeline=info.pipeline_class,
+        card = dict(created=int(started), pipeline=info.pipeline_class, dtype=info.dtype,
                     batching_mode=info.batching_mode, tasks=info.tasks,
                     task_modes=info.task_modes, unavailable_tasks=info.unavailable_tasks,
                     partial_images=info.partial_images, max_edit_images=info.max_edit_images,

@@ -130,6 +130,7 @@ class ModelCard(BaseModel):
     parent: str | None = Field(None, description="For a LoRA adapter: the base model's id.")
     # Extensions: what the served pipeline is and does.
     pipeline: str
+    dtype: str = Field("", description="The dtype the weights are served in.")
     batching_mode: str
     tasks: list[str] = Field(description="The tasks served (those whose start-up check passed).")
     task_modes: dict[str, str] = Field(default_factory=dict, description="Each task's batching "

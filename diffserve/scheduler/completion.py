@@ -50,7 +50,7 @@ class Completion:
                 # A part cancelled without its request being aborted can only mean the executor
                 # gave up on it (e.g. shutting down): the request fails either way.
                 message = result.error or ("cancelled" if result.status == CANCELLED else "failed")
-                finished.extend(self._fail(result.request_id, 500, message))
+                finished.extend(self._fail(result.request_id, 500, message, result.code))
                 continue
             tracked.made += item.samples
             tracked.execution_s += result.execution_s

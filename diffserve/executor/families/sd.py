@@ -16,6 +16,7 @@ class SDConditioning(Conditioning):
 
 class StableDiffusion(Family):
     name = "stable-diffusion"
+    published_dtype = "float16"  # SD 1.x/2.x and SDXL (a subclass) are published in float16
     pipelines = ("StableDiffusionPipeline",)
 
     def encode(self, prompts, negatives, cfg):

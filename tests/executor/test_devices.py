@@ -1,0 +1,32 @@
+"""Device and dtype resolution: pure functions of the flags, the GPUs and the model's family."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffserve.executor.devices import pick_device, resolve_dtype
+from diffserve.executor.families import FAMILIES, family_for
+
+
+def test_cuda_and_auto_spread_executors_over_the_visible_gpus():
+    assert [pick_device("cuda", i, gpus=2) for i in range(4)] == ["cuda:0", "cuda:1"] * 2
+    assert [pick_device("auto", i, gpus=3) for i in range(4)] == ["cuda:0", "cuda:1", "cuda:2",
+                                                                  "cuda:0"]
+    assert pick_device("auto", 5, gpus=0) == "cpu"
+    assert pick_device("cuda:1", 0, gpus=2) == "cuda:1" and pick_device("cpu", 3, gpus=2) == "cpu"
+    with pytest.raises(ValueError, match="--device cuda: no CUDA GPU"):
+        pick_device("cuda", 0, gpus=0)
+
+
+def test_auto_dtype_is_the_familys_on_a_gpu_and_float32_on_the_cpu():
+    published = {family.name: family.published_dtype for family in FAMILIES}
+    assert published["stable-diffusion"] == published["stable-diffusion-xl"] == "float16"
+    assert {name for name, dtype in published.items() if dtype == "float16"} == {
+        "stable-diffusion", "stable-diffusion-xl"}
+    flux = family_for("FluxPipeline").published_dtype
+    assert resolve_dtype("auto", "cuda:0", flux, bf16_supported=True) == "bfloat16"
+    assert resolve_dtype("auto", "cuda:0", flux, bf16_supported=False) == "float16"
+    assert resolve_dtype("auto", "cuda:0", "float16", bf16_supported=True) == "float16"
+    assert resolve_dtype("auto", "cuda:0", None, bf16_supported=True) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", flux) == "float32"
+    assert resolve_dtype("float16", "cuda:0", flux) == "float16"  # the operator's choice
