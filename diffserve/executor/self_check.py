@@ -117,15 +117,27 @@ def _mismatch(stepped, plain) -> str | None:
 
 def samplers(rt, names: list[str], task: str, step: bool) -> tuple[list[str], dict[str, str]]:
     """The samplers of ``names`` that work on ``rt``'s model for ``task`` (a short request each:
-    the plain pipeline runs it, and where ``step`` the step engine matches it by the rule of the
-    served dtype), and why each other one does not. A scheduler diffusers calls compatible may
+    the plain pipeline runs it, and where ``step`` the step engine matches it; in half precision
+    both run in float32 for this), and why each other one does not. A scheduler diffusers calls compatible may
     still not take the model's config (a flow-prediction model under DDIM, say)."""
+    if rt.loaded.dtype != "float32":
+        # Whether the step engine runs a sampler as diffusers does is a question of its code, not
+        # of the dtype: answered in float32, by float32's rule.
+        from diffserve.executor.float32_reference import in_float32
+
+        with in_float32(rt.loaded.pipe):
+            return _samplers(rt, names, task, step, judge=lambda request, stepped, plain:
+                             _mismatch(stepped, plain))
+    return _samplers(rt, names, task, step)
+
+
+def _samplers(rt, names: list[str], task: str, step: bool, judge=None):
     requests = [_request(rt, task, scheduler=name, steps=SAMPLER_STEPS) for name in names]
     plain = [_plain(rt, request) for request in requests]
     working, why = [], {}
     runs = [r for r, o in zip(requests, plain) if not o.error]
     judged = dict(zip(runs, _stepped(rt, runs))) if step and runs else {}
-    judge = _judge(rt, runs) if judged else None
+    judge = judge or (_judge(rt, runs) if judged else None)
     for request, outcome in zip(requests, plain):
         failed = outcome.error or (judged[request].error if request in judged else None)
         if failed:

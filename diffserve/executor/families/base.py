@@ -112,13 +112,17 @@ class Family:
         self.pipelines = pipelines  # task name -> its pipeline (edits: built with from_pipe)
         self.call_kwargs = call_kwargs
         self.device = pipe._execution_device
-        self.dtype = self.denoiser.dtype
         self._samplers: dict[str, Any] = {}  # name -> a scheduler to copy per request
         self.row_scope = RowScope()  # narrowed where a forward splits between denoisers
 
     @property
     def denoiser(self):
         return getattr(self.pipe, "unet", None) or self.pipe.transformer
+
+    @property
+    def dtype(self):
+        """The denoiser's dtype now (the start-up check may run the model in float32 a while)."""
+        return self.denoiser.dtype
 
     # -- per admission ---------------------------------------------------------------------
 

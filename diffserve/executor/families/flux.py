@@ -48,7 +48,7 @@ class Flux(PackedFlow):
         return Encoded(FluxConditioning(positive, pooled, text_ids))
 
     def _latent_ids(self, width: int, height: int):
-        key = (width, height)
+        key = (width, height, self.dtype)
         if key not in self._image_ids:
             pipe = self.pipe
             lat_h = 2 * (height // (pipe.vae_scale_factor * 2))
