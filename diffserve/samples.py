@@ -14,6 +14,7 @@ Torch is imported only where a function needs it: the scheduler process uses thi
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any, Callable, Hashable, Iterable, Sequence, TypeVar
 
 from diffserve.protocol import ImageRequest, ProtocolError, WorkItem
@@ -86,22 +87,27 @@ def isolate(members: list[T], run: Callable[[list[T]], list[R]], group: Callable
     their groups in turn, and so on down to single groups, so that an error costs only the
     group that causes it while the rest keep running in as few calls as the error allows (an
     out-of-memory error splits a batch until it fits). ``run`` must have no effect that a retry
-    would repeat; ``on_error`` sees each error before the retry (e.g. to free memory). Returns
-    each member with its result or the error of its group."""
+    would repeat. ``on_error`` sees each error before the retry (e.g. to free memory), once the
+    failed attempt's frames are cleared: the retry runs outside the ``except`` block, so that
+    nothing of that attempt (its activations, on a device that ran out of memory) is still
+    alive. Returns each member with its result or the error of its group."""
     try:
         return list(zip(members, checked(run(members), members)))
-    except Exception as error:  # noqa: BLE001 - find the culprit below
-        on_error(error)
-        groups = list(group_by(members, group).values())
-        if len(groups) == 1:
-            return [(m, error) for m in members]
-        if _depth == 0:
-            log.warning("%s failed for a batch of %d requests (%s: %s); splitting it to find "
-                        "the cause", what, len(groups), type(error).__name__, error)
-        half = len(groups) // 2
-        return [pair for part in (groups[:half], groups[half:])
-                for pair in isolate([m for g in part for m in g], run, group, what, on_error,
-                                    _depth + 1)]
+    except Exception as caught:  # noqa: BLE001 - find the culprit below
+        error = caught
+    traceback.clear_frames(error.__traceback__)
+    error.__traceback__ = None
+    on_error(error)
+    groups = list(group_by(members, group).values())
+    if len(groups) == 1:
+        return [(m, error) for m in members]
+    if _depth == 0:
+        log.warning("%s failed for a batch of %d requests (%s: %s); splitting it to find the "
+                    "cause", what, len(groups), type(error).__name__, error)
+    half = len(groups) // 2
+    return [pair for part in (groups[:half], groups[half:])
+            for pair in isolate([m for g in part for m in g], run, group, what, on_error,
+                                _depth + 1)]
 
 
 def checked(results: list[R], members: list) -> list[R]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
+from diffserve.executor.memory import OOM_MESSAGES
+
 log = logging.getLogger(__name__)
 
 
@@ -64,7 +66,8 @@ def run(rt, requests: list, plain) -> dict:
     -> outcome. On the CPU where the device has no room for the float32 weights."""
     with in_float32(rt.loaded.pipe):
         found = {r.request_id: plain(rt, r) for r in requests}
-    if not any("OutOfMemoryError" in (o.error or "") for o in found.values()):
+    if not any(m in (o.error or "") for o in found.values()
+               for m in ("OutOfMemoryError", *OOM_MESSAGES)):
         return found
     log.info("start-up check: the float32 reference does not fit on %s; it runs on the CPU",
              rt.loaded.device)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from diffserve.costs import WITH_NEGATIVE
+from diffserve.executor import memory
 from diffserve.executor.adapters import AdapterStore
 from diffserve.executor.families.base import (
     Family,
@@ -85,7 +86,7 @@ class RequestRunner:
             return self._rollouts(work, inputs, start)
         pairs = list(zip(work.items, inputs))
         results = isolate(pairs, self._call_all, lambda pair: pair[0].request.request_id,
-                          f"batch {work.work_id}")
+                          f"batch {work.work_id}", memory.release)
         elapsed = time.perf_counter() - start
         if self._interrupted:
             return [Outcome.cancelled(item, elapsed) for item in work.items]

@@ -41,6 +41,7 @@ import time
 from contextlib import nullcontext
 from typing import Any, Callable
 
+from diffserve.executor import memory
 from diffserve.executor.adapters import AdapterStore
 from diffserve.executor.families.base import Family, move_state, moved, split_finite
 from diffserve.executor.families.conditioning import Encoded
@@ -311,18 +312,12 @@ class StepEngine:
         """``run`` over ``units`` (one result each), isolating failures: a unit whose request
         causes an error leaves the running set as failed; the others get their results."""
         done = []
-        for unit, result in isolate(units, run, _request_id, what, self._free_memory):
+        for unit, result in isolate(units, run, _request_id, what, memory.release):
             if isinstance(result, Exception):
                 self._fail(unit, out, result, what)
             else:
                 done.append((unit, result))
         return done
-
-    def _free_memory(self, error: Exception) -> None:
-        """Before a failed batch is run again in parts: give back what the failed try held."""
-        torch = self.family.torch
-        if isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
     def _fail(self, unit: Unit, out: StepOutput, error: Exception, what: str) -> None:
         log.warning("%s failed for %s: %s: %s", what, _request_id(unit), type(error).__name__, error)

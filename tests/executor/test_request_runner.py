@@ -138,3 +138,40 @@ def test_resolution_binning_is_off_and_a_wrong_output_size_is_an_error():
     (wrong,) = runner.execute(*work(r))
     assert wrong.images is None
     assert "HunyuanDiTPipeline returned 1024x1024 images for a 64x64 request" in wrong.error
+
+
+def test_an_out_of_memory_call_is_retried_in_halves_holding_nothing_of_the_failed_one():
+    """Request mode as step mode: a batched call that runs out of memory is run again in halves
+    once the failed call's tensors are gone and the memory released."""
+    import weakref
+
+    import torch
+
+    from diffserve.executor import memory
+
+    loaded, pipelines, runner = runner_for("tiny-sd")
+    pipe, held, gone_at_retry, released = loaded.pipe, [], [], []
+    call = type(pipe).__call__
+
+    def fails_once(self, **kwargs):
+        if held:
+            gone_at_retry.append(held[-1]() is None)
+        if len(held) < 1 and len(kwargs["prompt"]) > 1:
+            activations = torch.empty(len(kwargs["prompt"]), 1 << 16)
+            held.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return call(self, **kwargs)
+
+    release = memory.release
+    memory.release = lambda error: released.append(memory.is_out_of_memory(error)) or release(error)
+    type(pipe).__call__ = fails_once
+    try:
+        requests = [make_request(request_id=f"r{i}", seed=i, steps=2) for i in range(2)]
+        outcomes = runner.execute(*work(*requests))
+    finally:
+        type(pipe).__call__ = call
+        memory.release = release
+    assert [o.status for o in outcomes] == ["finished", "finished"]
+    assert gone_at_retry == [True, True] and released == [True]
+    for r, o in zip(requests, outcomes):
+        assert max_diff(o.images, solo(loaded, pipelines, r)) <= 2

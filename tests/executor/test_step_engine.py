@@ -335,3 +335,45 @@ def test_an_out_of_memory_forward_splits_the_set_and_every_request_is_answered()
         assert results[r.request_id].status == "finished"
         assert max_diff(results[r.request_id].images, solo(loaded, pipelines, r)) <= 2
     assert calls[0] == 6 and max(calls[1:]) <= 6  # the first try held the whole set
+
+
+def test_the_retry_after_out_of_memory_holds_nothing_of_the_failed_attempt():
+    """The first forward allocates (as a real one's activations would) and runs out of memory
+    (torch.OutOfMemoryError; then a cuBLAS allocation failure raised as RuntimeError): by the
+    time the halves run, nothing of the failed attempt is alive (a weak reference to its tensor
+    is dead), and the memory was released (the cache emptied) before the retry."""
+    import weakref
+
+    from diffserve.executor import memory
+
+    loaded, pipelines, engine = engine_for("tiny-sd")
+    forward = engine.family.forward
+    held, seen_at_retry, released = [], [], []
+    errors = [torch.OutOfMemoryError("CUDA out of memory (injected)"),
+              RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")]
+
+    def first_fails(latents, *args):
+        if held:  # a retry: is the failed attempt's tensor gone?
+            seen_at_retry.append(held[-1]() is None)
+        if errors and latents.shape[0] > 2:
+            activations = torch.empty(latents.shape[0], 1 << 16)
+            held.append(weakref.ref(activations))
+            raise errors.pop(0)
+        return forward(latents, *args)
+
+    release = memory.release
+    engine.family.forward = first_fails
+    memory.release = lambda error: released.append(memory.is_out_of_memory(error)) or release(error)
+    try:
+        requests = [make_request(request_id=f"r{i}", seed=i, steps=3, guidance=1.0)
+                    for i in range(4)]
+        engine.admit([WorkItem(r, 0, 1) for r in requests], [[]] * 4)
+        results = {}
+        while engine:
+            results.update({o.item.request.request_id: o for o in engine.step().finished})
+    finally:
+        engine.family.forward = forward
+        memory.release = release
+    assert all(o.status == "finished" for o in results.values()) and len(results) == 4
+    assert len(held) == 2 and seen_at_retry and all(seen_at_retry)
+    assert released == [True, True]
