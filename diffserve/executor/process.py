@@ -329,5 +329,8 @@ class StepLoop:
                 malformed += [Outcome.failed(item, f"malformed work: {error}", 0.0) for item in msg.items]
         start = time.perf_counter()
         failed = malformed + self.engine.admit(items, inputs)
-        self.io.count_admission(time.perf_counter() - start, len(items) + len(malformed) - len(failed))
+        # Read once the device has done the admission's work (prompts, input images), so that
+        # the next step is not charged for it.
+        self.io.count_admission(self.engine.timer.done() - start,
+                                len(items) + len(malformed) - len(failed))
         self.io.send_outcomes(failed)

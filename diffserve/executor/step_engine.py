@@ -48,6 +48,7 @@ from diffserve.executor.families.conditioning import Encoded
 from diffserve.executor.planner import Entry, Planner, StepPlan
 from diffserve.executor.results import Outcome, PartialImage, describe
 from diffserve.executor.running_batch import Layout
+from diffserve.executor.step_timer import StepTimer
 from diffserve.executor.unit_builder import UnitBuilder
 from diffserve.executor.units import StepOutput, Unit, Waiting, batch_key_of
 from diffserve.policies import SetPolicy
@@ -83,7 +84,8 @@ class StepEngine:
         self.step_cache = step_cache
         self.builder = UnitBuilder(family, count_tokens, self._rows, step_cache, cache_threshold)
         self._layouts: dict[tuple, Layout] = {}  # per running set, while its members stay
-        self._inner_s = 0.0  # this step's time in the denoiser and the VAE
+        # A step's time as the device spent it (on CUDA: events, and one wait at its end).
+        self.timer = StepTimer(family.torch, family.device, clock)
         if adapters is not None:
             family.row_scope.listen(adapters.rows.narrow)
         if step_cache is not None:
@@ -285,7 +287,7 @@ class StepEngine:
         if not self.units:
             return
         start = self.clock()
-        self._inner_s = 0.0
+        self.timer.take_inner()  # what admissions' decodes took is not this step's
         units = [u for u in self.units if u.batch_key == plan.advance]
         if not units:  # the set it planned for was to be opened by a join that did not fit
             key = self.planner.choose([Entry(_request_id(u), u.batch_key, u.member)
@@ -300,8 +302,8 @@ class StepEngine:
                             if u.request.progress and u in self.units]
             self._partials(units, out)
             self._retire(units, out)
-        out.seconds = self.clock() - start
-        out.host_seconds = max(0.0, out.seconds - self._inner_s)
+        out.seconds = self.timer.done() - start
+        out.host_seconds = max(0.0, out.seconds - self.timer.take_inner())
         if self.step_cache is not None:
             out.cache_hits, out.cache_misses = self.step_cache.take_counts()
         for unit in units:
@@ -340,13 +342,9 @@ class StepEngine:
             layout = self._layouts[units[0].batch_key] = Layout(units, fam.torch)
         latents, timesteps = layout.inputs()
         r = units[0].request  # every unit of one forward has the same size
-        start = self.clock()
-        try:
-            with self._rows(layout.stacks), self._cached(layout):
-                output = fam.forward(latents, timesteps, layout.cond, layout.guidance, r.width,
-                                     r.height)
-        finally:
-            self._inner_s += self.clock() - start
+        with self.timer.span(), self._rows(layout.stacks), self._cached(layout):
+            output = fam.forward(latents, timesteps, layout.cond, layout.guidance, r.width,
+                                 r.height)
         return layout.predictions(fam, output)
 
     def _cached(self, layout: Layout):
@@ -386,13 +384,10 @@ class StepEngine:
         for group in group_by(units, lambda u: u.request.task).values():
             r = group[0].request
             latents = self.family.torch.cat([u.prepared.latents for u in group])
-            start = self.clock()
-            try:
+            with self.timer.span():
                 parts = split_finite(lambda: self.family.decode(latents, r.width, r.height,
                                                                 r.task_spec),
                                      [u.samples for u in group])
-            finally:
-                self._inner_s += self.clock() - start
             by_unit.update(zip(map(id, group), parts))
         return [by_unit[id(u)] for u in units]
 
