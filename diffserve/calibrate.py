@@ -66,6 +66,36 @@ def suggest(samples: list[Sample], free_bytes: int | None, latent_bytes_per_unit
     return out
 
 
+class DeviceStats:
+    """The measured device's synchronisation and memory statistics, each call naming that device
+    (a CUDA call without one reads the current device, GPU 0 unless set). No-ops on the CPU."""
+
+    def __init__(self, torch, device: str) -> None:
+        self.torch, self.device = torch, torch.device(device)
+        self.cuda = self.device.type == "cuda"
+
+    def start(self) -> int | None:
+        """Wait for the device, reset its peak; the bytes allocated now."""
+        if not self.cuda:
+            return None
+        cuda = self.torch.cuda
+        cuda.synchronize(self.device)
+        cuda.reset_peak_memory_stats(self.device)
+        return cuda.memory_allocated(self.device)
+
+    def done(self) -> float:
+        """The clock, once the device has done what was queued."""
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def peak(self, base: int | None) -> int | None:
+        return self.torch.cuda.max_memory_allocated(self.device) - base if self.cuda else None
+
+    def free(self) -> int | None:
+        return self.torch.cuda.mem_get_info(self.device)[0] if self.cuda else None
+
+
 def measure(model: str, device: str, dtype: str, sides: list[float], batches: list[int],
             steps: int, threads: int) -> tuple[list[Sample], dict]:
     from diffserve.config import ServerConfig
@@ -80,10 +110,9 @@ def measure(model: str, device: str, dtype: str, sides: list[float], batches: li
     except UnsupportedMode as error:
         raise SystemExit(f"calibrate measures the step engine: {error}") from None
     loaded, info, engine = rt.loaded, rt.info, rt.step_engine()
-    torch = engine.family.torch
-    cuda = loaded.device.startswith("cuda")
+    stats = DeviceStats(engine.family.torch, loaded.device)
     stride = info.spatial_stride
-    samples = []
+    samples, latent_bytes = [], []
     for side in sides:
         width = max(stride, round(info.width * side / stride) * stride)
         height = max(stride, round(info.height * side / stride) * stride)
@@ -97,19 +126,18 @@ def measure(model: str, device: str, dtype: str, sides: list[float], batches: li
                      for i in range(count)]
             if engine.admit(items, [[] for _ in items]):
                 raise SystemExit(f"could not admit {count} images of {width}x{height}")
+            # What the requests hold between steps: their latents, in their own dtype (float32
+            # for Wan, Z-Image and Sana whatever the weights'), per unit of cost.
+            latent_bytes.append(sum(u.prepared.latents.nelement() * u.prepared.latents.element_size()
+                                    for u in engine.units) / (count * per_image))
             engine.step()  # warm-up: first-use allocations
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
+            base = stats.start()
             times = []
             for _ in range(steps - 1):
                 start = time.perf_counter()
                 engine.step()
-                if cuda:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            peak = torch.cuda.max_memory_allocated() - base if cuda else None
+                times.append(stats.done() - start)
+            peak = stats.peak(base)
             engine.cancel([item.request.request_id for item in items])
             engine.step()
             samples.append(Sample(width, height, count, count * per_image,
@@ -118,10 +146,8 @@ def measure(model: str, device: str, dtype: str, sides: list[float], batches: li
              "dtype": loaded.dtype, "native": f"{info.width}x{info.height}",
              "native_image_cost": image_cost(1, 1, 1, 1, uses_cfg(info.guidance_rule,
                                                                    info.default_guidance_scale, "")),
-             "free_bytes": torch.cuda.mem_get_info()[0] if cuda else None,
-             # What a request holds between steps per cost unit: its latents, about a 1/64 of
-             # the pixels at 4-16 channels, in the weights' dtype (a generous estimate).
-             "latent_bytes_per_unit": info.width * info.height / 64 * 16 * (2 if cuda else 4)}
+             "free_bytes": stats.free(),
+             "latent_bytes_per_unit": max(latent_bytes)}
     return samples, facts
 
 

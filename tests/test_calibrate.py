@@ -41,3 +41,34 @@ def test_the_command_on_the_tiny_model():
     assert [(s["width"], s["image_count"]) for s in report["samples"]] == [(32, 1), (32, 2), (64, 1), (64, 2)]
     assert report["samples"][3]["cost"] == 4.0  # two 64x64 images with guidance
     assert report["suggested"]["max_batch_cost"] >= 1
+
+
+def test_every_cuda_call_names_the_measured_device():
+    """On a multi-GPU host calibrate measures cuda:1 (a stand-in here: no GPU in CI): each
+    synchronisation and memory statistic is asked of that device, never the current one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from diffserve.calibrate import DeviceStats
+
+    asked = []
+
+    def call(name, value=0):
+        return lambda *args: asked.append((name, args)) or value
+
+    cuda = SimpleNamespace(synchronize=call("synchronize"),
+                           reset_peak_memory_stats=call("reset_peak_memory_stats"),
+                           memory_allocated=call("memory_allocated", 100),
+                           max_memory_allocated=call("max_memory_allocated", 300),
+                           mem_get_info=call("mem_get_info", (7, 9)))
+    stats = DeviceStats(SimpleNamespace(cuda=cuda, device=torch.device), "cuda:1")
+    base = stats.start()
+    stats.done()
+    assert (base, stats.peak(base), stats.free()) == (100, 200, 7)
+    assert {args for _, args in asked} == {(torch.device("cuda:1"),)}
+    assert [name for name, _ in asked] == ["synchronize", "reset_peak_memory_stats",
+                                          "memory_allocated", "synchronize",
+                                          "max_memory_allocated", "mem_get_info"]
+    cpu = DeviceStats(torch, "cpu")
+    assert cpu.start() is None and cpu.peak(None) is None and cpu.free() is None
