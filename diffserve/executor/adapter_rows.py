@@ -75,9 +75,40 @@ from diffserve.protocol import repeated_adapter
 
 Stack = Sequence[tuple[str, float]]
 METHODS = ("auto", "loop", "gathered")
-# Row plans kept with their tensors (gathered adapter weights among them): a few running sets'.
+# Row plans kept with their index tensors: a few running sets'.
 PLANS_KEPT = 4
 SUBSETS_KEPT = 64
+# The gathered method's adapter weights, kept per layer and set of distinct stacks (whatever the
+# rows' order, so running sets with the same adapters share them) within this many bytes, the
+# least recently used dropped first.
+GATHERED_BYTES = 256 << 20
+
+
+class GatheredWeights:
+    """An LRU of gathered (A, B) weights with a byte budget."""
+
+    def __init__(self, budget: int = GATHERED_BYTES) -> None:
+        self.budget = budget
+        self.nbytes = 0
+        self._kept: dict = {}  # key -> (A_all, B_all) or None; insertion order is use order
+
+    def get(self, key, make):
+        if key in self._kept:
+            value = self._kept.pop(key)
+        else:
+            value = make()
+            self.nbytes += _nbytes(value)
+        self._kept[key] = value
+        while self.nbytes > self.budget and len(self._kept) > 1:
+            self.nbytes -= _nbytes(self._kept.pop(next(iter(self._kept))))
+        return value
+
+    def clear(self) -> None:
+        self._kept, self.nbytes = {}, 0
+
+
+def _nbytes(value) -> int:
+    return 0 if value is None else sum(t.nelement() * t.element_size() for t in value)
 
 
 @dataclass
@@ -120,7 +151,8 @@ class _Plan:
         or an index) and each such row's index into the distinct stacks."""
         key = ("stacks", device)
         if key not in self._tensors:
-            distinct = (list(dict.fromkeys(s for s in self.stacks if s)) if self.root is None
+            # In a canonical order: layouts of the same stacks share their gathered weights.
+            distinct = (sorted({s for s in self.stacks if s}) if self.root is None
                         else self.root.stack_rows(device)[0])
             rows = [i for i, s in enumerate(self.stacks) if s]
             which = torch.tensor([distinct.index(self.stacks[i]) for i in rows], device=device)
@@ -161,7 +193,8 @@ def _fusable(layer: LoraLayer, out: torch.Tensor) -> bool:
 class RowAdapters:
     """Applies LoRA adapters per batch row in the PEFT ``LoraLayer``s of the given modules."""
 
-    def __init__(self, *modules: nn.Module, method: str = "auto"):
+    def __init__(self, *modules: nn.Module, method: str = "auto",
+                 gathered_bytes: int = GATHERED_BYTES):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, not {method!r}")
         self._roots = modules
@@ -171,6 +204,7 @@ class RowAdapters:
         # Plans by their stacks: a running set's rows stay the same from step to step, and so
         # do the index tensors and gathered adapter weights each plan keeps.
         self._plans: dict[tuple, _Plan] = {}
+        self.gathered = GatheredWeights(gathered_bytes)
         self._seen: tuple = ()
         self.adapters: frozenset[str] = frozenset()
         self._unsupported: dict[str, str] = {}  # adapter -> why it can't be applied per row
@@ -261,7 +295,8 @@ class RowAdapters:
                                                                  with_kwargs=True)
         self.adapters = frozenset(a for layer in found for a in _adapter_names(layer))
         self._seen = self._loaded_names()
-        self._plans = {}  # their gathered weights may be of adapters gone or reloaded
+        self._plans = {}
+        self.gathered.clear()  # of adapters that may be gone or reloaded
 
     def unsupported(self, adapter: str) -> str | None:
         """Why ``adapter`` can't be applied per row, or None if it can."""
@@ -330,15 +365,13 @@ class RowAdapters:
 
     def _gathered(self, layer: LoraLayer, x: torch.Tensor, out: torch.Tensor, plan: _Plan):
         distinct, rows, which = plan.stack_rows(x.device)
-        kept, key = (plan.root or plan)._tensors, ("gathered", id(layer), x.device)
-        if key not in kept:
-            kept[key] = _gather(layer, distinct, x)
-        gathered = kept[key]
+        gathered = self.gathered.get((id(layer), tuple(distinct), x.device),
+                                     lambda: _gather(layer, distinct, x))
         if gathered is None:  # none of the batch's adapters adapts this layer
             return None
         A_all, B_all = gathered
-        # Per row from the distinct stacks' (kept per plan; the per-row copies are not: rows x
-        # rank x features in every layer would outweigh the adapters themselves).
+        # Per row from the distinct stacks' (kept per set of stacks; the per-row copies are not:
+        # rows x rank x features in every layer would outweigh the adapters themselves).
         A_rows, B_rows = A_all.index_select(0, which), B_all.index_select(0, which)
         part = take(rows, x).to(A_rows.dtype)
         flat = part.reshape(len(part), -1, part.shape[-1])

@@ -10,12 +10,25 @@ Rows = slice | torch.Tensor
 
 
 def selection(rows: list[int] | None, device) -> Rows:
-    """``rows`` (None: all of them) as a slice or an index tensor on ``device``."""
+    """``rows`` (None: all of them) as a slice or an index tensor on ``device``. On a GPU the
+    index goes up from pinned memory without blocking: a copy from ordinary host memory would
+    wait for the device to finish what it was given (a Python list as an index does the same)."""
     if rows is None:
         return slice(None)
     if rows and rows == list(range(rows[0], rows[-1] + 1)):
         return slice(rows[0], rows[-1] + 1)
-    return torch.tensor(rows, device=device, dtype=torch.long)
+    index = torch.tensor(rows, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
+def add(full: torch.Tensor, rows: Rows, part: torch.Tensor) -> torch.Tensor:
+    """``part`` added to those rows of ``full``, in place; ``full``."""
+    if isinstance(rows, slice):
+        full[rows] += part
+        return full
+    return full.index_add_(0, rows, part)
 
 
 def take(rows: Rows, tensor: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,10 @@ class Layout:
         self._device = device
         self._guided: dict[tuple[int, ...], tuple[Any, Any]] = {}  # units -> their (neg, pos) rows
 
+    def host_timesteps(self) -> list[float]:
+        """This step's timestep of each row, on the host."""
+        return [u.timestep for u in self.units for _ in range(u.rows)]
+
     def matches(self, units: list) -> bool:
         """Whether ``units`` are this layout's members, in its order."""
         return len(units) == len(self.units) and all(a is b for a, b in zip(units, self.units))
@@ -65,7 +69,7 @@ class Layout:
         by_scale: dict[float, list[int]] = {}
         for i, u in enumerate(self.units):
             if u.cfg:
-                scale = family.guidance_scale(u.request, u.prepared.timesteps[u.step])
+                scale = family.guidance_scale(u.request, u.timestep)
                 by_scale.setdefault(float(scale), []).append(i)
         predictions: list[Any] = [None] * len(self.units)
         for i, u in enumerate(self.units):

@@ -63,7 +63,7 @@ from diffserve.executor.blocks import (
     wrap_forward,
 )
 from diffserve.executor.families import block_tables
-from diffserve.executor.row_index import put, selection, take
+from diffserve.executor.row_index import add, put, selection, take
 
 OFF, FIRST_BLOCK = "off", "first-block"
 MODES = (OFF, FIRST_BLOCK)
@@ -362,20 +362,21 @@ class StepCache:
     def _rebuilt(self, call: _Call, computed, residual: bool):
         """The tail's hidden output for every row: computed rows as computed, hit rows from
         their caches."""
+        def rows_of(e, j, device):  # image j's rows: in the forward, and in its own cache
+            local = e.local_rows(j)
+            return (selection([e.offset + r for r in local], device),
+                    take(selection(local, device), e.cache.tail))
+
         if residual:
             full = call.first_hidden.clone()
+            target = full if call.tokens is None else full[:, :call.tokens]
             for e, j in call.hits:
-                rows = [e.offset + r for r in e.local_rows(j)]
-                tail = e.cache.tail[e.local_rows(j)]
-                if call.tokens is None:
-                    full[rows] += tail
-                else:
-                    full[rows, :call.tokens] += tail
+                add(target, *rows_of(e, j, full.device))
         else:
             sample = call.hits[0][0].cache.tail
             full = sample.new_empty((call.rows, *sample.shape[1:]))
             for e, j in call.hits:
-                full[[e.offset + r for r in e.local_rows(j)]] = e.cache.tail[e.local_rows(j)]
+                put(full, *rows_of(e, j, full.device))
         if computed is not None:
             full = put(full, call.miss, computed)
         return full

@@ -43,7 +43,13 @@ from typing import Any, Callable
 
 from diffserve.executor import memory
 from diffserve.executor.adapters import AdapterStore
-from diffserve.executor.families.base import Family, move_state, moved, split_finite
+from diffserve.executor.families.base import (
+    Family,
+    moved,
+    park_state,
+    restore_state,
+    split_finite,
+)
 from diffserve.executor.families.conditioning import Encoded
 from diffserve.executor.planner import Entry, Planner, StepPlan
 from diffserve.executor.results import Outcome, PartialImage, describe
@@ -180,7 +186,7 @@ class StepEngine:
             return
         unit = self.paused.pop(item.key, None)
         if unit is not None:
-            self._offload(unit, self.family.device)
+            self._unpark(unit)
             self.units.append(unit)
 
     def abandon(self, error: str) -> list[Outcome]:
@@ -259,18 +265,34 @@ class StepEngine:
         pausing = set(plan.pause)
         for unit in [u for u in self.units if u.key in pausing]:
             self.units.remove(unit)
-            self._offload(unit, "cpu")  # the accelerator's memory goes to the others
+            self._park(unit)  # the accelerator's memory goes to the others
             self.paused[unit.key] = unit
+            # Its set's stacked inputs (its conditioning among them) go too: rebuilt when the
+            # set next steps, if any of it is left.
+            self._layouts.pop(unit.batch_key, None)
 
-    def _offload(self, unit: Unit, device) -> None:
-        """The unit's state (latents, conditioning, its scheduler's tensors) moved to ``device``:
-        off the accelerator while paused, back on resume. Nothing to do on a CPU."""
-        if self.family.torch.device(self.family.device).type == "cpu":
+    def _park(self, unit: Unit) -> None:
+        """The unit's state (latents, conditioning, its scheduler's tensors, its step cache) off
+        the accelerator while it is paused. Nothing to do on a CPU."""
+        if self._on_cpu:
             return
-        unit.prepared = moved(unit.prepared, device)
-        move_state(unit.scheduler, device)
+        unit.prepared = moved(unit.prepared, "cpu")
+        unit.parked = park_state(unit.scheduler)
         if unit.cache is not None:
-            unit.cache.to(device)
+            unit.cache.to("cpu")
+
+    def _unpark(self, unit: Unit) -> None:
+        """Back from :meth:`_park`: each of the scheduler's tensors where it was before."""
+        if self._on_cpu:
+            return
+        unit.prepared = moved(unit.prepared, self.family.device)
+        restore_state(unit.scheduler, unit.parked)
+        if unit.cache is not None:
+            unit.cache.to(self.family.device)
+
+    @property
+    def _on_cpu(self) -> bool:
+        return self.family.torch.device(self.family.device).type == "cpu"
 
     def _join(self, plan: StepPlan, out: StepOutput) -> None:
         joining = set(plan.join)
@@ -342,9 +364,10 @@ class StepEngine:
             layout = self._layouts[units[0].batch_key] = Layout(units, fam.torch)
         latents, timesteps = layout.inputs()
         r = units[0].request  # every unit of one forward has the same size
+        extra = {"host_timesteps": layout.host_timesteps()} if fam.splits_by_timestep else {}
         with self.timer.span(), self._rows(layout.stacks), self._cached(layout):
             output = fam.forward(latents, timesteps, layout.cond, layout.guidance, r.width,
-                                 r.height)
+                                 r.height, **extra)
         return layout.predictions(fam, output)
 
     def _cached(self, layout: Layout):

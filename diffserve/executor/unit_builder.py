@@ -73,7 +73,8 @@ class UnitBuilder:
                     Member(arrived, len(prepared.timesteps)),
                     self.count_tokens(r.prompt), adapters=stack, trajectory=trajectory,
                     threshold=threshold,
-                    cache=self.step_cache.unit(item.samples) if threshold > 0 else None)
+                    cache=self.step_cache.unit(item.samples) if threshold > 0 else None,
+                    host_timesteps=[float(t) for t in prepared.timesteps.tolist()])
 
     def threshold(self, r) -> float:
         """The request's step-cache threshold: its own, else the server's. 0 without a step

@@ -32,6 +32,15 @@ class Unit:
     trajectory: Trajectory | None = None  # rollouts: the stochastic sampler's record
     threshold: float = 0.0  # its step cache's threshold (0: never reuse)
     cache: Any = None  # its images' step caches (diffserve.executor.step_cache), while it runs
+    # Its schedule's timesteps on the host, read once at admission: what a step decides on the
+    # host from a timestep (Wan 2.2's expert, its guidance scale) reads these, never the device.
+    host_timesteps: list[float] = field(default_factory=list)
+    parked: dict = field(default_factory=dict)  # while paused: where its scheduler's tensors were
+
+    @property
+    def timestep(self) -> float:
+        """This step's timestep, on the host."""
+        return self.host_timesteps[self.step]
 
     @property
     def request(self):

@@ -304,3 +304,27 @@ def test_fused_adapters_are_refused():
     model.lin.merge()
     with pytest.raises(ValueError, match="fused"):
         RowAdapters(model)
+
+
+@ONLY_SD
+def test_gathered_weights_are_kept_per_set_of_stacks_within_their_byte_budget(setup):
+    """Two row layouts of the same distinct stacks share one copy of the gathered weights; a
+    tight budget keeps the cache at most that big, and rows stay exact when entries are made
+    again."""
+    adapters = setup.adapters
+    denoiser = denoiser_of(setup.pipe)
+    stacks = [[("a", 1.0)], [("b", 0.5)], [("a", 1.0)], ()]
+    inputs, shared = denoiser_inputs(setup.model, denoiser, len(stacks), seed=3)
+    adapters.gathered.clear()
+    first = setup.batched(stacks, inputs, shared, "gathered")
+    kept, size = len(adapters.gathered._kept), adapters.gathered.nbytes
+    assert kept > 0 and size > 0
+    setup.batched([stacks[1], stacks[0], stacks[3], stacks[2]], inputs, shared, "gathered")
+    assert adapters.gathered.nbytes == size  # another order of the same stacks: shared
+    budget, adapters.gathered.budget = adapters.gathered.budget, size // 3
+    try:
+        again = setup.batched(stacks, inputs, shared, "gathered")
+        assert adapters.gathered.nbytes <= size // 3
+    finally:
+        adapters.gathered.budget = budget
+    assert torch.equal(again, first)

@@ -272,14 +272,14 @@ def test_a_fault_in_any_per_request_stage_fails_only_that_request(stage, method)
 
 
 def test_flux_keeps_position_ids_for_a_bounded_number_of_sizes():
-    from diffserve.executor.families.flux import IMAGE_IDS_CACHED
+    from diffserve.executor.families.packed_flow import IDS_CACHED
 
     _, _, engine = engine_for("tiny-flux")
     family = engine.family
     first = family._latent_ids(64, 64)
     for side in range(16, 16 * 40, 16):  # sizes are the clients' choice
         family._latent_ids(side, 32)
-    assert len(family._image_ids) == IMAGE_IDS_CACHED
+    assert len(family._ids) == IDS_CACHED
     assert torch.equal(family._latent_ids(64, 64), first)  # evicted ids are made again, the same
 
 

@@ -56,9 +56,9 @@ def test_wan21_videos_joining_mid_run_equal_the_pipeline_alone():
     shared = []
     real = family.forward
 
-    def forward(latents, *rest):
+    def forward(latents, *rest, **host):
         shared.append(latents.shape[0])
-        return real(latents, *rest)
+        return real(latents, *rest, **host)
 
     family.forward = forward
     images = run_plan(engine, plan)

@@ -83,8 +83,8 @@ def test_prompts_of_different_lengths_share_one_forward(setup):
 
     def spy(latents, timesteps, cond, guidance, width, height):
         # Z-Image: each row's caption length; Chroma: each row's kept text tokens.
-        lengths = getattr(cond, "prompt_lengths", None)
-        seen.append((lengths if lengths is not None else cond.attention_mask.sum(1)).tolist())
+        lengths = getattr(cond, "prompt_lengths", None)  # on the host (a tuple)
+        seen.append(list(lengths) if lengths is not None else cond.attention_mask.sum(1).tolist())
         return forward(latents, timesteps, cond, guidance, width, height)
 
     family.forward = spy

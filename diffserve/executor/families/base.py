@@ -60,11 +60,28 @@ def moved(value, device):
     return value
 
 
-def move_state(scheduler, device) -> None:
-    """A scheduler's tensors (and lists of them) moved to ``device`` in place."""
+def park_state(scheduler) -> dict[str, object]:
+    """A scheduler's tensors (and lists of them) moved to the host in place; returns where each
+    attribute that held tensors was, for :func:`restore_state` (a scheduler keeps some on the
+    host on purpose, flow-matching sigmas among them: reading those never waits for the device)."""
+    import torch
+
+    places = {}
     for name, value in vars(scheduler).items():
-        if name != "config":
-            setattr(scheduler, name, moved(value, device))
+        if name == "config":
+            continue
+        tensors = [v for v in (value if isinstance(value, (list, tuple)) else [value])
+                   if isinstance(v, torch.Tensor)]
+        if tensors:
+            places[name] = tensors[0].device
+            setattr(scheduler, name, moved(value, "cpu"))
+    return places
+
+
+def restore_state(scheduler, places: dict[str, object]) -> None:
+    """Each parked attribute back where it was."""
+    for name, device in places.items():
+        setattr(scheduler, name, moved(getattr(scheduler, name), device))
 
 
 class Family:
@@ -95,6 +112,9 @@ class Family:
     # UNet's blocks are known by their structure, for every family that has one).
     block_lists: ClassVar[dict[str, tuple[str, ...]]] = {}
     block_kinds: ClassVar[dict[str, BlockKind]] = {}
+    # Whether its forward sends rows to different denoisers by their timestep (Wan 2.2's
+    # experts): it is then given the rows' timesteps on the host too.
+    splits_by_timestep: ClassVar[bool] = False
     # Whether the pipeline takes one reference image per prompt row (edits of several requests
     # then share a call in request mode); else one list of references for the whole call.
     references_per_row: ClassVar[bool] = True
@@ -274,7 +294,9 @@ class Family:
     def forward(self, latents, timesteps, cond: Conditioning, guidance, width: int,
                 height: int) -> Any:
         """One denoiser forward over stacked rows: ``timesteps`` and ``guidance`` have one
-        value per row, ``cond`` one row per row of ``latents``; every row has this size."""
+        value per row, ``cond`` one row per row of ``latents``; every row has this size. A
+        family that ``splits_by_timestep`` is also given ``host_timesteps``, the rows'
+        timesteps on the host, to split by without reading the device."""
         raise NotImplementedError
 
     def guide(self, uncond, cond, scale: float):

@@ -13,10 +13,17 @@ from typing import Any
 BATCHED = "batched"  # one row per image; rows are concatenated (the default)
 SHARED = "shared"    # the same value for every row (e.g. text position ids); taken once
 PADDED = "padded"    # rows of different lengths (dim 1): padded with zeros to the longest
+HOST = "host"        # one value per row kept on the host (a tuple), read without the device
 
 
 def shared(default: Any = None) -> Any:
     return field(default=default, metadata={"rows": SHARED})
+
+
+def on_host(default: Any = ()) -> Any:
+    """A per-row value the forward reads on the host (a caption's length): a tuple, one entry
+    per row, so that reading it never waits for the device."""
+    return field(default=default, metadata={"rows": HOST})
 
 
 def padded(default: Any = dataclasses.MISSING) -> Any:
@@ -40,16 +47,21 @@ class Conditioning:
 
     def repeat(self, count: int) -> "Conditioning":
         """Each row repeated ``count`` times in place (a request's prompt for each of its images)."""
-        return dataclasses.replace(self, **{name: getattr(self, name).repeat_interleave(count, dim=0)
-                                            for name in self._fields(BATCHED, PADDED)})
+        return dataclasses.replace(
+            self, **{name: getattr(self, name).repeat_interleave(count, dim=0)
+                     for name in self._fields(BATCHED, PADDED)},
+            **{name: tuple(v for v in getattr(self, name) for _ in range(count))
+               for name in self._fields(HOST)})
 
     def rows(self, start: int, stop: int) -> "Conditioning":
         return self.select(slice(start, stop))
 
     def select(self, index) -> "Conditioning":
         """The rows at ``index`` (a slice, or a tensor of row numbers)."""
-        return dataclasses.replace(self, **{name: getattr(self, name)[index]
-                                            for name in self._fields(BATCHED, PADDED)})
+        host = index if isinstance(index, slice) else index.tolist()
+        return dataclasses.replace(
+            self, **{name: getattr(self, name)[index] for name in self._fields(BATCHED, PADDED)},
+            **{name: _pick(getattr(self, name), host) for name in self._fields(HOST)})
 
     @classmethod
     def cat(cls, parts: list["Conditioning"]) -> "Conditioning":
@@ -58,6 +70,8 @@ class Conditioning:
         first = parts[0]
         joined = {name: torch.cat([getattr(p, name) for p in parts])
                   for name in first._fields(BATCHED)}
+        joined.update({name: sum((tuple(getattr(p, name)) for p in parts), ())
+                       for name in first._fields(HOST)})
         for name in first._fields(PADDED):
             tensors = [getattr(p, name) for p in parts]
             longest = max(t.shape[1] for t in tensors)
@@ -74,6 +88,10 @@ class Conditioning:
         (:mod:`diffserve.rollouts`): ``prompt_embeds`` [L, D] without padding, and
         ``pooled_prompt_embeds`` [D] where the family has them."""
         raise NotImplementedError(f"{type(self).__name__} does not return its prompt encoding")
+
+
+def _pick(values: tuple, index) -> tuple:
+    return values[index] if isinstance(index, slice) else tuple(values[i] for i in index)
 
 
 @dataclass

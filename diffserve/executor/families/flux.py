@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,10 +10,6 @@ from diffserve.costs import NEVER
 from diffserve.executor.blocks import JOINT
 from diffserve.executor.families.conditioning import Conditioning, Encoded, shared
 from diffserve.executor.families.packed_flow import PackedFlow
-
-# Position ids of the image tokens, per size: cheap to make, but kept for the sizes in use
-# (sizes are the clients' choice, so the cache is bounded).
-IMAGE_IDS_CACHED = 8
 
 
 @dataclass
@@ -37,10 +32,6 @@ class Flux(PackedFlow):
     block_kinds = {"FluxTransformerBlock": JOINT, "FluxSingleTransformerBlock": JOINT}
     guidance_rule = NEVER  # guidance is an input of the transformer; negative prompts are not used
 
-    def __init__(self, pipe, pipelines, call_kwargs) -> None:
-        super().__init__(pipe, pipelines, call_kwargs)
-        self._image_ids: OrderedDict[tuple[int, int], Any] = OrderedDict()
-
     def encode(self, prompts, negatives, cfg):
         positive, pooled, text_ids = self.pipe.encode_prompt(
             prompts, None, device=self.device, num_images_per_prompt=1,
@@ -48,17 +39,11 @@ class Flux(PackedFlow):
         return Encoded(FluxConditioning(positive, pooled, text_ids))
 
     def _latent_ids(self, width: int, height: int):
-        key = (width, height, self.dtype)
-        if key not in self._image_ids:
-            pipe = self.pipe
-            lat_h = 2 * (height // (pipe.vae_scale_factor * 2))
-            lat_w = 2 * (width // (pipe.vae_scale_factor * 2))
-            self._image_ids[key] = pipe._prepare_latent_image_ids(
-                1, lat_h // 2, lat_w // 2, self.device, self.dtype)
-            while len(self._image_ids) > IMAGE_IDS_CACHED:
-                self._image_ids.popitem(last=False)
-        self._image_ids.move_to_end(key)
-        return self._image_ids[key]
+        pipe = self.pipe
+        lat_h = 2 * (height // (pipe.vae_scale_factor * 2))
+        lat_w = 2 * (width // (pipe.vae_scale_factor * 2))
+        return self._position_ids(width, height, lambda: pipe._prepare_latent_image_ids(
+            1, lat_h // 2, lat_w // 2, self.device, self.dtype))
 
     def forward(self, latents, timesteps, cond, guidance, width, height):
         transformer = self.pipe.transformer

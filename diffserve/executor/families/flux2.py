@@ -89,7 +89,8 @@ class Flux2(PackedFlow):
 
     def _latent_ids(self, width: int, height: int):
         h, w = self._grid(width, height)
-        return self.pipe._prepare_latent_ids(self.torch.empty(1, 0, h, w))[0].to(self.device)
+        return self._position_ids(width, height, lambda: self.pipe._prepare_latent_ids(
+            self.torch.empty(1, 0, h, w))[0].to(self.device))
 
     def reference_conditioning(self, references, width, height, k, dtype, generators):
         from PIL import Image

@@ -5,6 +5,9 @@ the family makes its own per size)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Any
+
 import numpy as np
 
 from diffserve.executor.families.base import Family
@@ -15,9 +18,29 @@ def _latents(returned):
     return returned[0] if isinstance(returned, tuple) else returned
 
 
+# Sizes whose position ids a family keeps (each a few kB): enough for the sizes in flight.
+IDS_CACHED = 8
+
+
 class PackedFlow(Family):
     begins_at_index_zero = True
     patch = 2  # latent cells per token side
+
+    def __init__(self, pipe, pipelines, call_kwargs) -> None:
+        super().__init__(pipe, pipelines, call_kwargs)
+        self._ids: OrderedDict[tuple, Any] = OrderedDict()
+
+    def _position_ids(self, width: int, height: int, make):
+        """The image tokens' position ids at this size, ``make()`` once while the size is in
+        use (built on the host and copied up, they would cost a copy that waits for the device
+        at every forward)."""
+        key = (width, height, self.dtype)
+        if key not in self._ids:
+            self._ids[key] = make()
+            while len(self._ids) > IDS_CACHED:
+                self._ids.popitem(last=False)
+        self._ids.move_to_end(key)
+        return self._ids[key]
 
     @property
     def _channels(self) -> int:

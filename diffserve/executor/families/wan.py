@@ -37,6 +37,7 @@ class Wan(Family):
     block_kinds = {"WanTransformerBlock": BlockKind(shared=frozenset({"rotary_emb"}))}
     strength_tasks = ()
     begins_at_index_zero = True
+    splits_by_timestep = True  # Wan 2.2: each row to the expert of its noise level
 
     def __init__(self, pipe, pipelines, call_kwargs) -> None:
         super().__init__(pipe, pipelines, call_kwargs)
@@ -93,18 +94,22 @@ class Wan(Family):
         negative = None if negative is None else dataclasses.replace(negative, **extra)
         return Prepared(timesteps, latents, positive, negative)
 
-    def forward(self, latents, timesteps, cond, guidance, width, height):
-        """Each row through its expert: one call per expert present among the rows."""
+    def forward(self, latents, timesteps, cond, guidance, width, height, host_timesteps=None):
+        """Each row through its expert: one call per expert present among the rows, decided on
+        the host from ``host_timesteps`` (a read of the device's would wait for it)."""
         if self.boundary is None:
             return self._call(self.pipe.transformer, latents, timesteps, cond)
-        high = timesteps >= self.boundary
-        if bool(high.all()) or not bool(high.any()):
-            expert = self.pipe.transformer if bool(high.all()) else self.pipe.transformer_2
+        if host_timesteps is None:
+            host_timesteps = timesteps.tolist()
+        high = [t >= self.boundary for t in host_timesteps]
+        if all(high) or not any(high):
+            expert = self.pipe.transformer if all(high) else self.pipe.transformer_2
             return self._call(expert, latents, timesteps, cond)
         out = None
-        for rows, expert in ((high, self.pipe.transformer), (~high, self.pipe.transformer_2)):
-            index = rows.nonzero().squeeze(1)
-            with self.row_scope.narrow(index.tolist()):  # per-row machinery follows the split
+        for wanted, expert in ((True, self.pipe.transformer), (False, self.pipe.transformer_2)):
+            rows = [i for i, h in enumerate(high) if h == wanted]
+            index = self.torch.tensor(rows, device=latents.device)
+            with self.row_scope.narrow(rows):  # per-row machinery follows the split
                 part = self._call(expert, latents[index], timesteps[index], cond.select(index))
             if out is None:
                 out = part.new_empty((latents.shape[0], *part.shape[1:]))
@@ -117,7 +122,7 @@ class Wan(Family):
                            encoder_hidden_states=cond.prompt_embeds,
                            encoder_hidden_states_image=cond.image_embeds, return_dict=False)[0]
 
-    def guidance_scale(self, request, timestep) -> float:
+    def guidance_scale(self, request, timestep: float) -> float:
         low_noise = self.boundary is not None and timestep < self.boundary
         if low_noise and request.guidance_scale_2 is not None:
             return request.guidance_scale_2

@@ -16,7 +16,7 @@ from typing import Any
 
 from diffserve.costs import ABOVE_ZERO
 from diffserve.executor.blocks import BlockKind
-from diffserve.executor.families.conditioning import Conditioning, Encoded, padded
+from diffserve.executor.families.conditioning import Conditioning, Encoded, on_host, padded
 from diffserve.executor.families.packed_flow import PackedFlow
 
 SEQUENCE_MULTIPLE = 32  # the transformer pads each stream of a row to a multiple of this
@@ -25,10 +25,10 @@ SEQUENCE_MULTIPLE = 32  # the transformer pads each stream of a row to a multipl
 @dataclass
 class ZImageConditioning(Conditioning):
     prompt_embeds: Any = padded()  # [rows, longest caption, D]
-    prompt_lengths: Any = None  # each row's own caption length
+    prompt_lengths: tuple[int, ...] = on_host()  # each row's own caption length
 
     def captions(self) -> list:
-        return [embeds[:n] for embeds, n in zip(self.prompt_embeds, self.prompt_lengths.tolist())]
+        return [embeds[:n] for embeds, n in zip(self.prompt_embeds, self.prompt_lengths)]
 
     def prompt_tensors(self):
         return {"prompt_embeds": self.captions()[0]}
@@ -66,10 +66,8 @@ class ZImage(PackedFlow):
         return Encoded(self._stacked(positive), self._stacked(negative) if cfg else None)
 
     def _stacked(self, captions: list) -> ZImageConditioning:
-        torch = self.torch
-        lengths = torch.tensor([len(c) for c in captions], device=captions[0].device)
-        return ZImageConditioning(torch.nn.utils.rnn.pad_sequence(captions, batch_first=True),
-                                  lengths)
+        return ZImageConditioning(self.torch.nn.utils.rnn.pad_sequence(captions, batch_first=True),
+                                  tuple(len(c) for c in captions))
 
     def schedule(self, scheduler, steps, width, height):
         from diffusers.pipelines.z_image.pipeline_z_image import (get_default_z_image_sigmas,
