@@ -33,14 +33,10 @@ def inputs(count: int, side: int) -> list[np.ndarray]:
     return [np.ascontiguousarray(np.roll(base, 5 * i, axis=1)) for i in range(count)]
 
 
-def png(array: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(array).save(out, format="PNG")
-    return out.getvalue()
-
-
 async def edit(client: httpx.AsyncClient, url: str, image: np.ndarray, i: int, a) -> np.ndarray:
-    r = await client.post(f"{url}/v1/images/edits", files={"image": ("in.png", png(image), "image/png")},
+    png = io.BytesIO()
+    Image.fromarray(image).save(png, format="PNG")
+    r = await client.post(f"{url}/v1/images/edits", files={"image": ("in.png", png.getvalue(), "image/png")},
                           data={"prompt": f"edit number {i}", "seed": str(100 + i), "size": f"{a.side}x{a.side}",
                                 "num_inference_steps": str(a.steps)})
     r.raise_for_status()
@@ -54,34 +50,36 @@ async def timed(url: str, images: list[np.ndarray], a) -> tuple[float, float, li
         start = time.perf_counter()
         for i, image in enumerate(images):
             await edit(client, url, image, i, a)
-        alone = time.perf_counter() - start
-        start = time.perf_counter()
+        alone, start = time.perf_counter() - start, time.perf_counter()
         together = await asyncio.gather(*(edit(client, url, image, i, a) for i, image in enumerate(images)))
         return alone, time.perf_counter() - start, list(together)
 
 
 def edits(b: kit.Bench) -> dict[str, float | None]:
-    a = b.args
-    images = inputs(a.count, a.side)
+    a, images = b.args, inputs(b.args.count, b.args.side)
     with b.servers("edits", {"--batching-mode": "step", "--dynamic-batch-max-size": a.count}) as served:
         alone, at_once, made = asyncio.run(timed(served.urls[0], images, a))
     ref = kit.reference(a.model, a.torch_threads)
     for i, image in enumerate(images):
         if i not in EXPECTED:
-            request = ImageRequest("ref", a.model, a.side, a.side, task="edit", references=1,
-                                   num_inference_steps=a.steps, guidance_scale=ref.guidance(4.0),
-                                   prompt=f"edit number {i}", seed=100 + i)
-            EXPECTED[i] = ref.images(request, references=[image])[0]
+            EXPECTED[i] = ref.images(ImageRequest(
+                "ref", a.model, a.side, a.side, task="edit", references=1, num_inference_steps=a.steps,
+                guidance_scale=ref.loaded.defaults.get("guidance_scale", 4.0), prompt=f"edit number {i}",
+                seed=100 + i), references=[image])[0]
     worst = max(ref.diff(m, EXPECTED[i]) for i, m in enumerate(made))
     b.failed |= worst > 2
     return {"one at a time s": alone, "at once s": at_once, SPEED_UP: alone / at_once, "worst pixel diff": worst}
 
 
-def edits_args(p) -> None:
+def arguments(p) -> None:
     p.add_argument("--count", type=kit.count, default=8, help="Edits, one at a time and at once.")
     p.add_argument("--side", type=int, default=64, help="Side of the inputs and the outputs, pixels.")
 
 
+def main(argv: list[str] | None = None) -> int:
+    return kit.main(__doc__, {"edits": kit.Scenario(edits, [(SPEED_UP, ">=", 2.0)])}, argv, arguments,
+                    model="tiny-flux-kontext", rounds=3, steps=4, torch_threads=0)
+
+
 if __name__ == "__main__":
-    sys.exit(kit.main(__doc__, {"edits": kit.Scenario(edits, [(SPEED_UP, ">=", 2.0)], edits_args)},
-                      model="tiny-flux-kontext", rounds=3, steps=4, torch_threads=0))
+    sys.exit(main())

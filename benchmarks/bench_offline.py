@@ -1,11 +1,8 @@
 """The ceiling: the server's own engine in this process, with no server around it.
 
-Loads the model as an executor does (``load_model``, the same defaults and the same OpenMP
-setting) and, per batch size B, times B single-image requests through the engine of
-``--batching-mode``: request mode, one ``RequestRunner.execute`` of a Work of B items (one
-pipeline call); step mode, a ``StepEngine`` with the B requests admitted at once and stepped to
-the end. ``--warmup`` untimed runs, then ``--repeats`` timed ones; the median is reported as
-images/s. A server cannot beat B = its largest batch; without batching it cannot beat B = 1.
+Loads the model as an executor does and, per batch size B, times B single-image requests through
+the engine of ``--batching-mode`` (request: one pipeline call; step: admitted at once, stepped to
+the end): the median of ``--repeats`` runs as images/s. A server cannot beat B = its largest batch.
 
     python benchmarks/bench_offline.py --model tiny-sd --batching-mode step --batch-sizes 1,2,4,8
 """
@@ -18,7 +15,6 @@ import time
 
 import kit
 from diffserve.config import DEFAULT_MODEL
-from diffserve.executor.process import bound_openmp_spin
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = sorted(set(args.batch_sizes))
     if not sizes or sizes[0] < 1 or args.repeats < 1 or args.warmup < 0:
         p.error("--batch-sizes needs positive integers, --repeats >= 1, --warmup >= 0")
+    from diffserve.executor.process import bound_openmp_spin
 
     bound_openmp_spin()  # as the executor does, before torch loads
     import torch
@@ -40,22 +37,18 @@ def main(argv: list[str] | None = None) -> int:
     from diffserve.protocol import ImageRequest, Work, WorkItem
 
     try:
-        rt = build_runtime(ServerConfig(model=args.model, device=args.device,
-                                        batching_mode=args.batching_mode),
+        rt = build_runtime(ServerConfig(model=args.model, device=args.device, batching_mode=args.batching_mode),
                            torch_threads=args.torch_threads)
     except UnsupportedMode as error:
         p.error(str(error))
-    loaded, info = rt.loaded, rt.info
+    loaded, info, prompts, runner = rt.loaded, rt.info, kit.prompts(), rt.request_runner()
     width, height = (int(v) for v in args.size.lower().split("x")) if args.size else (info.width, info.height)
     steps = args.steps or info.default_steps
-    prompts = kit.prompts()
-    runner = rt.request_runner()
 
     def run(batch: int, seed: int) -> None:
-        items = [WorkItem(ImageRequest(f"r{seed}-{i}", args.model, width, height,
-                                       num_inference_steps=steps, guidance_scale=info.default_guidance_scale,
-                                       prompt=prompts[i % len(prompts)], seed=seed + i), 0, 1)
-                 for i in range(batch)]
+        items = [WorkItem(ImageRequest(f"r{seed}-{i}", args.model, width, height, num_inference_steps=steps,
+                                       guidance_scale=info.default_guidance_scale, prompt=prompts[i % len(prompts)],
+                                       seed=seed + i), 0, 1) for i in range(batch)]
         if args.batching_mode == "request":
             outcomes = runner.execute(Work(seed, items), [[] for _ in items])
         else:
@@ -72,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model": args.model, "pipeline_class": loaded.pipeline_class, "batching_mode": args.batching_mode,
               "device": loaded.device, "dtype": loaded.dtype, "width": width, "height": height,
               "num_inference_steps": steps, "guidance_scale": info.default_guidance_scale,
-              "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
-              **kit.machine(), "results": []}
+              "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__, **kit.machine(),
+              "results": []}
     print(f"{args.model} ({loaded.pipeline_class}) on {loaded.device}/{loaded.dtype}, {width}x{height}, "
           f"{steps} steps, {args.batching_mode} mode, torch threads {torch.get_num_threads()}")
     for batch in sizes:
@@ -88,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         report["results"].append({"batch_size": batch, "median_s": median, "images_per_s": batch / median,
                                   "times_s": times})
         gain = batch / median / report["results"][0]["images_per_s"]
-        print(f"  B={batch:<4d} {batch / median:8.2f} img/s {gain:6.2f}x B={sizes[0]}  median "
-              f"{1000 * median:.1f} ms (min {1000 * min(times):.1f})", flush=True)
+        print(f"  B={batch:<4d} {batch / median:8.2f} img/s {gain:6.2f}x B={sizes[0]}  median {1000 * median:.1f} ms "
+              f"(min {1000 * min(times):.1f})", flush=True)
     kit.write_json(args.output_file, report)
     return 0
 

@@ -1,12 +1,9 @@
 """Load generator for image servers speaking the OpenAI images API.
 
-Sends ``--num-prompts`` requests to ``POST {base-url}/v1/images/generations``: a closed loop
-(``--max-concurrency`` in flight) or seeded Poisson arrivals (``--request-rate`` requests/s),
-and reports throughput and latency. ``--mixed-steps 8,32`` draws each request's step count from
-that list (seeded) and reports latency per step count. ``--base-url`` given several times (or
-comma-separated) sends the requests round-robin over those servers. Where the servers expose
-diffserve's /metrics, it also reports what they did (batch sizes, queue time, executor busy share,
-where a request's time went), from the change in /metrics summed over the servers.
+``--num-prompts`` requests to ``POST {base-url}/v1/images/generations`` in a closed loop
+(``--max-concurrency`` in flight) or at seeded Poisson arrivals (``--request-rate``/s), round-robin
+over the ``--base-url``s: throughput and latency (per step count and per size where they are mixed),
+and, from the change in diffserve's /metrics summed over the servers, what they did.
 
     python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 \\
         --num-prompts 200 --max-concurrency 16 --steps 4
@@ -59,19 +56,16 @@ def format_report(r: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = kit.parser(__doc__, size=None, steps=None, output_file=None)
-    p.add_argument("--base-url", dest="base_urls", metavar="URL", action="append", default=None,
-                   help="Server address; repeat (or comma-separate) for round-robin over several. "
-                        "Default: http://127.0.0.1:8000.")
+    p.add_argument("--base-url", dest="base_urls", metavar="URL", action="append", help="Server address; repeat "
+                   "(or comma-separate) for round-robin over several. Default: http://127.0.0.1:8000.")
     p.add_argument("--num-prompts", "--num-requests", type=kit.count, default=200, help="Requests after warm-up.")
     p.add_argument("--max-concurrency", type=kit.count, default=None, help="Most in flight (default: no limit).")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Mean requests/s of Poisson arrivals (seeded); inf sends all at once.")
-    p.add_argument("--mixed-steps", type=kit.ints, default=None,
-                   help="Comma-separated step counts; each request draws one (seeded).")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Mean requests/s of Poisson arrivals (seeded); "
+                   "inf sends all at once.")
+    p.add_argument("--mixed-steps", type=kit.ints, help="Comma-separated step counts; each request draws one (seeded).")
     p.add_argument("--sizes", type=kit.names, default=None, help='Sizes to mix, e.g. "32x32,48x48": in '
                    "turn, or drawn with --size-weights; latency is reported per size.")
-    p.add_argument("--size-weights", type=kit.floats, default=None,
-                   help='Draw --sizes with these weights (seeded), e.g. "9,1".')
+    p.add_argument("--size-weights", type=kit.floats, help='Draw --sizes with these weights (seeded), e.g. "9,1".')
     p.add_argument("--models", type=kit.names, default=None, help="`model` of request i is the "
                    "(i mod count)-th of these (e.g. LoRA adapters served as models).")
     p.add_argument("--n", type=int, default=1, help="Images per request.")

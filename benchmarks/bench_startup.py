@@ -1,9 +1,7 @@
 """How long ``diffserve serve`` takes to become ready, and the CPU each of its processes used.
 
-Starts the server ``--rounds`` times (each a fresh process tree), waits for ``/health``, reads each
-process's CPU time from ``/proc/<pid>/stat`` at that moment, and prints the medians. Most of an
-executor's start is importing torch and diffusers: this is what a restart after a crash costs,
-and what every server start in the test suite costs.
+Each of ``--rounds`` fresh starts: the time to ``/health``, and each process's CPU time then
+(``/proc/<pid>/stat``): what a restart after a crash costs, and every server start in the tests.
 
     python benchmarks/bench_startup.py --model tiny-sd --rounds 3
 """
@@ -17,17 +15,10 @@ from pathlib import Path
 
 import kit
 
-_TICKS = os.sysconf("SC_CLK_TCK")
-
 
 def stat_fields(pid: int) -> list[str]:
     """``/proc/<pid>/stat`` after the command name: state, ppid, pgrp, session, ..."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def cpu_s(pid: int) -> float:
-    fields = stat_fields(pid)
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
 
 
 def processes(root: int) -> dict[str, int]:
@@ -35,15 +26,13 @@ def processes(root: int) -> dict[str, int]:
     session of its own: only that session counts, not another server running on the machine."""
     found = {"diffserve::frontend": root}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int(stat_fields(int(entry.name))[3]) != root:
-                    continue
+        try:
+            if entry.name.isdigit() and int(stat_fields(int(entry.name))[3]) == root:
                 title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode()
-            except OSError:
-                continue
-            if title.startswith("diffserve::") and title != "diffserve::frontend":
-                found[title.split()[0]] = int(entry.name)
+                if title.startswith("diffserve::") and title != "diffserve::frontend":
+                    found[title.split()[0]] = int(entry.name)
+        except OSError:
+            continue
     return found
 
 
@@ -53,7 +42,8 @@ def one_start(args) -> dict[str, float]:
     with server:
         found = {"ready_s": time.monotonic() - started}
         for title, pid in processes(server.proc.pid).items():
-            found[f"{title} cpu_s"] = cpu_s(pid)
+            fields = stat_fields(pid)
+            found[f"{title} cpu_s"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # user + system
     return found
 
 

@@ -1,17 +1,11 @@
 """One denoising step of the step engine, in process: what the accelerators change.
 
-- ``host``: the time of a step outside the denoiser and the VAE (what ``diffserve_step_host_seconds``
-  records), and the denoiser's, per batch size, with and without distinct LoRA adapters.
-- ``compile``: the steady-state time of a step at each bucket (1, 2, 4, ... images), eager and
-  with ``--compile`` (the buckets compiled beforehand, as at start-up).
-- ``quantization``: the denoiser's weight bytes and the process's resident memory, and the step
-  time, float against ``--quantization int8-weight-only``.
-- ``cache``: the step cache's ceiling: the time of a step whose every row computes against one
-  whose every row reuses its cache (the first block alone), per batch size.
+``compile``: a step at each bucket, eager against ``--compile`` (buckets compiled beforehand, as at
+start-up). ``quantization``: the denoiser's weight bytes, resident memory and step time, float
+against int8 weight-only. ``cache``: the step cache's ceiling, a step whose every row computes
+against one whose every row reuses its cache. Each figure is the median over ``--rounds`` of the
+median over ``--repeats`` steps.
 
-Each figure is the median over ``--rounds`` rounds of the median over ``--repeats`` steps.
-
-    python benchmarks/bench_step.py host --model shapes --batch-sizes 1,8
     python benchmarks/bench_step.py compile --model sd-mid --batch-sizes 1,2,4,8
     python benchmarks/bench_step.py quantization --model sd-mid --batch-sizes 8
 """
@@ -21,9 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 from statistics import median
 
 import kit
@@ -37,14 +29,13 @@ def runtime(args, **config):
                          torch_threads=args.torch_threads)
 
 
-def requests(rt, batch: int, steps: int, tag: str, loras=(), threshold: float | None = None):
+def requests(rt, batch: int, steps: int, tag: str, threshold: float | None = None):
     from diffserve.protocol import ImageRequest, WorkItem
 
     info = rt.info
     return [WorkItem(ImageRequest(f"{tag}-{i}", info.name, info.width, info.height, num_inference_steps=steps,
                                   guidance_scale=info.default_guidance_scale, prompt=f"a red circle {i}", seed=i,
-                                  loras=(loras[i % len(loras)],) if loras else (), cache_threshold=threshold), 0, 1)
-            for i in range(batch)]
+                                  cache_threshold=threshold), 0, 1) for i in range(batch)]
 
 
 def step_times(engine, items, measure=lambda out: out.seconds) -> list:
@@ -62,31 +53,6 @@ def step_times(engine, items, measure=lambda out: out.seconds) -> list:
 def median_step(args, rt, batch: int, tag: str, **kwargs) -> float:
     """The median of --repeats timed steps of ``batch`` requests admitted together."""
     return median(step_times(rt.step_engine(), requests(rt, batch, args.repeats + 2, tag, **kwargs)))
-
-
-def host(args, batches: list[int]) -> list[dict]:
-    from tools.loras import write_lora
-
-    results = []
-    for count in sorted({0, args.loras}):
-        root = Path(tempfile.gettempdir()) / f"bench-step-loras-{args.model}"
-        names = [f"l{i}" for i in range(count)]
-        rt = runtime(args, lora_modules=tuple(f"{n}={write_lora(args.model, root / n, rank=8, seed=i)}"
-                                              for i, n in enumerate(names)))
-        for batch in batches:
-            host_s, forward_s = [], []
-            for _ in range(args.rounds):
-                seen = step_times(rt.step_engine(), requests(rt, batch, args.steps, "host", [(n, 1.0) for n in names]),
-                                  lambda out: (out.host_seconds, out.seconds))
-                host_s.append(median(h for h, _ in seen))
-                forward_s.append(median(s - h for h, s in seen))
-            rows = batch * (2 if rt.family.uses_cfg(rt.info.default_guidance_scale, "") else 1)
-            results.append({"batch": batch, "rows": rows, "loras": count, "host ms": 1000 * median(host_s),
-                            "host ms by round": [1000 * x for x in host_s],
-                            "target ms (1.5 + 0.03 x rows)": 1.5 + 0.03 * rows,
-                            "forward ms": 1000 * median(forward_s)})
-            print(results[-1], flush=True)
-    return results
 
 
 def compiled(args, batches: list[int]) -> list[dict]:
@@ -123,8 +89,8 @@ def quantized(args, batches: list[int]) -> list[dict]:
         rt = runtime(args, quantization=scheme)
         logical, stored = (sum(x) for x in zip(*(weight_bytes(d) for d in rt.family.denoisers)))
         row = {"quantization": scheme, "denoiser weights MB": stored / 1e6,
-               "denoiser weights MB unquantized": logical / 1e6,
-               "process resident MB after loading": resident_mb(), "resident MB added by loading": resident_mb() - before}
+               "denoiser weights MB unquantized": logical / 1e6, "process resident MB after loading": resident_mb(),
+               "resident MB added by loading": resident_mb() - before}
         for batch in batches:
             times = [median_step(args, rt, batch, scheme) for _ in range(args.rounds)]
             row[f"step ms, batch {batch}"] = 1000 * median(times)
@@ -159,10 +125,9 @@ def resident_mb() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = kit.parser(__doc__, model="shapes", batch_sizes=[1, 8], steps=20, repeats=10, rounds=3, torch_threads=0,
+    p = kit.parser(__doc__, model="shapes", batch_sizes=[1, 8], repeats=10, rounds=3, torch_threads=0,
                    output_file=None)
-    p.add_argument("what", choices=("host", "compile", "quantization", "cache"))
-    p.add_argument("--loras", type=int, default=4, help="host: distinct adapters (0: none).")
+    p.add_argument("what", choices=("compile", "quantization", "cache"))
     args = p.parse_args(argv)
 
     from diffserve.executor.process import bound_openmp_spin
@@ -170,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     bound_openmp_spin()  # as the executor does, before torch loads
     import torch
 
-    run = {"host": host, "compile": compiled, "quantization": quantized, "cache": ceiling}[args.what]
+    run = {"compile": compiled, "quantization": quantized, "cache": ceiling}[args.what]
     report = {"what": args.what, "model": args.model, "args": vars(args), "torch_threads": torch.get_num_threads(),
               **kit.machine(), "results": run(args, args.batch_sizes), "load_average_after": os.getloadavg()}
     print(json.dumps(report["results"], indent=1))

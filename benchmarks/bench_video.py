@@ -1,10 +1,9 @@
-"""Video jobs on a Wan model: the Videos API end to end against ``diffserve serve`` in step mode.
+"""Video jobs on a Wan model through the Videos API, end to end against ``diffserve serve`` in step mode.
 
-``--jobs`` text-to-video jobs created at once (they share the running set) against the same jobs
-one at a time, alternating, ``--rounds`` times on one server after a warm-up; throughput is jobs
-per second from the first create to the last completion, MP4s included (median of the rounds).
-Each job's MP4 is checked against the plain diffusers pipeline alone (PSNR), and the engine's own
-frames for the same requests are checked exact (within 2/255) in-process.
+``--jobs`` jobs created at once (sharing the running set) against one at a time, alternating
+``--rounds`` times on one server: jobs/s from the first create to the last MP4 (medians). Each MP4
+is checked against the plain pipeline alone (PSNR), and so are the step engine's frames for the
+same requests admitted together in this process (within 2/255).
 
     python benchmarks/bench_video.py jobs --model tiny-wan
 """
@@ -18,8 +17,6 @@ import tempfile
 import time
 import warnings
 
-import numpy as np
-
 import kit
 from diffserve.protocol import ImageRequest, WorkItem
 
@@ -30,8 +27,7 @@ def jobs(args) -> dict:
     from openai import OpenAI
 
     bodies = [dict(prompt=f"video {i}", size=args.size, extra_body={
-        "seed": 100 + i, "num_frames": args.frames, "num_inference_steps": args.steps})
-        for i in range(args.jobs)]
+        "seed": 100 + i, "num_frames": args.frames, "num_inference_steps": args.steps}) for i in range(args.jobs)]
     rounds: dict[str, list[float]] = {"concurrent": [], "sequential": []}
     bounds = ("--max-batch-cost", args.max_batch_cost) if args.max_batch_cost else ()
     # One intra-op thread unless --torch-threads says more, as the project's test servers run.
@@ -45,15 +41,11 @@ def jobs(args) -> dict:
             assert video.status == "completed", video
             return video
 
-        def concurrent():
-            return [wait(v.id) for v in [client.videos.create(**b) for b in bodies]]
-
-        def sequential():
-            return [wait(client.videos.create(**b).id) for b in bodies]
-
-        concurrent()  # warm-up
+        runs = {"concurrent": lambda: [wait(v.id) for v in [client.videos.create(**b) for b in bodies]],
+                "sequential": lambda: [wait(client.videos.create(**b).id) for b in bodies]}
+        runs["concurrent"]()  # warm-up
         for _ in range(args.rounds):
-            for name, run in (("concurrent", concurrent), ("sequential", sequential)):
+            for name, run in runs.items():
                 start = time.perf_counter()
                 made = run()
                 rounds[name].append(args.jobs / (time.perf_counter() - start))
@@ -64,11 +56,9 @@ def jobs(args) -> dict:
 
 
 def request(args, body: dict, request_id: str = "ref") -> ImageRequest:
-    width, height = map(int, args.size.split("x"))
-    extra = body["extra_body"]
+    (width, height), extra = map(int, args.size.split("x")), body["extra_body"]
     return ImageRequest(request_id, args.model, width, height, num_inference_steps=extra["num_inference_steps"],
-                        guidance_scale=5.0, prompt=body["prompt"], seed=extra["seed"],
-                        num_frames=extra["num_frames"])
+                        guidance_scale=5.0, prompt=body["prompt"], seed=extra["seed"], num_frames=extra["num_frames"])
 
 
 def mp4_psnr(args, data: bytes, body: dict) -> float:
@@ -78,9 +68,7 @@ def mp4_psnr(args, data: bytes, body: dict) -> float:
         f.write(data)
         f.flush()
         frames = decode_mp4(f.name)
-    expected = kit.reference(args.model, args.torch_threads, True).images(request(args, body))[0]
-    mse = np.mean((frames.astype(float) - expected.astype(float)) ** 2)
-    return float(10 * np.log10(255 ** 2 / mse)) if mse else float("inf")
+    return kit.psnr(frames, kit.reference(args.model, args.torch_threads, True).images(request(args, body))[0])
 
 
 def engine_diff(args, bodies) -> int:
@@ -89,14 +77,12 @@ def engine_diff(args, bodies) -> int:
     from diffserve.executor.step_engine import StepEngine
 
     ref = kit.reference(args.model, args.torch_threads, True)
-    family = family_for(ref.loaded.pipeline_class)(ref.loaded.pipe, ref.pipelines, ref.loaded.call_kwargs)
+    engine = StepEngine(family_for(ref.loaded.pipeline_class)(ref.loaded.pipe, ref.pipelines, ref.loaded.call_kwargs))
     requests = [request(args, body, f"j{i}") for i, body in enumerate(bodies)]
-    engine = StepEngine(family)
     engine.admit([WorkItem(r, 0, 1) for r in requests], [[] for _ in requests])
     made = {}
     while engine:
-        for o in engine.step().finished:
-            made[o.item.request.request_id] = o.images
+        made.update((o.item.request.request_id, o.images) for o in engine.step().finished)
     return max(ref.diff(made[r.request_id], ref.images(r)) for r in requests)
 
 
@@ -105,7 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("scenario", nargs="?", choices=("jobs",), default="jobs")
     p.add_argument("--jobs", type=kit.count, default=4)
     p.add_argument("--frames", type=int, default=9)
-    p.add_argument("--max-batch-cost", type=float, default=0, help="the server's (0: its default)")
+    p.add_argument("--max-batch-cost", type=float, default=0, help="The server's (0: its default).")
     args = p.parse_args(argv)
     result = {"scenario": args.scenario, "model": args.model, "size": args.size, "frames": args.frames,
               **jobs(args), "machine": kit.machine()}

@@ -1,43 +1,38 @@
 """Named scenarios against diffserve servers that this script starts, one server (or one set of
-servers) at a time, loaded over the OpenAI images API (see docs/benchmarks.md).
+servers) at a time, loaded over the OpenAI images API (see docs/benchmark-tools.md).
 
-- ``modes``: step mode against request mode: saturated throughput and p99 (closed loop at
-  ``--concurrency``); p50/p99 under Poisson arrivals at ``--loads`` percent of request mode's
-  saturated req/s (also drawn in ``modes.png``); the short requests' mean latency with
-  ``--mixed-steps`` at about 50% load; the idle overhead at concurrency 1 (a request's latency
-  beyond its time in the engine and the batching delay).
-- ``overhead``: what the server itself costs, in each mode: ``modes``' saturated and idle figures.
-- ``scale``: ``--data-parallel-size 2`` x 1 thread, 1 executor x 2 threads, and two 1-thread
-  servers behind round-robin, at ``--concurrency``.
-- ``baseline``: diffserve, ``--dynamic-batch-max-size 1`` and naive_server.py at ``--concurrency``.
-- ``lora``, ``sizes``, ``rollout`` (traffic.py) and ``cache`` (step_cache.py): see theirs.
-
-``--tree DIR`` runs the servers from another checkout of the project (e.g. a git worktree of an
-earlier commit), so that a change is measured against what it replaced with the same load
-generator and the same rules.
-
+Each scenario is the function of its name (``overhead``: ``modes``' saturated and idle figures).
 Each figure is taken in each of ``--rounds`` rounds (fresh servers, ratios within a round); the
 medians, with target verdicts, go to ``<scenario>.md`` and ``<scenario>.json`` in ``--output-dir``.
+``--tree`` measures another checkout of the project with the same load and rules.
 
     python benchmarks/compare.py modes --model shapes --rounds 3 --output-dir results/modes
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import sys
+import time
 from pathlib import Path
 
+import aiohttp
+import numpy as np
+
 import kit
-import step_cache
-import traffic
 from kit import Bench, Scenario, ms, ratio
 
 STEP_OVER_REQUEST = "step/request"
+QUALITY_DB = 30.0  # the cache scenario's bound on an image's PSNR against its uncached twin
+BEST = f"best img/s / uncached at PSNR >= {QUALITY_DB:g} dB"
 
 
 def modes(b: Bench, full: bool = True) -> dict[str, float | None]:
-    """``full``: with the offered loads and the mixed steps (``modes``), else ``overhead``."""
+    """Step mode against request mode: saturated img/s and p99 (closed loop at ``--concurrency``);
+    p50/p99 under Poisson arrivals at ``--loads`` percent of request mode's saturated req/s (drawn
+    in ``modes.png``); the short requests' mean latency with ``--mixed-steps`` at about 50% load;
+    the idle overhead at concurrency 1. Without ``full`` (``overhead``) only the first and last."""
     a, f = b.args, {}
     for mode in ("request", "step"):  # request first: its saturation sets the offered loads
         with b.servers(f"{mode} mode", {"--batching-mode": mode}) as served:
@@ -51,10 +46,9 @@ def modes(b: Bench, full: bool = True) -> dict[str, float | None]:
                     f[f"p50 ms @{load}%, {mode}"], f[f"p99 ms @{load}%, {mode}"] = ms(lat["p50"]), ms(lat["p99"])
                 half = 0.5 * rate * (a.steps or a.default_steps) / statistics.mean(a.mixed_steps)
                 mixed = b.load(served, f"{mode} mixed", request_rate=half, mixed_steps=a.mixed_steps)
-                short = mixed["latency_by_steps_s"][str(min(a.mixed_steps))]
-                f[f"short mean ms (mixed), {mode}"] = ms(short["mean"])
+                f[f"short mean ms (mixed), {mode}"] = ms(mixed["latency_by_steps_s"][str(min(a.mixed_steps))]["mean"])
             idle = b.load(served, f"{mode} idle", max_concurrency=1, num_prompts=a.idle_requests)
-            f[f"idle overhead ms, {mode}"] = idle_overhead_ms(b, idle)
+            f[f"idle overhead ms, {mode}"] = idle_overhead_ms(idle, a.batch_delay_ms)
     if full:
         for name in ["saturated img/s", "saturated p99 ms", "short mean ms (mixed)",
                      *(f"{p} ms @{load}%" for load in a.loads for p in ("p50", "p99"))]:
@@ -62,19 +56,12 @@ def modes(b: Bench, full: bool = True) -> dict[str, float | None]:
     return f
 
 
-def idle_overhead_ms(b: Bench, idle: dict) -> float | None:
+def idle_overhead_ms(idle: dict, delay_ms: float) -> float | None:
     """A lone request's latency beyond its time in the engine and the batching delay."""
     execution = (idle["server_metrics"] or {}).get("mean_request_execution_s")
     if execution is None or idle["latency_s"]["mean"] is None:
         return None
-    return ms(idle["latency_s"]["mean"] - execution) - b.args.batch_delay_ms
-
-
-def modes_args(p) -> None:
-    p.add_argument("--loads", type=kit.counts, default=[25, 50, 80, 100], help="modes: %% of saturation.")
-    p.add_argument("--mixed-steps", type=kit.counts, default=[8, 32], help="modes: step counts to mix.")
-    p.add_argument("--idle-requests", type=kit.count, default=32,
-                   help="modes, overhead: requests at concurrency 1.")
+    return ms(idle["latency_s"]["mean"] - execution) - delay_ms
 
 
 def closed_loop(b: Bench, systems: list[tuple[str, list[dict | None]]]) -> dict[str, float | None]:
@@ -88,14 +75,15 @@ def closed_loop(b: Bench, systems: list[tuple[str, list[dict | None]]]) -> dict[
 
 
 def scale(b: Bench) -> dict[str, float | None]:
+    """Two executors of one thread, one executor of two, two one-thread servers behind round-robin."""
     return closed_loop(b, [("dp2 x 1 thread", [{"--data-parallel-size": 2, "--torch-threads": 1}]),
                            ("1 executor x 2 threads", [{"--torch-threads": 2}]),
                            ("2 servers x 1 thread, round-robin", [{"--torch-threads": 1}] * 2)])
 
 
 def baseline(b: Bench) -> dict[str, float | None]:
-    f = closed_loop(b, [("diffserve", [{}]), ("max batch 1", [{"--dynamic-batch-max-size": 1}]),
-                        ("naive", [None])])
+    """diffserve against itself unbatched (batches of 1) and against naive_server.py."""
+    f = closed_loop(b, [("diffserve", [{}]), ("max batch 1", [{"--dynamic-batch-max-size": 1}]), ("naive", [None])])
     for other in ("max batch 1", "naive"):
         f[f"img/s, diffserve/{other}"] = ratio(f["img/s, diffserve"], f[f"img/s, {other}"])
     return f
@@ -113,14 +101,224 @@ def plot(summary: dict, args, out_dir: Path, title: str) -> None:
     for mode, color in (("request", "tab:blue"), ("step", "tab:orange")):
         for p, style in (("p50", "-"), ("p99", "--")):
             ys = [summary["medians"].get(f"{p} ms @{load}%, {mode}") for load in args.loads]
-            ax.plot(args.loads, [float("nan") if y is None else y for y in ys], style, color=color,
-                    marker="o", label=f"{mode} mode {p}")
+            ax.plot(args.loads, [float("nan") if y is None else y for y in ys], style, color=color, marker="o",
+                    label=f"{mode} mode {p}")
     ax.set(xlabel="offered load, % of request mode's saturated req/s", ylabel="latency, ms", title=title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out_dir / "modes.png", dpi=120)
     plt.close(fig)
-    print(f"plot: {out_dir / 'modes.png'}")
+
+
+def lora(b: Bench) -> dict[str, float | None]:
+    """Requests spread evenly over k distinct random adapters (``--lora-counts``, 0: none) of each
+    rank in ``--lora-ranks``. Step mode: saturated img/s for every k, and the p99 at ``--lora-load``
+    percent of the saturated rate without adapters, with none and with the most; request mode
+    (one stack per call) saturated with the most."""
+    from tools.loras import write_lora
+
+    a, f, most = b.args, {}, max(b.args.lora_counts)
+    names = [f"L{i}" for i in range(most)]
+    for rank in a.lora_ranks:
+        root, tag = b.out_dir / "loras" / f"r{rank}", f"rank {rank}"
+        for i, name in enumerate(names):
+            if not (root / name).exists():
+                write_lora(a.model, root / name, rank=rank, seed=i, weight_scale=0.2)
+        served = {"--lora-modules": [f"{n}={root / n}" for n in names], "--max-loras": max(most, 4),
+                  "--max-lora-rank": rank}
+        with b.servers(f"step, {tag}", {"--batching-mode": "step", **served}) as servers:
+            for k in a.lora_counts:
+                models = names[:k] or None
+                sat = b.load(servers, f"step k={k} {tag} saturated", max_concurrency=a.concurrency, models=models)
+                f[f"saturated img/s, {k} adapters, step, {tag}"] = sat["images_per_s"]
+                if k == 0:
+                    rate = sat["requests_per_s"] * a.lora_load / 100
+                if k in (0, most):
+                    lat = b.load(servers, f"step k={k} {tag} @{a.lora_load}%", request_rate=rate, models=models)
+                    f[f"p99 ms @{a.lora_load}%, {k} adapters, {tag}"] = ms(lat["latency_s"]["p99"])
+        with b.servers(f"request, {tag}", {"--batching-mode": "request", **served}) as servers:
+            sat = b.load(servers, f"request k={most} {tag} saturated", max_concurrency=a.concurrency, models=names)
+            f[f"saturated img/s, {most} adapters, request, {tag}"] = sat["images_per_s"]
+        step, none = (f.get(f"saturated img/s, {k} adapters, step, {tag}") for k in (most, 0))
+        f[f"saturated img/s, {most} adapters / none, {tag}"] = ratio(step, none)
+        f[f"saturated img/s, {most} adapters, step/request, {tag}"] = ratio(
+            step, f[f"saturated img/s, {most} adapters, request, {tag}"])
+        f[f"p99 @{a.lora_load}%, {most} adapters / none, {tag}"] = ratio(
+            *(f.get(f"p99 ms @{a.lora_load}%, {k} adapters, {tag}") for k in (most, 0)))
+    return f
+
+
+def sizes(b: Bench) -> dict[str, float | None]:
+    """Two sizes (``--sizes``; "rare" is the second) alternating at ``--sizes-load`` percent of
+    request mode's saturated rate, in each mode: each size's p50 and p99, and the saturated img/s.
+    In step mode also each size's arrivals alone (half the rate), one size only at the full rate
+    (images per forward), and a 90/10 mix against the rare size's arrivals alone."""
+    a, f, rate = b.args, {}, None
+    if len(a.sizes or []) != 2:
+        raise SystemExit("compare.py sizes: needs --sizes with two sizes, e.g. 32x32,48x48")
+    both, second = a.sizes, a.sizes[1]
+    per_image = lambda run: (run["server_metrics"] or {}).get("mean_step_running_images")  # noqa: E731
+    for name in ("request", "step"):  # request first: its saturation sets the offered load
+        with b.servers(name, {"--batching-mode": name}) as served:
+            sat = b.load(served, f"{name} saturated mixed", max_concurrency=a.concurrency, sizes=both)
+            f[f"saturated img/s mixed, {name}"] = sat["images_per_s"]
+            rate = rate or sat["requests_per_s"] * a.sizes_load / 100
+            mixed = b.load(served, f"{name} mixed @{a.sizes_load}%", request_rate=rate, sizes=both)
+            for i, size in enumerate(both, 1):
+                for p in ("p50", "p99"):
+                    f[f"{p} ms size {i} ({size}), {name}"] = ms(mixed["latency_by_size_s"][size][p])
+            f[f"images per forward mixed, {name}"] = per_image(mixed)
+            if name == "request":
+                continue
+            uniform = []
+            for i, size in enumerate(both, 1):
+                alone = b.load(served, f"step {size} alone", request_rate=rate / 2, sizes=[size],
+                               num_prompts=a.num_requests // 2)
+                f[f"p99 ms size {i} ({size}) alone"] = ms(alone["latency_s"]["p99"])
+                uniform.append(per_image(b.load(served, f"step {size} only", request_rate=rate, sizes=[size])))
+            f["images per forward, uniform"] = None if None in uniform else sum(uniform) / len(uniform)
+            rare = b.load(served, "step 90/10", request_rate=rate, sizes=both, size_weights=[9, 1])
+            f["p99 ms rare (90/10)"] = ms(rare["latency_by_size_s"][second]["p99"])
+            rare_alone = b.load(served, "step rare alone", request_rate=rate / 10, sizes=[second],
+                                num_prompts=max(8, a.num_requests // 4))
+            f["p99 ms rare alone"] = ms(rare_alone["latency_s"]["p99"])
+    for i, size in enumerate(both, 1):
+        f[f"p99 size {i}, mixed / alone"] = ratio(f.get(f"p99 ms size {i} ({size}), step"),
+                                                  f.get(f"p99 ms size {i} ({size}) alone"))
+        f[f"p50 size {i}, step / request"] = ratio(f.get(f"p50 ms size {i} ({size}), step"),
+                                                   f.get(f"p50 ms size {i} ({size}), request"))
+    f["images per forward, mixed / uniform"] = ratio(f.get("images per forward mixed, step"),
+                                                     f.get("images per forward, uniform"))
+    f["p99 rare size (90/10), mixed / alone"] = ratio(f.get("p99 ms rare (90/10)"), f.get("p99 ms rare alone"))
+    f["saturated img/s mixed, step / request"] = ratio(f.get("saturated img/s mixed, step"),
+                                                       f.get("saturated img/s mixed, request"))
+    return f
+
+
+ROLLOUT_PROMPTS = ["a red circle", "a blue square", "a green triangle", "a yellow star",
+                   "an orange ring", "a purple cross", "a white disc", "a black bar"]
+
+
+def rollout(b: Bench) -> dict[str, float | None]:
+    """``POST /v1/rollouts``: ``--rollout-prompts`` prompts x ``--rollout-n`` samples all at once, as
+    one request per prompt (step and request mode) and as one request per sample with the group's
+    seeds (step mode). Per layout: samples/s (median of ``--rollout-repeats``) and the time to a
+    group's last sample (mean over groups). One server per mode; each layout warms up first."""
+    a, f = b.args, {}
+    prompts, n = ROLLOUT_PROMPTS[:a.rollout_prompts], a.rollout_n
+    common = {**({"num_inference_steps": a.steps} if a.steps else {}), **({"size": a.size} if a.size else {})}
+    layouts = {  # each a function of the seed: the groups, each a list of request bodies
+        "groups": lambda seed: [[{"prompt": p, "n": n, "seed": seed + g * n, **common}] for g, p in enumerate(prompts)],
+        "singles": lambda seed: [[{"prompt": p, "n": 1, "seed": seed + g * n + i, **common} for i in range(n)]
+                                 for g, p in enumerate(prompts)]}
+    for mode, names in (("step", ("groups", "singles")), ("request", ("groups",))):
+        with b.servers(mode, {"--batching-mode": mode, "--max-n": n, "--dynamic-batch-max-size": n}) as served:
+            for layout in names:
+                f.update(rollout_layout(b, served.urls[0], f"{layout}, {mode}", layouts[layout], len(prompts) * n))
+    f["samples/s, groups / singles, step"] = ratio(f["samples/s, groups, step"], f["samples/s, singles, step"])
+    f["samples/s, groups, step / request"] = ratio(f["samples/s, groups, step"], f["samples/s, groups, request"])
+    return f
+
+
+def rollout_layout(b: Bench, url: str, name: str, layout, samples: int) -> dict[str, float | None]:
+    """One layout against one server: a warm-up, then ``--rollout-repeats`` timed repeats."""
+    async def send_all(bodies: list[dict]) -> tuple[float, list[float | None]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+            async def one(i: int) -> float | None:  # its latency, None if it failed
+                start = time.perf_counter()
+                async with session.post(f"{url}/v1/rollouts", json=bodies[i]) as response:
+                    await response.read()
+                    return time.perf_counter() - start if response.status == 200 else None
+
+            start = time.perf_counter()
+            latencies = await kit.drive(one, len(bodies))
+            return time.perf_counter() - start, latencies
+
+    walls, lasts, failed = [], [], 0
+    for repeat in range(b.args.rollout_repeats + 1):  # the first is the warm-up
+        groups = layout(1000 * repeat)
+        wall, latencies = asyncio.run(send_all([body for g in groups for body in g]))
+        failed += latencies.count(None)
+        if repeat and None not in latencies:
+            walls.append(wall)
+            per_group, i = [], 0
+            for g in groups:  # a group is done when its last request is
+                per_group.append(max(latencies[i:i + len(g)]))
+                i += len(g)
+            lasts.append(statistics.mean(per_group))
+    b.runs.append({"label": name, "round": b.round, "completed": len(walls) * samples, "failed": failed,
+                   "walls_s": walls, "last_sample_s": lasts, "config": {"num_prompts": len(walls) * samples + failed}})
+    b.failed |= failed > 0
+    rate = samples / statistics.median(walls) if walls else None
+    last = ms(statistics.median(lasts)) if lasts else None
+    print(f"[{name}] {rate or 0:.2f} samples/s, last sample of a group {last or 0:.0f} ms, failed {failed}", flush=True)
+    return {f"samples/s, {name}": rate, f"last sample of a group ms, {name}": last}
+
+
+def cache(b: Bench) -> dict[str, float | None]:
+    """``--step-cache first-block`` at 0 (uncached) and each of ``--cache-thresholds``, one server
+    each: saturated img/s, the share of rows that reused their cache (warm-up included), and the
+    PSNR of ``--cache-images`` fixed requests against their uncached twins. The headline: the best
+    speed-up of the thresholds whose lowest PSNR is at least 30 dB."""
+    a, f = b.args, {}
+    thresholds = sorted(set([0.0, *a.cache_thresholds]))
+    twins: list[np.ndarray] | None = None
+    for threshold in thresholds:
+        name = f"threshold {threshold:g}"
+        config = {"--batching-mode": "step", "--step-cache": "first-block", "--cache-threshold": threshold}
+        with b.servers(name, config) as served:
+            url = served.urls[0]
+            before = kit.metrics(url)
+            result = b.load(served, name, max_concurrency=a.concurrency)
+            after = kit.metrics(url)
+            images = asyncio.run(sample(url, a.cache_images, a.steps, a.size))
+        f[f"img/s, {name}"] = result["images_per_s"]
+        hit, miss = ((kit.total(after, "diffserve_step_cache_rows_total", outcome=k) or 0.0)
+                     - (kit.total(before, "diffserve_step_cache_rows_total", outcome=k) or 0.0)
+                     for k in ("hit", "miss"))
+        f[f"rows that hit, {name}"] = hit / (hit + miss) if hit + miss else None
+        if twins is None:
+            twins = images
+            continue
+        scores = [kit.psnr(x, y) for x, y in zip(images, twins)]
+        f[f"PSNR min dB, {name}"] = min(scores)
+        f[f"PSNR median dB, {name}"] = float(np.median(scores))
+        f[f"img/s, {name} / uncached"] = ratio(result["images_per_s"], f["img/s, threshold 0"])
+    kept = [f[f"img/s, threshold {t:g} / uncached"] for t in thresholds[1:]
+            if f.get(f"PSNR min dB, threshold {t:g}", 0) >= QUALITY_DB
+            and f.get(f"img/s, threshold {t:g} / uncached") is not None]
+    f[BEST] = max(kept) if kept else None
+    return f
+
+
+async def sample(url: str, count: int, steps: int | None, size: str | None) -> list[np.ndarray]:
+    """``count`` images of fixed prompts and seeds, requested together."""
+    extra = {**({"num_inference_steps": steps} if steps else {}), **({"size": size} if size else {})}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as client:
+        async def one(i: int) -> np.ndarray:
+            body = {"prompt": f"a coloured shape, number {i}", "seed": 7919 * i, **extra}
+            async with client.post(url + kit.ENDPOINT, json=body, raise_for_status=True) as response:
+                return kit.decode((await response.json())["data"][0]["b64_json"])
+
+        return await kit.drive(one, count)
+
+
+def arguments(p) -> None:
+    p.add_argument("--loads", type=kit.counts, default=[25, 50, 80, 100], help="modes: %% of saturation.")
+    p.add_argument("--mixed-steps", type=kit.counts, default=[8, 32], help="modes: step counts to mix.")
+    p.add_argument("--idle-requests", type=kit.count, default=32, help="modes, overhead: requests at concurrency 1.")
+    p.add_argument("--lora-counts", type=kit.ints, default=[0, 1, 4, 16], help="lora: distinct adapters.")
+    p.add_argument("--lora-ranks", type=kit.ints, default=[8, 64], help="lora: adapter ranks.")
+    p.add_argument("--lora-load", type=int, default=70, help="lora: %% of saturation for the p99.")
+    p.add_argument("--sizes", type=kit.names, help='sizes: the two sizes to mix, e.g. "32x32,48x48" (required).')
+    p.add_argument("--sizes-load", type=int, default=60, help="sizes: %% of request mode's saturation.")
+    p.add_argument("--rollout-prompts", type=int, default=4, help="rollout: prompts (groups).")
+    p.add_argument("--rollout-n", type=int, default=16, help="rollout: samples per prompt; also the servers' "
+                   "--max-n and --dynamic-batch-max-size.")
+    p.add_argument("--rollout-repeats", type=int, default=3, help="rollout: timed repeats per layout.")
+    p.add_argument("--cache-thresholds", type=kit.floats, default=[0.1, 0.3], help="cache: the thresholds besides 0.")
+    p.add_argument("--cache-images", type=int, default=16,
+                   help="cache: images compared with their uncached twins per threshold.")
 
 
 SCENARIOS = {
@@ -128,16 +326,26 @@ SCENARIOS = {
                               *((f"{p} ms @{load}%, {STEP_OVER_REQUEST}", "<=", 0.7)
                                 for load in (50, 80) for p in ("p50", "p99")),
                               (f"short mean ms (mixed), {STEP_OVER_REQUEST}", "<=", 0.5),
-                              ("idle overhead ms, step", "<=", 5.0), ("idle overhead ms, request", "<=", 5.0)],
-                      modes_args, plot),
+                              ("idle overhead ms, step", "<=", 5.0), ("idle overhead ms, request", "<=", 5.0)], plot),
     "overhead": Scenario(lambda b: modes(b, full=False)),
-    "scale": Scenario(scale), "baseline": Scenario(baseline),
-    **traffic.SCENARIOS, **step_cache.SCENARIOS,
+    "scale": Scenario(scale),
+    "baseline": Scenario(baseline),
+    "lora": Scenario(lora, [("saturated img/s, 16 adapters / none, rank 8", ">=", 0.8),
+                            ("saturated img/s, 16 adapters, step/request, rank 8", ">=", 2.0),
+                            ("p99 @70%, 16 adapters / none, rank 8", "<=", 1.3)]),
+    "sizes": Scenario(sizes, [*((f"p99 size {i}, mixed / alone", "<=", 1.6) for i in (1, 2)),
+                              *((f"p50 size {i}, step / request", "<=", 0.85) for i in (1, 2)),
+                              ("images per forward, mixed / uniform", ">=", 0.8),
+                              ("p99 rare size (90/10), mixed / alone", "<=", 2.0),
+                              ("saturated img/s mixed, step / request", ">=", 0.95)]),
+    "rollout": Scenario(rollout, [("samples/s, groups / singles, step", ">=", 1.3),
+                                  ("samples/s, groups, step / request", ">=", 1.0)]),
+    "cache": Scenario(cache, [(BEST, ">=", 1.4)]),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    return kit.main(__doc__, SCENARIOS, argv, size=None, steps=None, num_requests=128, concurrency=32,
+    return kit.main(__doc__, SCENARIOS, argv, arguments, size=None, steps=None, num_requests=128, concurrency=32,
                     warmup=4, max_batch_size=8, batch_delay_ms=8.0, set_policy=None, scheduling_policy=None,
                     batching_mode=None, torch_threads=0, tree=None)
 

@@ -1,10 +1,8 @@
 """What the tools in benchmarks/ share, so that each tool is only its scenario: the shared
-arguments (:func:`parser`), servers started with diffserve's launcher and loaded (:func:`server`,
-:class:`Bench`), the OpenAI images API under a closed loop or Poisson arrivals with latency
-percentiles and the servers' /metrics delta (:func:`run_load`), medians over rounds with target
-verdicts (:func:`main`, :func:`report`), and the plain pipeline alone (:func:`reference`).
-
-A server-load scenario is a function of a :class:`Bench` that returns one round's figures::
+arguments (:func:`parser`), servers (:func:`server`, :class:`Bench`), the OpenAI images API in a
+closed loop or at Poisson arrivals with latency percentiles and the /metrics delta (:func:`run_load`),
+medians over rounds and target verdicts (:func:`main`, :func:`report`), the plain pipeline alone
+(:func:`reference`). A server-load scenario is a function of a :class:`Bench` returning its figures::
 
     def dp2(b: kit.Bench) -> dict:
         with b.servers("dp2", {"--data-parallel-size": 2}) as served:
@@ -37,6 +35,7 @@ import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, NamedTuple
 
 import aiohttp
@@ -80,8 +79,7 @@ ARGS = {  # the shared arguments: name -> (type, help[, choices]); a tool names 
     "batching_mode": (str, "The servers' --batching-mode (None: theirs).", ("auto", "step", "request")),
     "set_policy": (str, "The servers' --set-policy (step mode: which running set a step advances)."),
     "scheduling_policy": (str, "The servers' --scheduling-policy."),
-    "tree": (str, "Run the servers from this checkout of the project instead of the installed one "
-                  "(e.g. a worktree of an earlier commit)."),
+    "tree": (str, "Run the servers from this checkout of the project (e.g. a worktree of an earlier commit)."),
     "startup_timeout": (float, "Longest server start, s."),
     "output_file": (str, "Write the results as JSON here."),
     "output_dir": (str, "JSON, markdown and server logs (None: benchmarks/results/<scenario>-<time>)."),
@@ -116,8 +114,8 @@ def machine() -> dict:
 
 
 def prompts() -> list[str]:
-    lines = (line.strip() for line in (HERE / "prompts.txt").read_text(encoding="utf-8").splitlines())
-    return [line for line in lines if line and not line.startswith("#")]
+    lines = (HERE / "prompts.txt").read_text(encoding="utf-8").splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
 # -- figures -------------------------------------------------------------------------------------
@@ -136,6 +134,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """Of two images' pixels, in dB."""
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
 
 
 def judge(value: float | None, op: str, bound: float) -> bool | None:
@@ -183,9 +187,8 @@ def report(name: str, rounds: list[dict], args: argparse.Namespace, targets: lis
 
 def server(*flags: object, log: str | Path | None = None, name: str = "diffserve", tree: str | None = None,
            env: dict[str, str] | None = None, startup_timeout: float = 600.0) -> ServerProcess:
-    """``diffserve serve *flags`` on a free port, its output in ``log`` (by default a fresh
-    temporary file); ``with`` starts it, waits for /health and always stops it. ``tree``: that
-    checkout's diffserve, not this one's."""
+    """``diffserve serve *flags`` on a free port, its output in ``log`` (a temporary file by
+    default): ``with`` starts it, waits for /health and stops it. ``tree``: that checkout's diffserve."""
     log = log or Path(tempfile.mkdtemp(prefix="diffserve-bench-")) / "server.log"
     env = {**(env or {}), **({"PYTHONPATH": str(Path(tree).resolve())} if tree else {})}
     return ServerProcess.diffserve(*map(str, flags), log_path=log, name=name, env=env,
@@ -198,25 +201,19 @@ class Served(NamedTuple):
 
 
 class Bench:
-    """One round of a scenario: starts servers, loads them and keeps every result in ``runs``;
-    ``failed`` once a diffserve server failed a request (or the scenario says so)."""
+    """One round of a scenario: starts servers and loads them, every result kept in ``runs``;
+    ``failed`` once a diffserve server fails a request (or the scenario says so)."""
 
     def __init__(self, args: argparse.Namespace, out_dir: Path, round_index: int = 1) -> None:
-        self.args, self.out_dir, self.round = args, out_dir, round_index
-        self.runs: list[dict] = []
-        self.failed = False
-
-    def serve_args(self, overrides: dict[str, object]) -> list[str]:
-        """The shared server flags of the tool, then ``overrides`` (a list: several values)."""
-        opts = {"--log-level": "warning", **{flag: v for name, flag in SERVER_FLAGS.items()
-                                             if (v := getattr(self.args, name, None)) is not None}, **overrides}
-        return [str(s) for flag, v in opts.items() for s in (flag, *(v if isinstance(v, (list, tuple)) else [v]))]
+        self.args, self.out_dir, self.round, self.runs, self.failed = args, out_dir, round_index, [], False
 
     @contextlib.contextmanager
     def servers(self, name: str, *configs: dict | None):
         """One server per config (None: the naive baseline), started side by side; yields
-        :class:`Served`."""
+        :class:`Served`. A config's flags (a list: several values) go after the tool's shared ones."""
         a, procs = self.args, []
+        shared = {"--log-level": "warning", **{flag: v for key, flag in SERVER_FLAGS.items()
+                                               if (v := getattr(a, key, None)) is not None}}
         for i, overrides in enumerate(configs):
             log = self.out_dir / "logs" / f"r{self.round}-{name.replace(' ', '_').replace('/', '_')}-{i}.log"
             if overrides is None:
@@ -226,7 +223,9 @@ class Bench:
                     log, env={"OMP_NUM_THREADS": str(a.torch_threads or os.cpu_count())}, name=name,
                     startup_timeout_s=a.startup_timeout))
             else:
-                procs.append(server(*self.serve_args(overrides), log=log, name=name, tree=getattr(a, "tree", None),
+                flags = [s for flag, v in {**shared, **overrides}.items()
+                         for s in (flag, *(v if isinstance(v, (list, tuple)) else [v]))]
+                procs.append(server(*flags, log=log, name=name, tree=getattr(a, "tree", None),
                                     startup_timeout=a.startup_timeout))
         with contextlib.ExitStack() as stack:
             for proc in procs:
@@ -238,12 +237,12 @@ class Bench:
             yield Served([proc.url for proc in procs], all(c is not None for c in configs))
 
     def load(self, served: Served, label: str, **overrides) -> dict:
-        """:func:`run_load` on ``served``: the tool's --num-requests, --size, --steps and --warmup,
+        """:func:`run_load` on ``served``: the tool's --num-requests, --warmup, --size and --steps,
         the round as the seed, ``overrides`` over them."""
         a = self.args
         result = asyncio.run(run_load(Load(**{
-            "base_urls": served.urls, "num_prompts": a.num_requests, "size": a.size, "steps": a.steps,
-            "seed": self.round, "warmup": a.warmup, "label": label, **overrides})))
+            "base_urls": served.urls, "num_prompts": a.num_requests, "size": getattr(a, "size", None),
+            "steps": getattr(a, "steps", None), "seed": self.round, "warmup": a.warmup, "label": label, **overrides})))
         result["round"] = self.round
         self.runs.append(result)
         self.failed |= bool(result["failed"]) and served.ours
@@ -257,14 +256,15 @@ class Bench:
 class Scenario:
     run: Callable[[Bench], dict[str, float | None]]  # one round's figures
     targets: list[Target] = field(default_factory=list)
-    args: Callable[[argparse.ArgumentParser], None] = lambda p: None  # its own arguments
     after: Callable[[dict, argparse.Namespace, Path, str], None] = lambda *_: None  # e.g. a plot
 
 
-def main(doc: str, scenarios: dict[str, Scenario], argv: list[str] | None = None, **shared) -> int:
+def main(doc: str, scenarios: dict[str, Scenario], argv: list[str] | None = None,
+         arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None, **shared) -> int:
     """A server-load tool: its scenario (named first on the command line where it has several)
     over --rounds rounds of fresh servers; the rounds, medians and verdicts go to <scenario>.json
-    and <scenario>.md in --output-dir. ``shared``: the shared arguments the tool takes."""
+    and <scenario>.md in --output-dir. ``arguments`` adds the tool's own arguments to the shared
+    ones it names in ``shared``."""
     from diffserve.config import DEFAULT_MODEL
     from diffserve.models.registry import resolve_model, serving_defaults
 
@@ -272,8 +272,7 @@ def main(doc: str, scenarios: dict[str, Scenario], argv: list[str] | None = None
                        "output_file": None, **shared})
     if len(scenarios) > 1:
         p.add_argument("scenario", choices=scenarios)
-    for scenario in scenarios.values():
-        scenario.args(p)
+    arguments(p)
     args = p.parse_args(argv)
     name = getattr(args, "scenario", next(iter(scenarios)))
     # Built once here rather than by several servers at once; the steps a request runs by default.
@@ -294,7 +293,8 @@ def main(doc: str, scenarios: dict[str, Scenario], argv: list[str] | None = None
     result = report(name, rounds, args, scenario.targets, lambda r: r["figures"])
     title = ", ".join(part for part in (
         f"{name}: {args.model}", hasattr(args, "steps") and f"steps {args.steps or args.default_steps}",
-        hasattr(args, "num_requests") and f"{args.num_requests} requests/measurement", f"{args.rounds} round(s)") if part)
+        hasattr(args, "num_requests") and f"{args.num_requests} requests/measurement", f"{args.rounds} round(s)")
+        if part)
     write_json(out_dir / f"{name}.json", result)
     (out_dir / f"{name}.md").write_text(f"# {title}\n\n{format_table(result['summary'], scenario.targets)}\n")
     scenario.after(result["summary"], args, out_dir, title)
@@ -337,12 +337,12 @@ def payloads(cfg: Load, total: int, rng: random.Random) -> list[dict[str, Any]]:
     while len(chosen) < total:
         chosen += rng.sample(pool, len(pool))
     for i, prompt in enumerate(chosen[:total]):
+        steps = rng.choice(cfg.mixed_steps) if cfg.mixed_steps else cfg.steps  # drawn first, then the size
         size = cfg.sizes[i % len(cfg.sizes)] if cfg.sizes else cfg.size
         if cfg.sizes and cfg.size_weights:
             size = rng.choices(cfg.sizes, cfg.size_weights)[0]
         body = {"prompt": prompt, "n": cfg.n, "seed": cfg.seed * 1_000_003 % 2**31 + i * cfg.n,
-                "num_inference_steps": rng.choice(cfg.mixed_steps) if cfg.mixed_steps else cfg.steps,
-                "size": size, "output_format": cfg.output_format,
+                "num_inference_steps": steps, "size": size, "output_format": cfg.output_format,
                 "model": cfg.models[i % len(cfg.models)] if cfg.models else None}
         bodies.append({**{k: v for k, v in body.items() if v is not None}, **cfg.extra_body})
     return bodies
@@ -390,8 +390,8 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return dict.fromkeys(("count", "mean", "p50", "p90", "p99", "max"))
     a = np.asarray(values)
-    return {"count": len(values), "mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)},
-            "max": float(a.max())}
+    return {"count": len(values), "mean": float(a.mean()),
+            **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}, "max": float(a.max())}
 
 
 async def run_load(cfg: Load) -> dict[str, Any]:
@@ -481,7 +481,7 @@ async def fetch_metrics(client: aiohttp.ClientSession, base_urls: list[str]) -> 
             return None
 
     texts = await asyncio.gather(*(one(url.rstrip("/")) for url in dict.fromkeys(base_urls)))
-    if any(text is None for text in texts):
+    if None in texts:
         return None
     samples: Samples = {}
     for text in texts:
@@ -530,43 +530,26 @@ def metrics_delta(before: Samples | None, after: Samples | None, duration_s: flo
         # Per request: the client and HTTP (client latency over the frontend's), and the server's
         # own work besides waiting and computing (validation, IPC, image encoding).
         d["mean_client_and_http_s"] = client_mean_latency_s - d["mean_server_latency_s"]
-        d["mean_server_overhead_s"] = d["mean_server_latency_s"] - d["mean_queue_time_s"] - d["mean_request_execution_s"]
+        d["mean_server_overhead_s"] = (d["mean_server_latency_s"] - d["mean_queue_time_s"]
+                                       - d["mean_request_execution_s"])
     return d
 
 
 # -- references ----------------------------------------------------------------------------------
 
 
-class Reference:
-    """The model's plain diffusers pipeline called alone in this process (tests/reference.py);
-    ``task_pipelines``: each task's own pipeline rather than the loaded one."""
-
-    def __init__(self, model: str, torch_threads: int = 0, task_pipelines: bool = False) -> None:
-        sys.path.insert(0, str(HERE.parent / "tests"))
-        from diffserve.executor import loading
-        from diffserve.executor.families import family_for
-
-        self.loaded = loading.load_model(model, torch_threads=torch_threads)
-        family = family_for(self.loaded.pipeline_class)
-        self.pipelines = loading.task_pipelines(self.loaded.pipe, family) if task_pipelines else {}
-
-    def images(self, request, **kwargs) -> np.ndarray:
-        from reference import solo
-
-        return solo(self.loaded, self.pipelines, request, **kwargs)
-
-    def guidance(self, default: float) -> float:
-        """The model's default guidance scale, as the server's requests get it."""
-        return self.loaded.defaults.get("guidance_scale", default)
-
-    @staticmethod
-    def diff(a: np.ndarray, b: np.ndarray) -> int:
-        """The largest difference of one pixel value, of 255."""
-        assert a.shape == b.shape, (a.shape, b.shape)
-        return int(np.abs(a.astype(int) - b.astype(int)).max())
-
-
 @functools.cache
-def reference(model: str, torch_threads: int = 0, task_pipelines: bool = False) -> Reference:
-    """The model's :class:`Reference`, loaded once per process."""
-    return Reference(model, torch_threads, task_pipelines)
+def reference(model: str, torch_threads: int = 0, task_pipelines: bool = False) -> SimpleNamespace:
+    """The model's plain diffusers pipeline called alone in this process (tests/reference.py),
+    loaded once: ``images(request, ...)``, its images alone, and ``diff(a, b)``, the largest
+    difference of a pixel value. ``task_pipelines``: each task's own pipeline, not the loaded one."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from reference import max_diff, solo
+
+    from diffserve.executor import loading
+    from diffserve.executor.families import family_for
+
+    loaded = loading.load_model(model, torch_threads=torch_threads)
+    pipelines = loading.task_pipelines(loaded.pipe, family_for(loaded.pipeline_class)) if task_pipelines else {}
+    return SimpleNamespace(loaded=loaded, pipelines=pipelines, images=functools.partial(solo, loaded, pipelines),
+                           diff=max_diff)

@@ -1,18 +1,16 @@
-"""BASELINE ONLY - not part of diffserve. The server people commonly write around a diffusers
+"""BASELINE ONLY - not part of diffserve: the server people commonly write around a diffusers
 pipeline (after the diffusers example server), for comparison.
 
-A FastAPI app loads the pipeline once and runs one pipeline call per request in the event loop's
-thread pool, with a fresh scheduler per request (schedulers keep per-call state). No batching, no
-limit on concurrent calls. Like that example it shares the tokenizers between threads, which can
-race under concurrency and fail a request now and then ("Sizes of tensors must match"). Same API
-shape as diffserve (``POST /v1/images/generations``, ``GET /health``); PNG only; no /metrics.
+One pipeline call per request in the event loop's thread pool, a fresh scheduler per request
+(schedulers keep per-call state), no batching, no limit on concurrent calls. Like that example it
+shares the tokenizers between threads, which can fail a request now and then under concurrency
+("Sizes of tensors must match"). diffserve's API shape; PNG only; no /metrics.
 
     python benchmarks/naive_server.py --model tiny-sd --port 8001
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import io
@@ -23,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+import kit
 from diffserve.config import DEFAULT_MODEL
 
 
@@ -95,11 +94,10 @@ def create_app(model: str) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="BASELINE ONLY: a naive diffusers server.")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="Embedded model, directory or hub id.")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001)
-    args = parser.parse_args(argv)
+    p = kit.parser("BASELINE ONLY: a naive diffusers server.", model=DEFAULT_MODEL)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001)
+    args = p.parse_args(argv)
     import uvicorn
 
     uvicorn.run(create_app(args.model), host=args.host, port=args.port, log_level="warning")

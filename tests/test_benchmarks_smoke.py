@@ -2,10 +2,10 @@
 
 Each tool runs with absurdly small settings (a few requests, tiny models, one or two denoising
 steps, one intra-op thread) and must exit 0 with sane output. These are not measurements: nothing
-here checks a speed. The runs that start servers spend most of their time waiting for them to
-load a model on one core, so they are early runs (tests/background.py) that start when collection
-ends and run beside other tests; so are the in-process tools, all in one interpreter (torch
-imports once). A test takes its own run's output with :func:`ran`.
+here checks a speed. Most runs wait on servers that load a model on one core each, so they are
+early runs (tests/background.py): they start when collection ends and run beside other tests,
+and a test takes its run's output with :func:`ran`. The tools that run torch themselves run in
+one interpreter meanwhile (:func:`in_process`).
 """
 
 from __future__ import annotations
@@ -40,36 +40,47 @@ def run_tool(tool: str, *args: str, timeout: float = 300, expect_rc: int = 0) ->
     return done
 
 
-def report(tool: str, name: str, *args: str) -> tuple[dict, str]:
-    """A kit.main tool's run: its <name>.json (checked for the shape every such report has), and
-    its stdout."""
-    out = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
-    done = run_tool(tool, *args, "--output-dir", str(out))
-    assert "| figure | median |" in done.stdout
-    result = json.loads((out / f"{name}.json").read_text())
+def check(result: dict, out: Path, name: str) -> dict:
+    """A kit.main tool's report (``out``: its --output-dir), checked for what every such report
+    holds."""
     assert (out / f"{name}.md").read_text().startswith(f"# {name}:")
+    assert json.loads((out / f"{name}.json").read_text()) == result
     (round_,) = result["rounds"]
     assert "error" not in round_["figures"]
     for run in round_["runs"]:
         assert run["completed"] + run["failed"] == run["config"]["num_prompts"]
-    return result, done.stdout
+    return result
 
 
 def compare(scenario: str, *extra: str):
-    return lambda: report("compare.py", scenario, scenario, *TINY, *extra)
+    def run() -> dict:
+        out = Path(tempfile.mkdtemp(prefix=f"bench-{scenario}-"))
+        done = run_tool("compare.py", scenario, *TINY, *extra, "--output-dir", str(out), "--output-file",
+                        str(out / "report.json"))
+        assert "| figure | median |" in done.stdout
+        return check(json.loads((out / "report.json").read_text()), out, scenario)
+    return run
 
 
-# The in-process tools in one interpreter, in order: (tool, its arguments).
-IN_PROCESS = [
-    ("bench_offline", "--model", "tiny-sd", "--batching-mode", "step", "--batch-sizes", "1,2", "--steps", "1",
-     "--warmup", "0", "--repeats", "1", "--torch-threads", "1"),
-    ("bench_offline", "--model", "tiny-sd", "--batching-mode", "request", "--batch-sizes", "1,2", "--steps", "1",
-     "--warmup", "0", "--repeats", "1", "--torch-threads", "1"),
-    *(("bench_step", what, "--model", "tiny-sd", "--batch-sizes", "1,2", "--steps", "3", "--repeats", "1",
-       "--rounds", "1", "--torch-threads", "1", "--loras", "2") for what in ("host", "quantization", "cache")),
-    ("bench_step", "compile", "--model", "tiny-sd", "--batch-sizes", "1", "--repeats", "1", "--rounds", "1",
-     "--torch-threads", "1"),
-]
+# The tools that run torch in their own process (the engine, or the plain pipeline that served
+# images are checked against), in one interpreter, so that torch imports once: name -> arguments.
+IN_PROCESS = {
+    **{f"bench_offline {mode}": ("--model", "tiny-sd", "--batching-mode", mode, "--batch-sizes", "1,2",
+                                 "--steps", "1", "--warmup", "0", "--repeats", "1", "--torch-threads", "1")
+       for mode in ("step", "request")},
+    **{f"bench_step {what}": (what, "--model", "tiny-sd", "--batch-sizes", "1,2", "--repeats", "1", "--rounds", "1",
+                              "--torch-threads", "1") for what in ("quantization", "cache")},
+    "bench_step compile": ("compile", "--model", "tiny-sd", "--batch-sizes", "1", "--repeats", "1", "--rounds", "1",
+                           "--torch-threads", "1"),
+    "bench_priorities": ("--model", "tiny-sd", "--rounds", "1", "--interactive-steps", "1", "--batch-steps", "2",
+                         "--batch-clients", "1", "--interactive-requests", "3", "--alone-requests", "1",
+                         "--max-batch-size", "2", "--torch-threads", "1", "--startup-timeout", "120",
+                         "--settle-s", "0.2"),
+    "bench_edits": ("--model", "tiny-flux-kontext", "--count", "2", "--rounds", "1", "--steps", "1", "--side", "32",
+                    "--torch-threads", "1", "--startup-timeout", "120"),
+    "bench_video": ("jobs", "--jobs", "2", "--rounds", "1", "--steps", "2", "--frames", "5", "--torch-threads", "1"),
+}
+KIT_MAIN = {"bench_priorities": "priorities", "bench_edits": "edits"}  # their --output-dir reports
 # --compile traced by dynamo's "eager" backend, as the default suite does (inductor's code
 # generation alone takes a minute and a half of CPU here); then each tool's main.
 IN_PROCESS_SCRIPT = """
@@ -77,26 +88,26 @@ import json, sys
 from diffserve.executor.compiled import CompiledBlocks
 CompiledBlocks.__init__.__defaults__ = ("eager",)
 sys.path.insert(0, sys.argv[1])
-for tool, out, *argv in json.loads(sys.argv[2]):
-    print(f"=== {tool} {' '.join(argv)}", flush=True)
-    assert __import__(tool).main([*argv, "--output-file", out]) == 0
+for name, argv in json.loads(sys.argv[2]).items():
+    print(f"=== {name}", flush=True)
+    assert __import__(name.split()[0]).main(argv) == 0, name
 """
 
 
-def in_process() -> list[dict]:
+@pytest.fixture(scope="module")
+def in_process() -> dict[str, dict]:
+    """Each tool's JSON report (its --output-file), by the names of :data:`IN_PROCESS`. It runs in
+    the test's own thread while the early runs (two at a time) use the rest of the machine."""
     out = Path(tempfile.mkdtemp(prefix="bench-in-process-"))
-    runs = [(tool, str(out / f"{i}.json"), *argv) for i, (tool, *argv) in enumerate(IN_PROCESS)]
+    runs = {name: [*argv, "--output-file", str(out / f"{name}.json")]
+            + (["--output-dir", str(out / name)] if name in KIT_MAIN else []) for name, argv in IN_PROCESS.items()}
     done = subprocess.run([sys.executable, "-c", IN_PROCESS_SCRIPT, str(BENCH), json.dumps(runs)], env=ENV,
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
-    return [json.loads(Path(out).read_text()) for _, out, *_ in runs]
-
-
-def video() -> dict:
-    out = Path(tempfile.mkdtemp(prefix="bench-video-")) / "video.json"
-    run_tool("bench_video.py", "jobs", "--jobs", "2", "--rounds", "1", "--steps", "2", "--frames", "5",
-             "--torch-threads", "1", "--output-file", str(out))
-    return json.loads(out.read_text())
+    reports = {name: json.loads((out / f"{name}.json").read_text()) for name in runs}
+    for name, scenario in KIT_MAIN.items():
+        check(reports[name], out / name, scenario)
+    return reports
 
 
 def startup() -> tuple[dict, str]:
@@ -105,15 +116,10 @@ def startup() -> tuple[dict, str]:
     return json.loads(out.read_text()), done.stdout
 
 
-# Each early run: (about its seconds alone on this machine: the longest start first; the run).
+# Each early run: (about its seconds alone here: the longest start first; the run).
 RUNS = {
     "compare scale": (20, compare("scale")),
     "compare baseline": (15, compare("baseline")),
-    "priorities": (16, lambda: report(
-        "bench_priorities.py", "priorities", "--model", "tiny-sd", "--rounds", "1", "--interactive-steps", "1",
-        "--batch-steps", "2", "--batch-clients", "1", "--interactive-requests", "3", "--alone-requests", "1",
-        "--max-batch-size", "2", "--torch-threads", "1", "--startup-timeout", "120", "--settle-s", "0.2")),
-    "in process": (15, in_process),
     "compare sizes": (15, compare("sizes", "--sizes", "64x64,32x32", "--sizes-load", "50")),
     "compare lora": (14, compare("lora", "--lora-counts", "0,2", "--lora-ranks", "4", "--lora-load", "50")),
     "compare rollout": (12, compare("rollout", "--model", "tiny-flux", "--rollout-prompts", "2", "--rollout-n", "3",
@@ -123,9 +129,6 @@ RUNS = {
     "compare modes": (12, compare("modes", "--loads", "50,80", "--mixed-steps", "1,2", "--idle-requests", "2",
                                  "--tree", str(ROOT))),
     "compare cache": (9, compare("cache", "--cache-thresholds", "0.5", "--cache-images", "2")),
-    "edits": (8, lambda: report("bench_edits.py", "edits", "--model", "tiny-flux-kontext", "--count", "2",
-                                "--rounds", "1", "--steps", "1", "--side", "32", "--torch-threads", "1")),
-    "video": (10, video),
     "startup": (4, startup),
 }
 for _name, (_weight, _run) in RUNS.items():
@@ -191,20 +194,18 @@ def test_bench_batcher(tmp_path):
     assert all(r["decisions_per_s"] > 0 for r in results)
 
 
-@pytest.mark.early("bench:in process")
-def test_bench_offline():
-    for report_, mode in zip(ran("in process")[:2], ("step", "request")):
+def test_bench_offline(in_process):
+    for mode in ("step", "request"):
+        report_ = in_process[f"bench_offline {mode}"]
         assert report_["batching_mode"] == mode and report_["pipeline_class"] == "StableDiffusionPipeline"
         assert [r["batch_size"] for r in report_["results"]] == [1, 2]
         assert all(r["images_per_s"] > 0 and len(r["times_s"]) == 1 for r in report_["results"])
         assert (report_["width"], report_["height"], report_["num_inference_steps"]) == (64, 64, 1)
 
 
-@pytest.mark.early("bench:in process")
-def test_bench_step():
-    host, quantization, cache, compiled = (r["results"] for r in ran("in process")[2:])
-    assert [(r["batch"], r["rows"], r["loras"]) for r in host] == [(1, 2, 0), (2, 4, 0), (1, 2, 2), (2, 4, 2)]
-    assert all(0 < r["host ms"] < r["forward ms"] and r["target ms (1.5 + 0.03 x rows)"] > 0 for r in host)
+def test_bench_step(in_process):
+    quantization, cache, compiled = (in_process[f"bench_step {what}"]["results"]
+                                     for what in ("quantization", "cache", "compile"))
     assert [r["quantization"] for r in quantization] == ["none", "int8-weight-only"]
     for r in quantization:
         assert 0 < r["denoiser weights MB"] <= r["denoiser weights MB unquantized"]
@@ -216,19 +217,8 @@ def test_bench_step():
     assert counts["graphs compiled while measuring"] == 0  # the buckets compiled before the timed steps
 
 
-@pytest.mark.early("bench:startup")
-def test_bench_startup():
-    result, stdout = ran("startup")
-    medians = result["summary"]["medians"]
-    assert medians["ready_s"] > 0 and "| ready_s |" in stdout
-    assert medians["diffserve::executor-0 cpu_s"] > medians["diffserve::scheduler cpu_s"] > 0
-    assert medians["diffserve::frontend cpu_s"] > 0
-
-
-@pytest.mark.early("bench:priorities")
-def test_bench_priorities():
-    result, _ = ran("priorities")
-    medians = result["summary"]["medians"]
+def test_bench_priorities(in_process):
+    medians = in_process["bench_priorities"]["summary"]["medians"]
     assert medians["capacity req/s"] > 0 and medians["alone s"] > 0
     for policy in ("fcfs", "priority"):
         assert 0 < medians[f"interactive p50 s, {policy}"] <= medians[f"interactive p99 s, {policy}"]
@@ -236,17 +226,14 @@ def test_bench_priorities():
     assert medians["images checked"] >= 1 and medians["worst pixel diff"] <= 2 and medians["preemptions"] >= 0
 
 
-@pytest.mark.early("bench:edits")
-def test_bench_edits():
-    result, _ = ran("edits")
-    medians = result["summary"]["medians"]
+def test_bench_edits(in_process):
+    medians = in_process["bench_edits"]["summary"]["medians"]
     assert medians["one at a time s"] > 0 and medians["at once s"] > 0
     assert medians["speed-up, at once / one at a time"] > 0 and medians["worst pixel diff"] <= 2
 
 
-@pytest.mark.early("bench:video")
-def test_bench_video():
-    result = ran("video")
+def test_bench_video(in_process):
+    result = in_process["bench_video"]
     assert result["jobs_per_s"]["concurrent"] > 0 and result["jobs_per_s"]["sequential"] > 0
     assert len(result["rounds"]["concurrent"]) == 1 and result["ratio"] > 0
     assert result["worst_mp4_psnr_db"] > 20 and result["worst_engine_diff"] <= 2
@@ -254,7 +241,7 @@ def test_bench_video():
 
 @pytest.mark.early("bench:compare modes")
 def test_compare_modes():
-    result, _ = ran("compare modes")
+    result = ran("compare modes")
     medians = result["summary"]["medians"]
     for mode in ("step", "request"):
         assert medians[f"saturated img/s, {mode}"] > 0
@@ -269,7 +256,7 @@ def test_compare_modes():
 
 @pytest.mark.early("bench:compare scale")
 def test_compare_scale():
-    result, _ = ran("compare scale")
+    result = ran("compare scale")
     runs = {run["label"]: run for run in result["rounds"][0]["runs"]}
     assert runs["dp2 x 1 thread"]["server_metrics"]["executors"] == 2
     pair = runs["2 servers x 1 thread, round-robin"]
@@ -281,7 +268,7 @@ def test_compare_scale():
 
 @pytest.mark.early("bench:compare baseline")
 def test_compare_baseline():
-    result, _ = ran("compare baseline")
+    result = ran("compare baseline")
     runs = {run["label"]: run for run in result["rounds"][0]["runs"]}
     assert runs["max batch 1"]["server_metrics"]["mean_batch_size"] == 1
     assert runs["naive"]["server_metrics"] is None  # the baseline has no /metrics
@@ -291,7 +278,7 @@ def test_compare_baseline():
 
 @pytest.mark.early("bench:compare lora")
 def test_compare_lora():
-    result, _ = ran("compare lora")
+    result = ran("compare lora")
     medians = result["summary"]["medians"]
     assert medians["saturated img/s, 2 adapters, step, rank 4"] > 0
     assert medians["saturated img/s, 2 adapters / none, rank 4"] > 0
@@ -303,7 +290,7 @@ def test_compare_lora():
 
 @pytest.mark.early("bench:compare sizes")
 def test_compare_sizes():
-    result, _ = ran("compare sizes")
+    result = ran("compare sizes")
     medians = result["summary"]["medians"]
     for figure in ("p99 ms size 1 (64x64), step", "p50 ms size 2 (32x32), request", "p99 ms size 2 (32x32) alone",
                    "p99 ms rare alone", "images per forward, uniform", "saturated img/s mixed, request",
@@ -315,7 +302,7 @@ def test_compare_sizes():
 
 @pytest.mark.early("bench:compare rollout")
 def test_compare_rollout():
-    result, _ = ran("compare rollout")
+    result = ran("compare rollout")
     medians = result["summary"]["medians"]
     for layout in ("groups, step", "singles, step", "groups, request"):
         assert medians[f"samples/s, {layout}"] > 0
@@ -326,7 +313,7 @@ def test_compare_rollout():
 
 @pytest.mark.early("bench:compare cache")
 def test_compare_cache():
-    result, _ = ran("compare cache")
+    result = ran("compare cache")
     medians = result["summary"]["medians"]
     for threshold in ("0", "0.5"):
         assert medians[f"img/s, threshold {threshold}"] > 0
@@ -334,3 +321,12 @@ def test_compare_cache():
     assert medians["rows that hit, threshold 0"] == 0  # threshold 0 never reuses
     assert medians["PSNR min dB, threshold 0.5"] > 20 and medians["img/s, threshold 0.5 / uncached"] > 0
     assert "best img/s / uncached at PSNR >= 30 dB" in medians
+
+
+@pytest.mark.early("bench:startup")
+def test_bench_startup():
+    result, stdout = ran("startup")
+    medians = result["summary"]["medians"]
+    assert medians["ready_s"] > 0 and "| ready_s |" in stdout
+    assert medians["diffserve::executor-0 cpu_s"] > medians["diffserve::scheduler cpu_s"] > 0
+    assert medians["diffserve::frontend cpu_s"] > 0
