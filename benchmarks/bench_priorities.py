@@ -98,10 +98,10 @@ def priorities(b: kit.Bench) -> dict[str, float | None]:
 def arguments(p) -> None:
     p.add_argument("--interactive-steps", type=int, default=10)
     p.add_argument("--batch-steps", type=int, default=24)
-    p.add_argument("--batch-clients", type=int, default=16)
+    p.add_argument("--batch-clients", type=kit.count, default=16)
     p.add_argument("--interactive-load", type=float, default=30.0, help="%% of the interactive capacity.")
-    p.add_argument("--interactive-requests", type=int, default=60)
-    p.add_argument("--alone-requests", type=int, default=10)
+    p.add_argument("--interactive-requests", type=kit.count, default=60)
+    p.add_argument("--alone-requests", type=kit.count, default=10)
     p.add_argument("--aging", type=float, default=30.0, help="The servers' --priority-aging-s.")
     p.add_argument("--settle-s", type=float, default=2.0, help="The batch class alone first, s.")
 

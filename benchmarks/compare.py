@@ -139,10 +139,10 @@ def lora(b: Bench) -> dict[str, float | None]:
         with b.servers(f"request, {tag}", {"--batching-mode": "request", **served}) as servers:
             sat = b.load(servers, f"request k={most} {tag} saturated", max_concurrency=a.concurrency, models=names)
             f[f"saturated img/s, {most} adapters, request, {tag}"] = sat["images_per_s"]
-        step, none = (f.get(f"saturated img/s, {k} adapters, step, {tag}") for k in (most, 0))
-        f[f"saturated img/s, {most} adapters / none, {tag}"] = ratio(step, none)
+        with_most, without = (f.get(f"saturated img/s, {k} adapters, step, {tag}") for k in (most, 0))
+        f[f"saturated img/s, {most} adapters / none, {tag}"] = ratio(with_most, without)
         f[f"saturated img/s, {most} adapters, step/request, {tag}"] = ratio(
-            step, f[f"saturated img/s, {most} adapters, request, {tag}"])
+            with_most, f[f"saturated img/s, {most} adapters, request, {tag}"])
         f[f"p99 @{a.lora_load}%, {most} adapters / none, {tag}"] = ratio(
             *(f.get(f"p99 ms @{a.lora_load}%, {k} adapters, {tag}") for k in (most, 0)))
     return f

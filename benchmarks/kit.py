@@ -371,7 +371,7 @@ async def drive(one: Callable[[int], Any], total: int, rate: float = math.inf, c
     results in order. The wait for a free slot is not in ``one``'s time."""
     arrivals = [0.0] * total
     if not math.isinf(rate):
-        arrivals = list(np.cumsum([0.0] + [rng.expovariate(rate) for _ in range(total - 1)]))
+        arrivals = list(np.cumsum([0.0] + [rng.expovariate(rate) for _ in range(total - 1)]))[:total]
     limit = asyncio.Semaphore(concurrency or max(total, 1))
 
     async def gated(i: int):
