@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = sorted(set(args.batch_sizes))
     if not sizes or sizes[0] < 1 or args.repeats < 1 or args.warmup < 0:
         p.error("--batch-sizes needs positive integers, --repeats >= 1, --warmup >= 0")
-    from diffserve.executor.process import bound_openmp_spin
+    from diffserve.executor.process_setup import bound_openmp_spin
 
     bound_openmp_spin()  # as the executor does, before torch loads
     import torch

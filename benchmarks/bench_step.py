@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", choices=("compile", "quantization", "cache"))
     args = p.parse_args(argv)
 
-    from diffserve.executor.process import bound_openmp_spin
+    from diffserve.executor.process_setup import bound_openmp_spin
 
     bound_openmp_spin()  # as the executor does, before torch loads
     import torch

@@ -89,11 +89,33 @@ class ServerConfig:
         "(a task whose image differs runs in request mode; --batching-mode step refuses to start "
         "only where no task can run in step mode).")
     data_parallel_size: int = option(
-        0, "Executor processes fed by the one queue, one per device. 0 = one per entry of "
-        "--devices, else 1.", ge=0, le=256)
+        0, "Executors fed by the one queue: each one device, or one parallel group of "
+        "--ulysses-degree x --ring-degree x --cfg-parallel-size (or --tensor-parallel-size x "
+        "--cfg-parallel-size) devices. 0 = as many as --devices holds, else as many groups as "
+        "the visible GPUs hold where a degree above 1 is given, else 1.", ge=0, le=256)
     devices: str = option(
-        "", "Comma-separated torch devices, one per executor (e.g. cuda:0,cuda:1). Unset: every "
-        "executor uses --device, where auto spreads executors over the visible GPUs.")
+        "", "Comma-separated torch devices, one per executor (e.g. cuda:0,cuda:1), or one per rank "
+        "of every group, group after group. Unset: every executor uses --device, where auto "
+        "spreads executors over the visible GPUs.")
+    ulysses_degree: int = option(
+        1, "Ranks of a group that split each forward's sequence with Ulysses attention "
+        "(diffusers' context parallelism: an all-to-all of heads and tokens). Needs a "
+        "denoiser with a context-parallel plan (Flux, FLUX.2, Qwen-Image, Wan).", ge=1, le=64)
+    ring_degree: int = option(
+        1, "Ranks of a group that split each forward's sequence with ring attention (diffusers' "
+        "context parallelism; GPUs only: the CPU's attention returns no log-sum-exp).",
+        ge=1, le=64)
+    cfg_parallel_size: int = option(
+        1, "2: a group's ranks split in two, the unconditional rows of every forward on one half "
+        "and the conditional ones on the other, joined by one all-gather. For families that "
+        "run classifier-free guidance (not Flux, FLUX.2 [dev]).", ge=1, le=2)
+    tensor_parallel_size: int = option(
+        1, "Ranks of a group that shard the denoiser's weights (diffusers' tensor parallelism; "
+        "weights are sharded as they load; GPUs only). Not with --ulysses-degree or "
+        "--ring-degree above 1.", ge=1, le=64)
+    collective_timeout_s: float = option(
+        300.0, "A group whose ranks wait this long in a collective (a rank hangs or died) is "
+        "restarted whole; its requests are answered.", ge=1, le=86_400)
     max_queue_size: int = option(
         0, "Most requests waiting for a batch; more are refused at once with 429 and Retry-After. "
         "0 = unbounded.", ge=0, le=10_000_000)
@@ -195,10 +217,17 @@ class ServerConfig:
                 raise ConfigError(f"{flag}={value!r} is above the maximum {meta['le']}")
             if meta.get("choices") and value not in meta["choices"]:
                 raise ConfigError(f"{flag}={value!r} is not one of {', '.join(meta['choices'])}")
+        check_parallel(self)
         listed = self.device_list
-        if listed and self.data_parallel_size and len(listed) != self.data_parallel_size:
+        if listed and self.data_parallel_size and len(listed) != self.data_parallel_size * self.group_size:
             raise ConfigError(f"--devices={self.devices!r} names {len(listed)} devices but "
-                              f"--data-parallel-size={self.data_parallel_size}")
+                              f"--data-parallel-size={self.data_parallel_size}"
+                              + (f" groups of {self.group_size} ranks need "
+                                 f"{self.data_parallel_size * self.group_size}"
+                                 if self.group_size > 1 else ""))
+        if listed and len(listed) % self.group_size:
+            raise ConfigError(f"--devices={self.devices!r} names {len(listed)} devices, not a "
+                              f"multiple of the group size {self.group_size}")
         if listed and not all(listed):
             raise ConfigError(f"--devices={self.devices!r} has an empty entry")
         adapters = self.lora_adapters  # checks each NAME=PATH
@@ -280,19 +309,43 @@ class ServerConfig:
         return [d.strip() for d in self.devices.split(",")] if self.devices else []
 
     @property
+    def group_size(self) -> int:
+        """Ranks per executor: 1, or a parallel group's size."""
+        model_ranks = (self.tensor_parallel_size if self.tensor_parallel_size > 1
+                       else self.ulysses_degree * self.ring_degree)
+        return self.cfg_parallel_size * model_ranks
+
+    @property
     def num_executors(self) -> int:
-        return self.data_parallel_size or len(self.device_list) or 1
+        """Executors fed by the queue: single devices, or parallel groups."""
+        if self.data_parallel_size:
+            return self.data_parallel_size
+        if self.device_list:
+            return len(self.device_list) // self.group_size
+        if self.group_size > 1 and self.device in ("auto", "cuda"):
+            from diffserve.executor.devices import visible_gpus
+
+            return max(1, visible_gpus() // self.group_size)
+        return 1
 
     def executor_devices(self) -> list[str]:
-        """One device per executor (``auto`` is resolved by each executor from its index)."""
-        return self.device_list or [self.device] * self.num_executors
+        """Each executor's device (``auto`` is resolved by each executor from its index), or a
+        group's devices, comma-separated, one per rank."""
+        size = self.group_size
+        listed = self.device_list
+        if not listed:
+            if size == 1:
+                return [self.device] * self.num_executors
+            listed = group_devices(self.device, self.num_executors * size)
+        return [",".join(listed[g * size:(g + 1) * size]) for g in range(len(listed) // size)]
 
     def executor_threads(self, cpu_count: int) -> int:
-        """Intra-op threads per executor: the flag, else the cores shared out between executors
-        (0 keeps torch's own default when there is one executor)."""
-        if self.torch_threads or self.num_executors == 1:
+        """Intra-op threads per executor process (each rank of a group is one): the flag, else
+        the cores shared out between them (0 keeps torch's own default where there is one)."""
+        processes = self.num_executors * self.group_size
+        if self.torch_threads or processes == 1:
             return self.torch_threads
-        return max(1, cpu_count // self.num_executors)
+        return max(1, cpu_count // processes)
 
     @property
     def dynamic_batch_delay_s(self) -> float:
@@ -310,6 +363,49 @@ class ServerConfig:
             elif env and os.environ.get(env):
                 merged[f.name] = parse_value(f, os.environ[env])
         return cls(**merged)
+
+
+def check_parallel(config: ServerConfig) -> None:
+    """The parallel flags together: one refusal naming the flag and the reason."""
+    cp = config.ulysses_degree * config.ring_degree
+    if config.tensor_parallel_size > 1 and cp > 1:
+        raise ConfigError(f"--tensor-parallel-size={config.tensor_parallel_size} with "
+                          f"--ulysses-degree={config.ulysses_degree} --ring-degree="
+                          f"{config.ring_degree}: diffusers shards a model either by tensor or "
+                          "by context, not both")
+    if config.group_size > 1 and config.batching_mode == "request":
+        raise ConfigError("--batching-mode request with a parallel group "
+                          f"({config.group_size} ranks): a group runs the step engine, whose "
+                          "every step its leader plans for all ranks")
+    if config.group_size > 1 and config.compile:
+        raise ConfigError("--compile with a parallel group: compiled blocks have not been "
+                          "verified under diffusers' parallel hooks")
+    if config.tensor_parallel_size > 1:
+        for flag, given in (("--lora-modules", config.serves_adapters),
+                            ("--quantization", config.quantization != "none")):
+            if given:
+                raise ConfigError(f"--tensor-parallel-size with {flag}: diffusers' tensor "
+                                  "parallelism refuses PEFT layers and quantized weights")
+    if config.cfg_parallel_size > 1 and config.step_cache != "off":
+        raise ConfigError("--cfg-parallel-size 2 with --step-cache: a forward's rows are split "
+                          "between ranks, each image's cache decision needs all of its rows")
+
+
+def group_devices(device: str, count: int) -> list[str]:
+    """``count`` ranks' devices from --device: one visible GPU each (``auto``, ``cuda``), else
+    ``device`` for all of them (the CPU)."""
+    if device in ("auto", "cuda"):
+        from diffserve.executor.devices import visible_gpus
+
+        gpus = visible_gpus()
+        if gpus:
+            if gpus < count:
+                raise ConfigError(f"{count} ranks need {count} GPUs; {gpus} are visible")
+            return [f"cuda:{i}" for i in range(count)]
+        if device == "cuda":
+            raise ConfigError("--device cuda: no CUDA GPU is visible")
+        return ["cpu"] * count
+    return [device] * count
 
 
 def parse_value(f: dataclasses.Field, text: str) -> Any:

@@ -188,6 +188,12 @@ class EngineMetrics:
             "every caller had gone.", ex)
         self.executor_restarts_total = Counter(
             "diffserve_executor_restarts", "Times an executor process was restarted after dying.", ex)
+        self.group_restarts_total = Counter(
+            "diffserve_group_restarts", "Times a parallel group was restarted whole (a rank died "
+            "or a collective timed out).", ex)
+        self.group_ranks = Gauge(
+            "diffserve_group_ranks", "Ranks (processes, devices) of the executor: 1, or its "
+            "parallel group's size.", ex, multiprocess_mode="livemax")
         # Step mode.
         self.step_seconds = Histogram(
             "diffserve_step_seconds", "Step mode: one denoising step of the running set (one "
@@ -261,6 +267,7 @@ class EngineMetrics:
                        self.preemptions_total,
                        self.images_generated_total, self.partial_images_total,
                        self.non_finite_outputs_total, self.batches_interrupted_total, self.executor_restarts_total,
+                       self.group_restarts_total,
                        self.step_seconds, self.step_running_images, self.step_admissions_total,
                        self.forward_cost,
                        self.lora_loads_total, self.lora_unloads_total, self.lora_evictions_total,

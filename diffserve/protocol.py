@@ -258,6 +258,18 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Component:
+    """A pipeline component where it sits: its name, device, the rank of a parallel group that
+    holds it (0 without one), its dtype and the bytes its weights take there."""
+
+    name: str
+    device: str
+    rank: int
+    dtype: str
+    bytes: int
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the frontend needs to validate requests against the loaded model."""
 
@@ -296,6 +308,10 @@ class ModelInfo:
     # tasks the model has but cannot serve, with why (their plain pipeline fails on it).
     task_modes: dict[str, str] = field(default_factory=dict)
     unavailable_tasks: dict[str, str] = field(default_factory=dict)
+    # Each executor's parallel group ({"ulysses", "ring", "cfg", "tp", "groups"}) and where its
+    # components sit (one executor's view).
+    parallel: dict[str, int] = field(default_factory=dict)
+    components: list[Component] = field(default_factory=list)
 
     def mode_of(self, task: str) -> str:
         return self.task_modes.get(task, self.batching_mode)

@@ -82,6 +82,7 @@ def group_by(members: Iterable[T], key: Callable[[T], Hashable]) -> dict[Hashabl
 
 def isolate(members: list[T], run: Callable[[list[T]], list[R]], group: Callable[[T], Hashable],
             what: str, on_error: Callable[[Exception], None] = lambda error: None,
+            fatal: Callable[[Exception], bool] = lambda error: False,
             _depth: int = 0) -> list[tuple[T, R | Exception]]:
     """``run`` once over ``members`` (one result per member); if it raises, over each half of
     their groups in turn, and so on down to single groups, so that an error costs only the
@@ -90,10 +91,13 @@ def isolate(members: list[T], run: Callable[[list[T]], list[R]], group: Callable
     would repeat. ``on_error`` sees each error before the retry (e.g. to free memory), once the
     failed attempt's frames are cleared: the retry runs outside the ``except`` block, so that
     nothing of that attempt (its activations, on a device that ran out of memory) is still
-    alive. Returns each member with its result or the error of its group."""
+    alive. An error that ``fatal`` names (one no smaller batch can help) is raised as it is.
+    Returns each member with its result or the error of its group."""
     try:
         return list(zip(members, checked(run(members), members)))
     except Exception as caught:  # noqa: BLE001 - find the culprit below
+        if fatal(caught):
+            raise
         error = caught
     traceback.clear_frames(error.__traceback__)
     error.__traceback__ = None
@@ -106,7 +110,7 @@ def isolate(members: list[T], run: Callable[[list[T]], list[R]], group: Callable
                     "cause", what, len(groups), type(error).__name__, error)
     half = len(groups) // 2
     return [pair for part in (groups[:half], groups[half:])
-            for pair in isolate([m for g in part for m in g], run, group, what, on_error,
+            for pair in isolate([m for g in part for m in g], run, group, what, on_error, fatal,
                                 _depth + 1)]
 
 

@@ -12,18 +12,23 @@ from diffserve.protocol import STEP_MODE
 log = logging.getLogger(__name__)
 
 
-def step_cache_for(config: ServerConfig, family, mode: str):
+def step_cache_for(config: ServerConfig, family, mode: str, group=None):
     """The step cache over ``family``'s denoisers where --step-cache asks for one (step mode
-    only); raises, naming the denoiser, where it cannot split it."""
+    only); raises, naming the denoiser, where it cannot split it. In a context-parallel group
+    each rank's signal covers its share of the tokens, and its sums are reduced over the group."""
     if config.step_cache == "off":
         return None
     if mode != STEP_MODE:
         log.warning("--step-cache runs in step mode only; this model is served in %s mode "
                     "without it", mode)
         return None
-    from diffserve.executor.step_cache import StepCache
+    from diffserve.executor.step_cache import StepCache, UnsupportedCache
 
-    return StepCache(family.denoisers)
+    if group is not None and group.degrees.context and family.cache_tokens(64, 64) is not None:
+        raise UnsupportedCache(f"--step-cache with --ulysses-degree/--ring-degree: {family.name}'s "
+                               "hidden states carry image and text tokens in one sequence, which "
+                               "the context split divides across ranks unevenly")
+    return StepCache(family.denoisers, group.reduce_sums if group is not None else None)
 
 
 def compiled_for(config: ServerConfig, loaded, family):

@@ -5,9 +5,12 @@
   torchvision; a CPU-only install without it cannot load any Qwen-Image-Edit pipeline (tiny or
   real), though image edits never pass a video. Where torchvision is missing, the processor is
   built from its image processor and tokenizer alone.
+- **diffusers' parallelism on a CPU host** (:func:`one_device_per_cpu_rank`).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 
 def allow_processors_without_torchvision() -> bool:
@@ -20,3 +23,22 @@ def allow_processors_without_torchvision() -> bool:
     Qwen2VLProcessor.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
     Qwen2VLProcessor._images_only = True
     return True
+
+
+@contextmanager
+def one_device_per_cpu_rank():
+    """**diffusers' parallelism on a CPU host.** diffusers picks a rank's device as ``rank %
+    torch.accelerator.device_count()``, a division by zero where no accelerator is counted.
+    Inside the block, a CPU-only process counts one device (the CPU), as a GPU rank whose
+    ``CUDA_VISIBLE_DEVICES`` names its one GPU counts one."""
+    import torch
+
+    if torch.accelerator.device_count():
+        yield
+        return
+    count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = count

@@ -29,6 +29,19 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def visible_gpus() -> int:
+    """The NVIDIA GPUs this process may use, counted without importing torch (the frontend
+    sizes the groups before any executor starts): ``CUDA_VISIBLE_DEVICES`` where set, else the
+    driver's list of GPUs."""
+    import os
+
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return len([d for d in listed.split(",") if d.strip() and d.strip() != "-1"])
+    driver = Path("/proc/driver/nvidia/gpus")
+    return len(list(driver.iterdir())) if driver.is_dir() else 0
+
+
 def pick_device(requested: str, index: int = 0, gpus: int | None = None) -> str:
     """Executor ``index``'s device: ``auto`` and ``cuda`` spread executors over the ``gpus``
     visible GPUs (default: counted here); ``auto`` is the CPU without one."""

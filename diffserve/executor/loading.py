@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.config import ConfigError, ServerConfig
+from diffserve.executor.parallel import Degrees
 from diffserve.costs import ABOVE_ONE, default_bounds, image_cost, uses_cfg
+from diffserve.executor.components import placements
 from diffserve.executor.devices import pick_device, pipeline_class_of, resolve_dtype, use_device
 from diffserve.executor.samplers import offered
 from diffserve.models.registry import resolve_model, serving_defaults
@@ -109,8 +111,10 @@ def auto_dtype(requested: str, device: str, path: str) -> str:
 
 
 def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_threads: int = 0,
-               index: int = 0, quantization: str = "none") -> LoadedModel:
-    """``quantization``: a scheme of :mod:`diffserve.executor.quantization` for the denoiser."""
+               index: int = 0, quantization: str = "none", components=None) -> LoadedModel:
+    """``quantization``: a scheme of :mod:`diffserve.executor.quantization` for the denoiser;
+    ``components(path, dtype)``: pipeline components loaded beforehand (a tensor-parallel
+    denoiser, sharded as it loads), by name."""
     quiet_imports()
     import torch
     from diffusers import DiffusionPipeline
@@ -128,7 +132,8 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
     defaults = serving_defaults(path)
     allow_processors_without_torchvision()
     quantized = quant.pipeline_config(quantization, path, device)
-    pipe = DiffusionPipeline.from_pretrained(path, dtype=getattr(torch, dtype),
+    prebuilt = components(path, getattr(torch, dtype)) if components else {}
+    pipe = DiffusionPipeline.from_pretrained(path, dtype=getattr(torch, dtype), **prebuilt,
                                              **({"quantization_config": quantized} if quantized
                                                 else {}))
     pipe.to(device)
@@ -163,7 +168,7 @@ def resolve_mode(requested: str, family: type | None, pipeline_class: str) -> st
 def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: type | None,
                tasks: list[str], adapters: list[str] | None = None,
                task_modes: dict[str, str] | None = None,
-               unavailable: dict[str, str] | None = None) -> ModelInfo:
+               unavailable: dict[str, str] | None = None, group=None) -> ModelInfo:
     """What the frontend validates against and the scheduler admits by; ``family``: the step
     engine's family class, if any; ``task_modes``: each task's batching mode (default: ``mode``
     for all); ``unavailable``: tasks the model has but cannot serve, with why."""
@@ -209,7 +214,9 @@ def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: typ
         guidance_rule=rule, schedulers=offered(pipe.scheduler) if getattr(pipe, "scheduler", None)
         else [], adapters=adapters or [], max_batch_cost=batch_cost,
         max_running_cost=running_cost,
-        step_cache=mode == STEP_MODE and config.step_cache != "off")
+        step_cache=mode == STEP_MODE and config.step_cache != "off",
+        parallel=Degrees.of(config).describe(config.num_executors),
+        components=placements(pipe, group))
 
 
 def video_defaults(pipe, defaults: dict[str, Any], call_defaults: dict[str, Any]) -> dict[str, Any]:

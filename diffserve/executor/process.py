@@ -1,15 +1,9 @@
 """Executor process: IO around one of the two engines.
 
 It connects a DEALER socket to the scheduler's ROUTER under its identity (``index:generation``)
-and a PUSH socket to the frontend, loads the model, says READY (with the batching mode it will
-run), and then:
-
-- **request mode** (:class:`RequestLoop`): one work message is one pipeline call. While it runs,
-  the pipeline's step callback takes the cancels that have arrived, so a call whose callers have
-  all gone stops at the next denoising step; any other message waits for the loop.
-- **step mode** (:class:`StepLoop`): between two steps it takes every waiting message, admits
-  the new work into the running set, drops cancelled requests, then runs one step. Every
-  per-step decision is made here; nothing crosses a process boundary per step.
+and a PUSH socket to the frontend, loads the model (as the leader of a parallel group, with the
+group's other ranks: :mod:`diffserve.executor.group`), says READY (with the batching mode it will
+run), and runs one of the loops of :mod:`diffserve.executor.loops`.
 
 Pixels (finished images, previews) go straight to the frontend; the scheduler gets only each
 item's result header, sent after its images.
@@ -19,49 +13,19 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-import sys
-import time
 import traceback
-from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
 from diffserve import metrics, processes
 from diffserve.config import ConfigError, ServerConfig
-from diffserve.protocol import (
-    CANCELLED,
-    LOAD,
-    Fatal,
-    Kind,
-    ProtocolError,
-    Work,
-    encode,
-)
 from diffserve.executor.engine_io import EngineIO
-from diffserve.executor.results import Outcome, describe
-from diffserve.samples import split_inputs
+from diffserve.executor.loops import RequestLoop, StepLoop
+from diffserve.executor.process_setup import bound_openmp_spin, freeze_heap
+from diffserve.protocol import Fatal, Kind, encode
 
 log = logging.getLogger(__name__)
-
-# How long torch's idle OpenMP workers spin before they sleep, in spin iterations: about 0.2 ms
-# of CPU after each pipeline call on the 2-core test machine, against about 5 ms for libgomp's
-# default (300,000). That spin holds a core just when the scheduler, the frontend and the client
-# need it to answer the batch. Pipeline speed is unchanged (measured, docs/benchmarks.md): the
-# gaps between parallel regions inside a call are much shorter.
-OPENMP_SPIN_COUNT = 10_000
-
-
-def bound_openmp_spin() -> None:
-    """Set the OpenMP spin before torch loads libgomp, unless the operator chose a policy."""
-    if "torch" in sys.modules:
-        log.warning("torch was imported before the executor set GOMP_SPINCOUNT; not set")
-        return
-    if not ({"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys()):
-        os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
-
 
 @dataclass(frozen=True)
 class ExecutorSpec:
@@ -81,7 +45,9 @@ def run_executor(spec: ExecutorSpec) -> None:
     # walk the same few hundred thousand new, long-lived objects again and again (about a
     # fifth of the start's CPU). freeze_heap collects once and turns it back on.
     gc.disable()
-    processes.become(f"diffserve::executor-{spec.index}", spec.parent_pid, spec.config.log_level)
+    title = (f"diffserve::executor-{spec.index}" if spec.config.group_size == 1
+             else f"diffserve::executor-{spec.index}.r0")  # a parallel group's leader
+    processes.become(title, spec.parent_pid, spec.config.log_level)
     metrics.record_to(spec.metrics_dir)
     counts = metrics.EngineMetrics()
     bound_openmp_spin()
@@ -116,15 +82,23 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
     from diffserve.protocol import REQUEST_MODE, STEP_MODE
 
     leave_out_unused_libraries(spec.config.serves_adapters, spec.config.quantization)
-    rt = build_runtime(spec.config, spec.device, spec.torch_threads, spec.index,
-                       io.count_adapter_event)
+    group = link = None
+    device = spec.device
+    if spec.config.group_size > 1:  # a parallel group: this is its leader, rank 0
+        from diffserve.executor.group import LeaderEngine, start_group
+
+        device, group, link, _ = start_group(spec.config, spec.index, spec.device,
+                                             spec.torch_threads)
+    rt = build_runtime(spec.config, device, spec.torch_threads, spec.index,
+                       io.count_adapter_event, group=group)
     freeze_heap()
     if rt.mode == STEP_MODE:
         # Tasks the start-up check sent to request mode run as whole calls between two steps.
         calls = {task for task, mode in rt.task_modes.items() if mode == REQUEST_MODE}
-        loop = StepLoop(rt.step_engine(), io, rt.adapters,
+        engine = rt.step_engine()
+        loop = StepLoop(engine if link is None else LeaderEngine(engine, link), io, rt.adapters,
                         RequestLoop(rt.request_runner, io, rt.adapters, nested=True)
-                        if calls else None, calls)
+                        if calls else None, calls, link)
     else:
         loop = RequestLoop(rt.request_runner, io, rt.adapters)
     io.watch_compiles(rt.compiled)
@@ -134,203 +108,3 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
              ", ".join(f"{task} ({mode})" for task, mode in info.task_modes.items()))
     io.sock.send_multipart(encode(Kind.READY, info))
     return loop
-
-
-def freeze_heap() -> None:
-    """Keep what loading made (the model's modules, the libraries' objects: about a million)
-    out of the garbage collector's full passes: a full pass over them took 200-300 ms, a pause
-    of the step loop every few seconds of serving; what the loop makes later is still
-    collected. The collector, off while loading (run_executor), is on again from here."""
-    gc.collect()
-    gc.freeze()
-    gc.enable()
-
-
-def apply_adapter_message(adapters, io: EngineIO, kind: Kind, msg) -> None:
-    """A runtime load or unload (answered), or the server's whole adapter table (reconciled)."""
-    from diffserve.executor.adapters import AdapterError
-
-    if kind is Kind.ADAPTER_SYNC:
-        if adapters is not None:
-            for error in adapters.sync(msg.adapters):
-                log.error("could not catch up with a runtime adapter load: %s", error)
-            io.count_resident(adapters)
-        return
-    if adapters is None:
-        io.answer_adapter(msg.command_id, 400, "this server was started without LoRA adapters")
-        return
-    try:
-        adapters.add(msg.name, msg.path) if msg.op == LOAD else adapters.remove(msg.name)
-    except AdapterError as error:
-        io.answer_adapter(msg.command_id, error.status, str(error))
-    except Exception as error:  # noqa: BLE001 - the server keeps serving
-        log.exception("adapter %s of %r failed", msg.op, msg.name)
-        io.answer_adapter(msg.command_id, 500, f"{type(error).__name__}: {error}")
-    else:
-        io.answer_adapter(msg.command_id)
-    io.count_resident(adapters)
-
-
-ADAPTER_KINDS = (Kind.ADAPTER, Kind.ADAPTER_SYNC)
-
-
-class RequestLoop:
-    """One work message at a time, one pipeline call each."""
-
-    def __init__(self, make_runner, io: EngineIO, adapters=None, nested: bool = False) -> None:
-        """``make_runner(should_interrupt, emit_partial, emit_progress)`` builds the request
-        runner. ``nested``: the calls of a step loop's request-mode tasks, whose cancels (which
-        may concern its running sets too) also wait for that loop."""
-        self.io = io
-        self.adapters = adapters
-        self.runner = make_runner(self._should_interrupt, io.send_partial, io.send_progress)
-        self.nested = nested
-        self.running: set[str] = set()
-        self.cancelled: set[str] = set()  # only ids of requests running or waiting here
-        self.pending: deque[tuple[Kind, Any, list[Any]]] = deque()  # messages for the loop
-        self.stopping = False
-
-    def run(self) -> None:
-        while not self.stopping:
-            message = self.pending.popleft() if self.pending else self.io.receive(block=True)
-            if message is None:
-                continue
-            kind, msg, frames = message
-            if kind is Kind.SHUTDOWN:
-                self.stopping = True
-            elif kind is Kind.CANCEL:
-                self._cancel(msg.request_ids)
-            elif kind is Kind.WORK:
-                self.execute(msg, frames)
-            elif kind in ADAPTER_KINDS:  # between calls: no call ever sees an adapter change
-                apply_adapter_message(self.adapters, self.io, kind, msg)
-            else:
-                log.warning("executor ignored a %s message", kind.name)
-
-    def _cancel(self, request_ids: list[str]) -> None:
-        """Remember cancels of requests that run or wait here; any other id is done already."""
-        waiting = {item.request.request_id for kind, msg, _ in self.pending if kind is Kind.WORK
-                   for item in msg.items}
-        self.cancelled.update(set(request_ids) & (self.running | waiting))
-
-    def execute(self, work: Work, frames: list[Any]) -> None:
-        """One pipeline call over the work's items, answered."""
-        self.running = {item.request.request_id for item in work.items}
-        start = time.perf_counter()
-        try:
-            outcomes = self.runner.execute(work, split_inputs(work.items, frames))
-        except ProtocolError as error:  # the work cannot be read: answer each item, go on
-            log.error("%s", error)
-            outcomes = [Outcome.failed(item, f"malformed work: {error}", 0.0) for item in work.items]
-        finally:
-            self.cancelled -= self.running  # a request id is never reused
-            self.running = set()
-        self.io.count_call(time.perf_counter() - start,
-                           bool(outcomes) and all(o.status == CANCELLED for o in outcomes))
-        self.io.send_outcomes(outcomes)
-        self.io.count_resident(self.adapters)
-
-    def _should_interrupt(self) -> bool:
-        """Asked at every denoising step: take the cancels that came meanwhile (anything else
-        waits for the loop); stop once every caller of the call has gone."""
-        while (message := self.io.receive(block=False)) is not None:
-            if message[0] is Kind.CANCEL:
-                self._cancel(message[1].request_ids)
-                if not self.nested:
-                    continue
-            self.pending.append(message)
-        return self.running <= self.cancelled
-
-
-class StepLoop:
-    """The running sets: admit and drop between steps, one step at a time. Work of the tasks in
-    ``call_tasks`` (the start-up check sent them to request mode) runs as one pipeline call of
-    ``calls`` between two steps."""
-
-    def __init__(self, engine, io: EngineIO, adapters=None, calls: RequestLoop | None = None,
-                 call_tasks: set[str] = frozenset()) -> None:
-        self.engine = engine
-        self.io = io
-        self.adapters = adapters
-        self.calls = calls
-        self.call_tasks = call_tasks
-        self.stopping = False
-
-    def _receive(self, block: bool):
-        """The next message: first those that arrived during a request-mode call."""
-        if self.calls is not None and self.calls.pending:
-            return self.calls.pending.popleft()
-        return self.io.receive(block=block)
-
-    def run(self) -> None:
-        while not self.stopping:
-            work = []
-            message = self._receive(block=not self.engine)  # an empty set sleeps until work comes
-            while message is not None:
-                kind, msg, frames = message
-                if kind is Kind.SHUTDOWN:
-                    self.stopping = True
-                elif kind is Kind.CANCEL:
-                    self.engine.cancel(msg.request_ids)
-                elif kind is Kind.PAUSE:  # before the work it makes room for, which follows it
-                    work = self._admit(work)
-                    self.engine.pause(msg.items)
-                elif kind is Kind.WORK:
-                    work.append((msg, frames))
-                elif kind in ADAPTER_KINDS:  # between steps, before the work that came after
-                    work = self._admit(work)
-                    apply_adapter_message(self.adapters, self.io, kind, msg)
-                message = self._receive(block=False)
-            if self.stopping:
-                break
-            self._admit(work)
-            if self.engine:
-                try:
-                    out = self.engine.step()
-                except Exception as error:  # noqa: BLE001 - a bug in the engine itself
-                    # Every stage isolates its requests, so this is not a request's fault: what
-                    # the engine held fails, and the executor (its model loaded) goes on serving.
-                    log.exception("a step failed outside any request's stage")
-                    self.io.send_outcomes(self.engine.abandon(describe(error)))
-                    continue
-                for partial in out.partials:
-                    self.io.send_partial(partial)
-                for progress in out.progress:
-                    self.io.send_progress(*progress)
-                self.io.send_outcomes(out.finished)
-                self.io.count_step(out)
-                if out.finished:
-                    self.io.count_resident(self.adapters)
-
-    def _admit(self, work: list[tuple[Work, list[Any]]]) -> list:
-        """Admit the step engine's work and run the request-mode calls, in arrival order of
-        each; returns the work still to do (none)."""
-        if not work:
-            return []
-        calls, joins = [], []
-        for msg, frames in work:  # a work message holds one batch key, so one task mode
-            is_call = bool(msg.items) and msg.items[0].request.task in self.call_tasks
-            (calls if is_call else joins).append((msg, frames))
-        self._join(joins)
-        for msg, frames in calls:
-            self.calls.execute(msg, frames)
-        return []
-
-    def _join(self, work: list[tuple[Work, list[Any]]]) -> None:
-        if not work:
-            return
-        items, inputs, malformed = [], [], []
-        for msg, frames in work:
-            try:
-                inputs.extend(split_inputs(msg.items, frames))
-                items.extend(msg.items)
-            except ProtocolError as error:  # that work cannot be read: answer its items, go on
-                log.error("%s", error)
-                malformed += [Outcome.failed(item, f"malformed work: {error}", 0.0) for item in msg.items]
-        start = time.perf_counter()
-        failed = malformed + self.engine.admit(items, inputs)
-        # Read once the device has done the admission's work (prompts, input images), so that
-        # the next step is not charged for it.
-        self.io.count_admission(self.engine.timer.done() - start,
-                                len(items) + len(malformed) - len(failed))
-        self.io.send_outcomes(failed)

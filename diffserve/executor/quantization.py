@@ -78,6 +78,9 @@ def weight_bytes(module) -> tuple[int, int]:
 
 
 def _stored(tensor) -> int:
+    local = getattr(tensor, "to_local", None)  # a tensor-parallel shard: this rank's part
+    if local is not None:
+        return _stored(local())
     flatten = getattr(tensor, "__tensor_flatten__", None)
     if flatten is None or type(tensor).__name__ in ("Parameter", "Tensor"):
         return tensor.numel() * tensor.element_size()

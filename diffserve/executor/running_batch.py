@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from diffserve.executor.row_index import selection, take
+
 
 class Layout:
     """The rows of a forward over ``units`` (each with ``rows``, ``samples``, ``cfg``,
@@ -77,8 +79,7 @@ class Layout:
                 predictions[i] = output[self.offsets[i]:self.offsets[i] + u.rows]
         for scale, members in by_scale.items():
             negative, positive = self._guided_rows(tuple(members))
-            guided = family.guide(output.index_select(0, negative),
-                                  output.index_select(0, positive), scale)
+            guided = family.guide(take(negative, output), take(positive, output), scale)
             at = 0
             for i in members:
                 k = self.units[i].samples
@@ -93,7 +94,21 @@ class Layout:
                 start, k = self.offsets[i], self.units[i].samples
                 negative += range(start, start + k)
                 positive += range(start + k, start + 2 * k)
-            as_index = lambda rows: self._torch.tensor(rows, dtype=self._torch.long,  # noqa: E731
-                                                       device=self._device)
-            self._guided[members] = as_index(negative), as_index(positive)
+            self._guided[members] = (selection(negative, self._device),
+                                     selection(positive, self._device))
         return self._guided[members]
+
+    def cfg_branches(self) -> list[list[int]]:
+        """CFG parallelism: the rows of each of the two branches. An item's unconditional rows
+        go to branch 0 and its conditional ones to branch 1; the items without guidance are
+        dealt out in turn. Where that would leave a branch empty, None: both run every row."""
+        branches: list[list[int]] = [[], []]
+        turn = 0
+        for u, start in zip(self.units, self.offsets):
+            if u.cfg:
+                branches[0] += range(start, start + u.samples)
+                branches[1] += range(start + u.samples, start + 2 * u.samples)
+            else:
+                branches[turn] += range(start, start + u.rows)
+                turn = 1 - turn
+        return branches if all(branches) else None

@@ -46,6 +46,7 @@ class Runtime:
     # served at all; each with why.
     fallback: dict[str, str] = dataclasses.field(default_factory=dict)
     unavailable: dict[str, str] = dataclasses.field(default_factory=dict)
+    group: Any = None  # the parallel group this process is a rank of (diffserve.executor.parallel)
 
     @property
     def task_modes(self) -> dict[str, str]:
@@ -58,16 +59,17 @@ class Runtime:
         return model_info(self.loaded, self.config, self.mode, type(self.family) if self.family
                           else None, list(self.pipelines),
                           list(self.adapters.current) if self.adapters else [],
-                          self.task_modes, self.unavailable)
+                          self.task_modes, self.unavailable, self.group)
 
     def step_engine(self, **kwargs):
         """A step engine over this model, with the configured set policy."""
         from diffserve.executor.step_engine import StepEngine
         from diffserve.policies import set_policy
 
+        kwargs.setdefault("policy", set_policy(self.config.set_policy))
         return StepEngine(self.family, self.count_tokens, adapters=self.adapters,
-                          policy=set_policy(self.config.set_policy), step_cache=self.step_cache,
-                          cache_threshold=self.config.cache_threshold, **kwargs)
+                          step_cache=self.step_cache, cache_threshold=self.config.cache_threshold,
+                          group=self.group, **kwargs)
 
     def request_runner(self, should_interrupt=lambda: False, emit_partial=lambda partial: None,
                        emit_progress=lambda *progress: None):
@@ -78,22 +80,30 @@ class Runtime:
 
 
 def build_runtime(config: ServerConfig, device: str | None = None, torch_threads: int = 0,
-                  index: int = 0, on_adapter_event=lambda event, **kw: None) -> Runtime:
-    """The model of ``config`` on ``device`` (default ``config.device``), ready to serve.
+                  index: int = 0, on_adapter_event=lambda event, **kw: None,
+                  group=None) -> Runtime:
+    """The model of ``config`` on ``device`` (default ``config.device``), ready to serve;
+    ``group``: the parallel group this process is a rank of (every rank builds the same).
     Raises where it cannot serve as configured (an unknown family with --batching-mode step,
-    an adapter that does not load, no task that can be served)."""
+    an adapter that does not load, no task that can be served, a group the model cannot run)."""
+    from diffserve.executor import parallel
     from diffserve.executor.families import family_for
 
+    tensor_parallel = group is not None and group.degrees.tp > 1
     loaded = load_model(config.model, device or config.device, config.dtype, torch_threads, index,
-                        config.quantization)
+                        config.quantization,
+                        (lambda path, dtype: parallel.tensor_parallel_denoisers(path, group, dtype))
+                        if tensor_parallel else None)
     family_cls = family_for(loaded.pipeline_class)
     mode = resolve_mode(config.batching_mode, family_cls, loaded.pipeline_class)
     pipelines = task_pipelines(loaded.pipe, family_cls)
     family = family_cls(loaded.pipe, pipelines, loaded.call_kwargs) if family_cls else None
+    if group is not None:
+        parallel.parallelize(loaded.pipe, family, group)
     adapters = load_adapters(loaded.pipe, config, on_adapter_event)
     compiled = compiled_for(config, loaded, family)  # before the step cache wraps the blocks
     rt = Runtime(loaded, family, pipelines, mode, None, adapters, token_counter(loaded.pipe),
-                 config, step_cache_for(config, family, mode), compiled)
+                 config, step_cache_for(config, family, mode, group), compiled, group=group)
     rt.info = rt.describe()
     if not config.skip_startup_check:
         _check(rt, config)
@@ -113,6 +123,8 @@ def _check(rt: Runtime, config: ServerConfig) -> None:
         "step_cache": config.step_cache, "quantization": config.quantization,
         "adapters": sorted(config.lora_adapters.items())})
     verdict = check_verdicts.recall(key)
+    if rt.group is not None:  # every rank runs the checks' forwards together, or none does
+        verdict = rt.group.broadcast(verdict)
     if verdict is not None:
         log.info("start-up checks: the verdict of an earlier start of this model and code")
     else:
@@ -140,6 +152,10 @@ def apply_verdicts(rt: Runtime, config: ServerConfig, unavailable: dict[str, str
     from diffserve.tasks import GENERATE
 
     unavailable, fallback = dict(unavailable), dict(fallback)
+    if rt.group is not None:  # a group runs the step engine only
+        unavailable.update({task: f"{why}, and request mode does not run in a parallel group"
+                            for task, why in fallback.items()})
+        fallback = {}
     for task in [t for t in rt.pipelines if TASKS[t].trajectory]:
         why = unavailable.get(GENERATE.name) or fallback.get(GENERATE.name)
         if why is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from diffserve.executor.results import FAILURE
+from diffserve.policies.base import SetPolicy
 from diffserve.protocol import STEP_MODE, ImageRequest, Work, WorkItem
 from diffserve.tasks import TASKS
 
@@ -164,10 +165,20 @@ def _request(rt, task_name: str, scheduler: str = "", steps: int = STEPS) -> Ima
         num_frames=min(info.num_frames, info.frame_stride + 1) if info.num_frames else 0)
 
 
+class _InOrder(SetPolicy):
+    """The checks' set choice: by batch key, whatever the clock. The ranks of a parallel group
+    each run the checks and must take the same steps."""
+
+    name = "in-order"
+
+    def choose(self, sets, now):
+        return min(sets, key=repr)
+
+
 def _stepped(rt, requests: list[ImageRequest]) -> list:
     """Each request's outcome in the step engine, all of them together, as they would share its
     forwards."""
-    engine = rt.step_engine()
+    engine = rt.step_engine(policy=_InOrder())
     outcomes = engine.admit([WorkItem(r, 0, 1) for r in requests], [_frames(r) for r in requests])
     while engine:
         outcomes += engine.step().finished

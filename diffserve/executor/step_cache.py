@@ -143,7 +143,10 @@ class UnsupportedCache(ConfigError):
 class StepCache:
     """First-Block Cache per image over ``denoisers`` (a family's; Wan 2.2 has two)."""
 
-    def __init__(self, denoisers: Sequence[Any]) -> None:
+    def __init__(self, denoisers: Sequence[Any], reduce: Callable[[Any], Any] | None = None) -> None:
+        """``reduce``: sums a decision's signal over a parallel group's ranks (each holds a share
+        of the tokens), so that every rank decides alike; None on one device."""
+        self._reduce = reduce
         self._call: _Call | None = None
         self._wrapped = []
         self._narrowers: list[Callable[[list[int]], Any]] = []
@@ -344,7 +347,10 @@ class StepCache:
                                      c.signal.abs().flatten(1).sum(1, dtype=torch.float32)]))
         hit_rows: set[int] = set()
         if compared:
-            values = torch.cat(sums, dim=1).tolist()  # one read for the whole forward
+            values = torch.cat(sums, dim=1)
+            if self._reduce is not None:
+                values = self._reduce(values)
+            values = values.tolist()  # one read for the whole forward
             at = 0
             for e in compared:
                 change, before = values[0][at:at + e.rows], values[1][at:at + e.rows]

@@ -53,6 +53,7 @@ from diffserve.executor.families.base import (
 from diffserve.executor.families.conditioning import Encoded
 from diffserve.executor.planner import Entry, Planner, StepPlan
 from diffserve.executor.results import Outcome, PartialImage, describe
+from diffserve.executor.row_index import put, selection, take
 from diffserve.executor.running_batch import Layout
 from diffserve.executor.step_timer import StepTimer
 from diffserve.executor.unit_builder import UnitBuilder
@@ -74,11 +75,20 @@ class StepEngine:
     def __init__(self, family: Family, count_tokens: Callable[[str], int] = lambda p: 0,
                  clock: Callable[[], float] = time.perf_counter,
                  adapters: AdapterStore | None = None, policy: SetPolicy | None = None,
-                 step_cache=None, cache_threshold: float = 0.0) -> None:
+                 step_cache=None, cache_threshold: float = 0.0, group=None) -> None:
         """``policy``: which running set a step advances (default: time-fair). ``step_cache``: a
         :class:`~diffserve.executor.step_cache.StepCache` over the family's denoisers, and the
-        threshold of requests that name none."""
+        threshold of requests that name none. ``group``: the parallel group this rank is one of
+        (:class:`~diffserve.executor.parallel.Group`), if any."""
         self.family = family
+        self.group = group
+        self._cfg_parallel = group is not None and group.degrees.cfg > 1
+        if group is None:
+            self._group_failure = lambda error: False
+        else:  # a collective that failed: the whole group restarts, no retry can help
+            from diffserve.executor.parallel import is_group_failure
+
+            self._group_failure = is_group_failure
         self.clock = clock
         self.adapters = adapters
         self.planner = Planner(policy or TimeFair())
@@ -215,10 +225,11 @@ class StepEngine:
 
     # -- one step --------------------------------------------------------------------------
 
-    def step(self) -> StepOutput:
-        """Plan one step, then execute it."""
+    def step(self, plan: StepPlan | None = None) -> StepOutput:
+        """Plan one step (or take ``plan``: a group's other ranks take their leader's), then
+        execute it."""
         out = StepOutput()
-        plan = self.plan()
+        plan = plan or self.plan()
         self._leave(plan, out)
         self._pause(plan)
         self._join(plan, out)
@@ -336,7 +347,8 @@ class StepEngine:
         """``run`` over ``units`` (one result each), isolating failures: a unit whose request
         causes an error leaves the running set as failed; the others get their results."""
         done = []
-        for unit, result in isolate(units, run, _request_id, what, memory.release):
+        for unit, result in isolate(units, run, _request_id, what, memory.release,
+                                    self._group_failure):
             if isinstance(result, Exception):
                 self._fail(unit, out, result, what)
             else:
@@ -364,11 +376,32 @@ class StepEngine:
             layout = self._layouts[units[0].batch_key] = Layout(units, fam.torch)
         latents, timesteps = layout.inputs()
         r = units[0].request  # every unit of one forward has the same size
-        extra = {"host_timesteps": layout.host_timesteps()} if fam.splits_by_timestep else {}
         with self.timer.span(), self._rows(layout.stacks), self._cached(layout):
-            output = fam.forward(latents, timesteps, layout.cond, layout.guidance, r.width,
-                                 r.height, **extra)
+            branches = layout.cfg_branches() if self._cfg_parallel else None
+            if branches is None:
+                output = self._forward(layout, latents, timesteps, slice(None), r)
+            else:  # this rank's branch, then every branch's rows from the others
+                mine = branches[self.group.spec.cfg_rank]
+                with fam.row_scope.narrow(mine):
+                    part = self._forward(layout, latents, timesteps, mine, r)
+                gathered = self.group.gather_rows(part, [len(b) for b in branches])
+                output = put(gathered.new_empty((layout.rows, *gathered.shape[1:])),
+                             selection(branches[0] + branches[1], gathered.device), gathered)
         return layout.predictions(fam, output)
+
+    def _forward(self, layout: Layout, latents, timesteps, rows, r):
+        """The family's forward over the layout's rows: all of them (``slice(None)``), or a
+        list of them (this rank's CFG branch)."""
+        fam = self.family
+        host = layout.host_timesteps() if fam.splits_by_timestep else None
+        cond, guidance = layout.cond, layout.guidance
+        if not isinstance(rows, slice):
+            host = host and [host[i] for i in rows]
+            index = selection(rows, latents.device)
+            latents, timesteps, guidance = (take(index, t) for t in (latents, timesteps, guidance))
+            cond = cond.select(index)
+        extra = {"host_timesteps": host} if host is not None else {}
+        return fam.forward(latents, timesteps, cond, guidance, r.width, r.height, **extra)
 
     def _cached(self, layout: Layout):
         """The step cache's context for one forward: each unit's images, threshold and step."""

@@ -30,7 +30,8 @@ def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, 
                     task_modes=info.task_modes, unavailable_tasks=info.unavailable_tasks,
                     partial_images=info.partial_images, max_edit_images=info.max_edit_images,
                     schedulers=info.schedulers, num_frames=info.num_frames,
-                    frame_stride=info.frame_stride, fps=info.fps)
+                    frame_stride=info.frame_stride, fps=info.fps, parallel=info.parallel,
+                    components=[dataclasses.asdict(c) for c in info.components])
         return ModelList(data=[ModelCard(id=info.name, **card),
                                *(ModelCard(id=name, parent=info.name, **card)
                                  for name in engine.adapters)])

@@ -93,20 +93,45 @@ class Completion:
         slot.ready, slot.free_since = True, now
 
     def executor_lost(self, executor: int, message: str, now: float) -> list[Finished]:
-        """An executor died: every request it held fails; the queue and the others go on."""
+        """An executor (or a parallel group) died. Each request it held runs again from its
+        place in the queue where nothing of it was emitted yet (no image made, no preview or
+        progress asked for, no part elsewhere) and it was not retried before; every other one is
+        answered 503 with the reason. The queue and the other executors go on."""
         slot = self.slots[executor]
         slot.ready = False
-        return self._release(slot, [*slot.items, *slot.paused], now, 500, message)
+        held = [*slot.items, *slot.paused]
+        retried = [rid for rid in dict.fromkeys(key[0] for key in held) if self._retryable(rid, slot)]
+        for key in [key for key in held if key[0] in retried]:
+            if key in slot.items:
+                slot.take(key)
+            if key in slot.paused:  # its state went with the executor: it starts over
+                slot.unpause(key)
+                self.batcher.unpause(*key)
+        for rid in retried:
+            tracked = self.requests[rid]
+            tracked.retries += 1
+            self.batcher.add(tracked.request, tracked.enqueued_at)  # at its place in the queue
+            log.warning("request %s runs again: %s", rid, message)
+        return self._release(slot, [key for key in held if key[0] not in retried], now, 503,
+                             message, "executor_restarted")
+
+    def _retryable(self, request_id: str, lost) -> bool:
+        tracked = self.requests.get(request_id)
+        if tracked is None or tracked.retries or tracked.made:
+            return False
+        r = tracked.request
+        return (not r.partial_images and not r.progress and request_id not in self.batcher
+                and not any(slot.holds(request_id) for slot in self.slots if slot is not lost))
 
     def _release(self, slot: ExecutorSlot, keys: list[tuple[str, int]], now: float, status: int,
-                 message: str) -> list[Finished]:
+                 message: str, code: str | None = None) -> list[Finished]:
         finished = []
         for key in keys:
             if key in slot.items:
                 slot.take(key)
             if key in slot.paused:
                 slot.unpause(key)
-            finished.extend(self._fail(key[0], status, message))
+            finished.extend(self._fail(key[0], status, message, code))
         self._settle(slot, now)
         return finished
 

@@ -52,6 +52,7 @@ class _Tracked:
     execution_s: float = 0.0  # pipeline time of the items that made its images, summed
     prompt_tokens: int = 0
     cached_steps: dict[int, int] | None = None  # image -> its steps that reused a step cache
+    retries: int = 0  # runs again after its executor died (at most once)
 
 
 class SchedulerCore(Placement, Completion):

@@ -89,6 +89,7 @@ class SchedulerProc:
         self.metrics.max_queue_size.set(c.max_queue_size)
         for index in range(c.num_executors):
             self.metrics.declare_executor(index)
+            self.metrics.group_ranks.labels(executor=str(index)).set(c.group_size)
         self.ctx = zmq.Context()
         self.from_frontend = self._socket(zmq.PULL, spec.request_addr, bind=False)
         self.to_frontend = self._socket(zmq.PUSH, spec.result_addr, bind=False)
@@ -260,6 +261,8 @@ class SchedulerProc:
                              f"{death.exit_code})"))
         elif death.restarted:
             self.metrics.executor_restarts_total.labels(executor=str(index)).inc()
+            if self.config.group_size > 1:
+                self.metrics.group_restarts_total.labels(executor=str(index)).inc()
         elif self.supervisor.all_failed():
             self._stop(Fatal("every executor died repeatedly before loading the model"))
 

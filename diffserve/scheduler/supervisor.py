@@ -24,12 +24,16 @@ STARTING, READY, RESTARTING, FAILED, STOPPED = "starting", "ready", "restarting"
 @dataclass
 class _Executor:
     index: int
-    device: str
+    device: str  # as its process reports it once loaded (auto resolved)
     process: Any = None
     generation: int = 0  # bumped at every start: tells a new process's messages from an old one's
     state: str = STARTING
     restarts: int = 0
     failed_starts: int = 0
+    launch_device: str = ""  # as configured: every start gets it (a group's, one per rank)
+
+    def __post_init__(self) -> None:
+        self.launch_device = self.launch_device or self.device
 
     @property
     def identity(self) -> bytes:
@@ -58,8 +62,8 @@ class ExecutorSupervisor:
 
     def _launch(self, ex: _Executor) -> None:
         ex.generation += 1
-        ex.process = self._start(ex.index, ex.device, ex.identity)
-        log.info("started executor %d (%s) pid %d", ex.index, ex.device, ex.process.pid)
+        ex.process = self._start(ex.index, ex.launch_device, ex.identity)
+        log.info("started executor %d (%s) pid %d", ex.index, ex.launch_device, ex.process.pid)
 
     def index_of(self, identity: bytes) -> int | None:
         """The executor that sent a message, if it is the current process of its slot."""

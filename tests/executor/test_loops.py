@@ -10,7 +10,7 @@ import pytest
 
 from diffserve.executor.families import family_for
 from diffserve.executor.loading import load_model, task_pipelines
-from diffserve.executor.process import RequestLoop, StepLoop
+from diffserve.executor.loops import RequestLoop, StepLoop
 from diffserve.executor.request_runner import RequestRunner
 from diffserve.protocol import Cancel, Kind, Work, WorkItem
 from helpers import make_request

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from diffserve.executor.process import OPENMP_SPIN_COUNT
+from diffserve.executor.process_setup import OPENMP_SPIN_COUNT
 
-_PROBE = ("import os; from diffserve.executor.process import bound_openmp_spin; "
+_PROBE = ("import os; from diffserve.executor.process_setup import bound_openmp_spin; "
           "bound_openmp_spin(); import torch; "
           "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
 

@@ -69,12 +69,14 @@ def test_error_of_one_request_fails_only_that_request():
 
 
 def test_executor_loss_fails_what_it_held_and_keeps_the_queue():
+    """A request with a part still waiting cannot simply run again: 503 with the reason."""
     c = core(max_size=2)
     c.add(make_request(request_id="split", n=3), [], 0.0)
     c.add(make_request(request_id="queued", width=128), [], 0.0)
     c.dispatch(0.0)  # split[0:2]
     answers = c.executor_lost(0, "executor died", 0.5)
-    assert [(a.request_id, a.failed.status) for a in answers] == [("split", 500)]
+    assert [(a.request_id, a.failed.status, a.failed.code) for a in answers] == [
+        ("split", 503, "executor_restarted")]
     assert "split" not in c.batcher  # its remaining image is not run
     assert c.dispatch(0.5) == []  # no executor ready
     c.executor_ready(0, 1.0)
@@ -83,7 +85,7 @@ def test_executor_loss_fails_what_it_held_and_keeps_the_queue():
 
 def test_late_result_of_a_written_off_item_is_ignored():
     c = core()
-    c.add(make_request(request_id="a"), [], 0.0)
+    c.add(make_request(request_id="a", partial_images=1), [], 0.0)  # previews: no retry
     (old,) = c.dispatch(0.0)
     c.executor_lost(0, "gone", 0.1)
     c.executor_ready(0, 0.2)
@@ -92,6 +94,27 @@ def test_late_result_of_a_written_off_item_is_ignored():
     assert run(c, old) == []
     assert c.num_running == 1  # still waiting for "b"
     assert [a.request_id for a in run(c, new)] == ["b"]
+
+
+def test_a_request_whose_executor_died_runs_again_once_where_nothing_was_emitted():
+    """Held whole by the lost executor, no image made, no preview or progress asked for: it
+    runs again from its place in the queue, ahead of later arrivals; lost a second time, or
+    one that streams, it is answered 503 with the reason."""
+    c = core(max_size=4, executors=2, delay=0.0)
+    c.add(make_request(request_id="plain"), [], 0.0)
+    c.add(make_request(request_id="streams", partial_images=2, width=128), [], 0.0)
+    first = c.dispatch(0.0)
+    assert sorted(d.executor for d in first) == [0, 1]
+    on = {d.work.items[0].request.request_id: d.executor for d in first}
+    c.add(make_request(request_id="later", width=96), [], 0.5)
+    answers = c.executor_lost(on["plain"], "executor died", 1.0)
+    assert answers == [] and "plain" in c.batcher
+    assert c.batcher.head_id() == "plain"  # at its place: before "later"
+    answers = c.executor_lost(on["streams"], "executor died", 1.1)
+    assert [(a.request_id, a.failed.status) for a in answers] == [("streams", 503)]
+    c.executor_ready(0, 1.2)
+    (again,) = [d for d in c.dispatch(1.2) if d.work.items[0].request.request_id == "plain"]
+    assert [a.failed.status for a in c.executor_lost(again.executor, "died again", 1.3)] == [503]
 
 
 def test_abort_while_running_discards_its_images_and_cancels_at_its_executor():
@@ -127,7 +150,7 @@ def test_when_the_executor_of_one_part_dies_the_other_parts_are_cancelled():
     c.add(make_request(request_id="big", n=4), [], 0.0)
     on0, on1 = c.dispatch(0.0)
     answers = c.executor_lost(0, "executor 0 died", 0.1)
-    assert [(a.request_id, a.failed.status) for a in answers] == [("big", 500)]
+    assert [(a.request_id, a.failed.status) for a in answers] == [("big", 503)]
     assert [(i, cancel.request_ids) for i, cancel in c.take_cancels()] == [(1, ["big"])]
 
 
@@ -365,9 +388,9 @@ def test_step_mode_with_two_executors_a_new_shape_goes_to_the_idle_one():
     assert join.executor == 0 and join.reason == JOIN
 
 
-def test_losing_one_executor_fails_only_its_requests():
+def test_losing_one_executor_touches_only_its_requests():
     c = core(max_size=1, executors=2)
-    c.add(make_request(request_id="on0"), [], 0.0)
+    c.add(make_request(request_id="on0", partial_images=1), [], 0.0)
     c.add(make_request(request_id="on1"), [], 0.0)
     d0, d1 = c.dispatch(0.0)
     answers = c.executor_lost(0, "executor 0 died", 0.1)

@@ -102,13 +102,17 @@ def test_aborting_a_paused_request_cancels_it_where_its_state_is():
     assert c.num_paused == 0 and c.batcher.paused_count == 0
 
 
-def test_losing_the_executor_fails_its_paused_items_too():
+def test_losing_the_executor_runs_its_paused_items_again_too():
+    """Nothing of them was emitted: all three start over from the queue, the paused ones no
+    longer pinned to the executor that held their state."""
     c = core()
     add(c, "low", 10, 0.0)
     add(c, "low2", 10, 0.1)
     c.dispatch(0.2)
     add(c, "urgent", 0, 0.3)
     c.dispatch(0.3)
-    failed = c.executor_lost(0, "gone", 0.5)
-    assert sorted(f.request_id for f in failed) == ["low", "low2", "urgent"]
-    assert c.num_paused == 0 and c.batcher.paused_count == 0 and not c.requests
+    assert c.executor_lost(0, "gone", 0.5) == []
+    assert c.num_paused == 0 and c.batcher.paused_count == 0
+    assert sorted(c.batcher.waiting_ids()) == ["low", "low2", "urgent"]
+    c.executor_ready(0, 0.6)
+    assert {i.request.request_id for d in c.dispatch(0.6) for i in d.work.items} >= {"urgent"}
