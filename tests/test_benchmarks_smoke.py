@@ -330,3 +330,49 @@ def test_bench_startup():
     assert medians["ready_s"] > 0 and "| ready_s |" in stdout
     assert medians["diffserve::executor-0 cpu_s"] > medians["diffserve::scheduler cpu_s"] > 0
     assert medians["diffserve::frontend cpu_s"] > 0
+
+
+def test_bench_parallel_on_two_cpu_ranks(tmp_path):
+    """tiny-flux's transformer alone and on two gloo ranks (Ulysses): the same output, and the
+    all-to-all bytes and collective calls the tool's model predicts, counted as they ran."""
+    out = tmp_path / "parallel.json"
+    done = run_tool("bench_parallel.py", "--model", "tiny-flux", "--ranks", "2", "--size", "64x64", "--batch", "2",
+                    "--warmup", "1", "--repeats", "1", "--torch-threads", "1", "--output-file", str(out))
+    (result,) = json.loads(out.read_text())["rounds"]
+    figures = result["figures"]
+    assert figures["forward ms, 1 rank"] > 0 and figures["forward ms, 2 ranks"] > 0 and figures["speed-up"] > 0
+    assert figures["max abs diff"] < 1e-4
+    assert figures["all-to-all bytes/forward"] == figures["all-to-all bytes/forward, modelled"] > 0
+    assert figures["all-to-all bytes sent/forward"] == figures["all-to-all bytes/forward"] / 2
+    # A double and a single block: q, k, v and the output each, after an exchange of lengths.
+    assert result["collectives"]["all_to_all_single"]["calls"] == 8
+    assert figures["collective calls/forward"] == figures["collective calls/forward, modelled"] == 18
+    assert result["threads"] == {"1 rank": 2, "per rank": 1}
+    plans = {(r["model"], r["plan"]): r for r in result["modelled"]}
+    flux = plans["FLUX.1-dev 1024²", "Ulysses-8"]
+    assert round(flux["TFLOP/step"], 1) == 74.4 and 7 < flux["speed-up"] < 8
+    assert plans["Qwen-Image 1024²", "CFG-2"]["speed-up"] > 1.99 and ("FLUX.1-dev 1024²", "CFG-2") not in plans
+    assert "| FLUX.1-dev 1024² | Ulysses-2 | 2 |" in done.stdout
+
+
+def test_gpu_check_tiny_runs_every_section(tmp_path):
+    """gpu_check --tiny: every section's code on the embedded tiny models, built in memory as the
+    real sizes are; what needs CUDA or two GPUs says so."""
+    out = tmp_path / "gpu-check.json"
+    done = run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out))
+    sections = json.loads(out.read_text())["sections"]
+    assert list(sections) == ["first-day", "exactness", "throughput", "accelerators", "parallel"]
+    assert sections["accelerators"] == {"status": "skipped: needs CUDA"}
+    assert sections["parallel"] == {"status": "skipped: needs 2+ GPUs"}
+    first, exact = sections["first-day"]["families"], sections["exactness"]["families"]
+    assert set(first) == set(exact) == {"flux", "qwen-image", "wan"}
+    for family, fig in first.items():
+        assert fig["mode"] == "step" and fig["fallback"] == {} and fig["task modes"]["generate"] == "step", family
+        assert fig["non-finite"] == 0 and fig["failed"] == [] and "start-up check" not in fig, family
+        assert 0 < fig["denoiser ms, perf_counter alone"] and 0 < fig["step ms, synced"], family
+        assert fig["out-of-memory split"] == ("images only" if family == "wan" else "skipped: needs CUDA")
+        assert exact[family]["dtype"] == "bfloat16" and exact[family]["worst PSNR dB"] > 30, family
+    for fig in sections["throughput"]["families"].values():
+        assert fig["img/s, request"] > 0 and fig["img/s, step"] > 0
+    assert set(sections["throughput"]["families"]) == {"flux", "qwen-image"}
+    assert "accelerators: skipped: needs CUDA" in done.stdout and "| flux | float32 |" in done.stdout

@@ -1,0 +1,374 @@
+"""One command for a GPU machine: real-size FLUX.1-dev, Qwen-Image and Wan 2.1 14B, random weights
+built in memory, served as an executor serves them, by section (``--only``; each under 10 minutes
+on an H100): ``first-day`` (the start-up check's verdict, no non-finite output, a step timed with
+and without synchronisation, an out-of-memory split), ``exactness`` (step mode against the plain
+pipeline, bf16), ``throughput`` (images/s, peak memory), ``accelerators`` (``--compile``, fp8),
+``parallel`` (2+ GPUs). ``--tiny``: the embedded tiny models on the CPU, the same code in seconds.
+A section is a function under ``@section``. docs/benchmarks.md says what each figure is.
+
+    python benchmarks/gpu_check.py --output-file gpu-check.json
+    python benchmarks/gpu_check.py --only first-day,exactness --families flux
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import inspect
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from importlib.metadata import version
+from pathlib import Path
+from types import SimpleNamespace
+
+import bench_parallel
+import kit
+from diffserve.config import ServerConfig
+from diffserve.executor import memory, runtime
+from diffserve.executor.loading import load_model
+from diffserve.protocol import ImageRequest, Work, WorkItem
+
+FAMILIES, IMAGES = ("flux", "qwen-image", "wan"), ("flux", "qwen-image")
+SECTIONS: dict[str, SimpleNamespace] = {}
+
+
+def section(name: str, needs: str = "", families: tuple = FAMILIES):
+    """Register ``run(ctx, family) -> figures`` as section ``name``; ``needs``: "cuda" or "gpus"."""
+    return lambda run: SECTIONS.setdefault(name, SimpleNamespace(run=run, needs=needs, families=families)).run
+
+
+def spec(family: str, tiny: bool, scratch: Path) -> tuple[str, dict, dict]:
+    """(pipeline class, modules: name -> (class, build) or a built one, the other components):
+    the real sizes, or the embedded tiny model's."""
+    import diffusers as d
+    import transformers as t
+
+    from diffserve.models.registry import resolve_model
+    from diffserve.models.tiny import qwen_image
+    from diffserve.models.tiny.common import seeded as s
+    from diffserve.models.tokenizers import character_t5_tokenizer, qwen2_tokenizer, write_byte_clip_tokenizer
+
+    def t5(cls, config, vocab):  # T5-XXL (FLUX.1) and UMT5-XXL (Wan)
+        return cls, lambda: s(2, cls, config(vocab_size=vocab, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
+                                             num_heads=64, feed_forward_proj="gated-gelu", decoder_start_token_id=0,
+                                             relative_attention_max_distance=128, tie_word_embeddings=False))
+    if tiny:
+        pipe = d.DiffusionPipeline.from_pretrained(resolve_model(f"tiny-{family}"))
+        return type(pipe).__name__, {n: c for n, c in pipe.components.items() if c is not None}, {}
+    if family == "flux":
+        clip = t.CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                num_attention_heads=12, projection_dim=768, hidden_act="quick_gelu", bos_token_id=512,
+                                eos_token_id=513, pad_token_id=513)  # the byte tokenizer's ids
+        return "FluxPipeline", {
+            "transformer": (d.FluxTransformer2DModel, lambda: s(
+                0, d.FluxTransformer2DModel, in_channels=64, num_layers=19, num_single_layers=38,
+                attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                guidance_embeds=True, axes_dims_rope=(16, 56, 56))),
+            "vae": (d.AutoencoderKL, lambda: s(
+                1, d.AutoencoderKL, latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)),
+            "text_encoder": (t.CLIPTextModel, lambda: s(3, t.CLIPTextModel, clip)),
+            "text_encoder_2": t5(t.T5EncoderModel, t.T5Config, 32128)}, {
+            "tokenizer": write_byte_clip_tokenizer(scratch), "tokenizer_2": character_t5_tokenizer(),
+            "scheduler": d.FlowMatchEulerDiscreteScheduler(max_image_seq_len=4096, max_shift=1.15, shift=3.0,
+                                                           use_dynamic_shifting=True)}
+    if family == "qwen-image":
+        tokenizer = qwen2_tokenizer([d.QwenImagePipeline(None, None, None, None, None).prompt_template_encode])
+        ids = tokenizer.convert_tokens_to_ids
+        vl = t.Qwen2_5_VLConfig(text_config=dict(
+            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+            num_key_value_heads=4, rms_norm_eps=1e-6, bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+            rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}),
+            vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                               fullatt_block_indexes=[7, 15, 23, 31]),
+            image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+            vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+        return "QwenImagePipeline", {
+            "transformer": (d.QwenImageTransformer2DModel, lambda: s(
+                0, d.QwenImageTransformer2DModel, patch_size=2, in_channels=64, out_channels=16, num_layers=60,
+                attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))),
+            "vae": (d.AutoencoderKLQwenImage, lambda: s(1, d.AutoencoderKLQwenImage, base_dim=96, z_dim=16,
+                                                        num_res_blocks=2, temperal_downsample=[False, True, True])),
+            "text_encoder": (t.Qwen2_5_VLForConditionalGeneration,
+                             lambda: s(2, t.Qwen2_5_VLForConditionalGeneration, vl))}, {
+            "tokenizer": tokenizer, "scheduler": qwen_image.scheduler()}  # Qwen-Image's own settings
+    return "WanPipeline", {
+        "transformer": (d.WanTransformer3DModel, lambda: s(
+            0, d.WanTransformer3DModel, patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
+            in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)),
+        "vae": (d.AutoencoderKLWan, lambda: s(1, d.AutoencoderKLWan, base_dim=96, z_dim=16, num_res_blocks=2,
+                                              temperal_downsample=[False, True, True])),
+        "text_encoder": t5(t.UMT5EncoderModel, t.UMT5Config, 256384)}, {
+        "tokenizer": character_t5_tokenizer(), "scheduler": d.UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)}
+
+
+def skeleton(family: str, tiny: bool, size: tuple, device: str):
+    """A pipeline directory without weights (index, tokenizers, scheduler, serving defaults), and
+    ``made(dtype, quantization)``: its modules on ``device``, for the loader."""
+    import diffusers
+    import torch
+
+    directory = Path(tempfile.mkdtemp(prefix=f"gpu-check-{family}-"))
+    pipeline, parts, others = spec(family, tiny, directory / "_tok")
+    modules = {n: m if isinstance(m, tuple) else (type(m), lambda m=m: m) for n, m in parts.items()
+               if isinstance(m, (tuple, torch.nn.Module))}  # tiny: built already
+    others.update({n: m for n, m in parts.items() if n not in modules})
+    cls = getattr(diffusers, pipeline)  # what it has beyond these: None (a component), or its default
+    index = {n: [None, None] if n in cls._optional_components else p.default
+             for n, p in inspect.signature(cls.__init__).parameters.items() if n != "self"}
+    index.update(_class_name=pipeline, _diffusers_version=diffusers.__version__)
+    for name, entry in [*((n, c) for n, (c, _) in modules.items()), *((n, type(o)) for n, o in others.items())]:
+        if name not in cls._optional_components:  # a passed optional one is taken only where the index has none
+            index[name] = [entry.__module__.split(".")[0], entry.__name__]
+    for name, obj in others.items():
+        obj.save_pretrained(directory / name)
+    (directory / "model_index.json").write_text(json.dumps(index))
+    w, h, frames = size
+    defaults = {"width": w, "height": h, "spatial_stride": 16, "guidance_scale": {"flux": 3.5, "wan": 5}.get(family, 4)}
+    if family != "qwen-image":  # whose text is as long as the prompt; the others pad it to this
+        defaults["pipeline_kwargs"] = {"max_sequence_length": {"flux": 64, "wan": 32}[family] if tiny else 512}
+    (directory / "diffserve.json").write_text(json.dumps({**defaults, **({"num_frames": frames} if frames else {})}))
+
+    def made(dtype, quantization: str = "none") -> dict:
+        built, default = {}, torch.get_default_dtype()
+        for name, (_, build) in modules.items():
+            torch.set_default_dtype(dtype)
+            try:
+                with torch.device(device):
+                    built[name] = module = build().to(device, dtype).eval()
+            finally:
+                torch.set_default_dtype(default)
+            # What the libraries keep in float32 as they load in half precision: diffusers its list,
+            # transformers its strict one (the other in float16 only).
+            strict, lax = ({*(getattr(module, f"_keep_in_fp32_modules{x}", None) or ())} for x in ("_strict", ""))
+            keep = strict | (lax if isinstance(module, diffusers.ModelMixin) or dtype == torch.float16 else set())
+            for key, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                if keep & {*key.split(".")}:
+                    tensor.data = tensor.data.float()
+        if quantization == "fp8-weight-only":
+            from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
+            quantize_(built["transformer"], Float8WeightOnlyConfig())
+        return built
+    return str(directory), made
+
+
+def loaded_family(family: str, tiny: bool, size: tuple, device: str, torch_threads: int):
+    """A bench_parallel rank's model: ``family`` built in memory on ``device``."""
+    model, made = skeleton(family, tiny, size, device)
+    return load_model(model, device, "auto", torch_threads, components=lambda path, dtype: made(dtype))
+
+
+def items(ctx, rt, family: str, n: int, tag: str, steps: int | None = None) -> list:
+    w, h, frames = ctx.sizes[family]
+    return [WorkItem(ImageRequest(f"{tag}-{i}", rt.info.name, w, h, num_inference_steps=steps or ctx.args.steps,
+                                  guidance_scale=rt.info.default_guidance_scale, prompt=ctx.prompts[i], seed=i,
+                                  num_frames=frames), 0, 1) for i in range(n)]
+
+
+def stepped(rt, first: list, late: list = (), each=lambda out: None) -> list:
+    """Outcomes of ``first`` admitted at once and ``late`` after the first step, stepped to the end;
+    ``each(out)`` of every step that ran a forward."""
+    engine, outcomes = rt.step_engine(), []
+    outcomes += engine.admit(first, [[] for _ in first])
+    while engine:
+        out = engine.step()
+        if out.samples:
+            each(out)
+        outcomes += out.finished + (engine.admit(late, [[] for _ in late]) if late else [])
+        late = []
+    return outcomes
+
+
+def requested(rt, its: list) -> list:
+    return rt.request_runner().execute(Work(0, its), [[] for _ in its])
+
+
+@section("first-day")
+def first_day(ctx, family: str) -> dict:
+    start, fig, rt = time.perf_counter(), {}, None
+    try:
+        rt = ctx.runtime(family)
+    except Exception as error:  # noqa: BLE001 - reported; the rest runs without the check
+        fig["start-up check"] = f"failed: {type(error).__name__}: {error}"[:300]
+    if rt is None:  # the failed one's memory is free once the error is gone
+        ctx.free()
+        rt = ctx.runtime(family, skip_startup_check=True)
+    fig.update({"dtype": rt.loaded.dtype, "load and check s": time.perf_counter() - start, "mode": rt.mode,
+                "task modes": rt.task_modes, "fallback": rt.fallback, "unavailable": rt.unavailable})
+    failed = [o.code or o.error[:200] for o in stepped(rt, items(ctx, rt, family, 1, "finite")) if o.error]
+    fig.update({"non-finite": failed.count("non_finite_output"), "failed": failed})
+    host, rows, denoiser = [], [], rt.family.denoisers[0]  # a step: the denoiser by perf_counter alone, the timer
+    hooks = [denoiser.register_forward_pre_hook(lambda *a: host.append(-time.perf_counter())),
+             denoiser.register_forward_hook(lambda *a: host.append(host.pop() + time.perf_counter()))]
+    stepped(rt, items(ctx, rt, family, ctx.args.batch, "timing", max(4, ctx.args.steps)),
+            each=lambda out: (rows.append((sum(host), out.seconds - out.host_seconds, out.seconds)), host.clear()))
+    for hook in hooks:
+        hook.remove()
+    for i, name in enumerate(("denoiser ms, perf_counter alone", "denoiser+VAE ms, StepTimer", "step ms, synced")):
+        fig[name] = 1e3 * statistics.median(r[i] for r in rows[1:-1])  # neither the first step nor the decode
+    fig["out-of-memory split"] = (oom_split(ctx, rt, family) if ctx.cuda else "skipped: needs CUDA") \
+        if family in IMAGES else "images only"
+    return fig
+
+
+def oom_split(ctx, rt, family: str) -> dict:
+    torch = ctx.torch
+    torch.cuda.empty_cache()
+    retries, release = [], memory.release
+    cap = torch.cuda.memory_allocated() + 2.5e9 * ctx.peak(lambda: requested(rt, items(ctx, rt, family, 1, "1", 2)))
+    memory.release = lambda error: retries.append(memory.is_out_of_memory(error)) or release(error)
+    fig = {"cap GB": cap / 1e9, "requests": 8}
+    try:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
+        for mode, run in (("request", requested), ("step", stepped)):
+            retries.clear()
+            failed = [o.code or o.error[:200] for o in run(rt, items(ctx, rt, family, 8, mode, 2)) if o.error]
+            fig.update({f"{mode}: out-of-memory retries": sum(retries), f"{mode}: failed": failed})
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        memory.release = release
+    return fig
+
+
+@section("exactness")
+def exactness(ctx, family: str) -> dict:
+    sys.path.insert(0, str(kit.HERE.parent / "tests"))
+    from reference import solo
+
+    rt = ctx.runtime(family, dtype="bfloat16", skip_startup_check=True)
+    its = items(ctx, rt, family, 4, "exact")
+    served = {o.item.request.request_id: o.images for o in stepped(rt, its[:2], its[2:])}
+    pairs = [(served[i.request.request_id].astype(int), solo(rt.loaded, rt.pipelines, i.request)) for i in its]
+    return {"dtype": rt.loaded.dtype, "worst pixel diff": max(int(abs(a - b).max()) for a, b in pairs),
+            "mean pixel diff": statistics.mean(float(abs(a - b).mean()) for a, b in pairs),
+            "worst PSNR dB": min(kit.psnr(a, b) for a, b in pairs)}
+
+
+@section("throughput", families=IMAGES)
+def throughput(ctx, family: str) -> dict:
+    rt, b = ctx.runtime(family, skip_startup_check=True), ctx.args.batch
+    fig = {"weights GB": ctx.torch.cuda.memory_allocated() / 1e9} if ctx.cuda else {}
+    for mode, run in (("request", requested), ("step", stepped)):
+        times = []
+        for _ in range(1 + ctx.args.repeats):  # the first warms up
+            start = time.perf_counter()
+            peak = ctx.peak(lambda: run(rt, items(ctx, rt, family, b, mode)))
+            times.append(time.perf_counter() - start)
+        fig.update({f"img/s, {mode}": b / statistics.median(times[1:]), f"peak GB above, {mode}": peak})
+    return {**fig, "step / request": fig["img/s, step"] / fig["img/s, request"]}
+
+
+@section("accelerators", needs="cuda")
+def accelerators(ctx, family: str) -> dict:
+    fig = {}
+    for name, config in (("eager", {}), ("compile", {"compile": True, "dynamic_batch_max_size": ctx.args.batch}),
+                         ("fp8", {"quantization": "fp8-weight-only"})):
+        start, steps = time.perf_counter(), []
+        rt = ctx.runtime(family, skip_startup_check=True, **config)
+        fig[f"{name}: start s"] = time.perf_counter() - start
+        stepped(rt, items(ctx, rt, family, ctx.args.batch, name), each=lambda out, s=steps: s.append(out.seconds))
+        fig[f"{name}: step ms"] = 1e3 * statistics.median(steps[1:-1])
+        del rt
+        ctx.free()
+    return {**fig, "compile speed-up": fig["eager: step ms"] / fig["compile: step ms"],
+            "fp8 speed-up": fig["eager: step ms"] / fig["fp8: step ms"]}
+
+
+@section("parallel", needs="gpus")
+def parallel(ctx, family: str) -> dict:
+    ranks = max(g for g in (2, 4, 8) if g <= ctx.gpus)  # each divides 24 (FLUX.1, Qwen-Image) and 40 (Wan) heads
+    args = SimpleNamespace(ranks=ranks, wh=ctx.sizes[family][:2], batch=1, warmup=1, repeats=3, torch_threads=0,
+                           timeout=600.0)
+    result = bench_parallel.measure(functools.partial(loaded_family, family, ctx.args.tiny, ctx.sizes[family]), args)
+    return {**result["figures"], "collectives": result["collectives"]}
+
+
+class Context:
+    def __init__(self, args) -> None:
+        import torch
+
+        self.args, self.torch, self.prompts = args, torch, kit.prompts()
+        self.cuda = torch.cuda.is_available() and not args.tiny
+        self.gpus, self.device = (torch.cuda.device_count(), "cuda:0") if self.cuda else (0, "cpu")
+        image, video = (tuple(int(v) for v in text.split("x")) for text in (args.size + "x0", args.video))
+        self.sizes = {f: video if f == "wan" else image for f in FAMILIES}
+
+    def runtime(self, family: str, **config):
+        model, made = skeleton(family, self.args.tiny, self.sizes[family], self.device)
+        load = runtime.load_model  # given the modules made here (the scheme applied as they are)
+        runtime.load_model = lambda *a: load(*a[:5], "none", lambda path, dtype: made(dtype, a[5]))
+        try:
+            config = ServerConfig(model=model, device=self.device, **config)
+            return runtime.build_runtime(config, self.device, self.args.torch_threads)
+        finally:
+            runtime.load_model = load
+
+    def peak(self, run) -> float | None:
+        """GB that ``run()`` took at its peak above what was allocated before (CUDA)."""
+        cuda = self.torch.cuda if self.cuda else None
+        base = cuda and (cuda.reset_peak_memory_stats(), cuda.memory_allocated())[1]
+        run()
+        return cuda and (cuda.max_memory_allocated() - base) / 1e9
+
+    def free(self) -> None:
+        gc.collect()
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+
+def run_section(ctx, name: str) -> dict:
+    s = SECTIONS[name]
+    if s.needs and not (ctx.gpus > 1 if s.needs == "gpus" else ctx.cuda):
+        return {"status": f"skipped: needs {'2+ GPUs' if s.needs == 'gpus' else 'CUDA'}"}
+    start, families = time.perf_counter(), {}
+    for family in (f for f in s.families if f in ctx.args.families):
+        print(f"=== {name}: {family}", flush=True)
+        try:
+            families[family] = s.run(ctx, family)
+        except Exception:  # noqa: BLE001 - reported, and the next family runs
+            families[family] = {"error": traceback.format_exc()[-2000:]}
+        ctx.free()
+        print(json.dumps(families[family], default=str), flush=True)
+    rows = [{"family": f, **{k: v for k, v in fig.items() if isinstance(v, (int, float, str)) and k != "error"},
+             **({"error": fig["error"].strip().splitlines()[-1][:80]} if "error" in fig else {})}
+            for f, fig in families.items()]
+    return {"status": "ran", "seconds": time.perf_counter() - start, "families": families,
+            "table": bench_parallel.table(rows) if rows else ""}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = kit.parser(__doc__, steps=None, repeats=2, torch_threads=0, output_file=None)
+    p.add_argument("--only", type=kit.names, default=list(SECTIONS), help=f"Of {', '.join(SECTIONS)}.")
+    p.add_argument("--families", type=kit.names, default=list(FAMILIES), help=f"Of {', '.join(FAMILIES)}.")
+    p.add_argument("--tiny", action="store_true", help="The embedded tiny models on the CPU (a smoke run).")
+    p.add_argument("--size", help="Images' WIDTHxHEIGHT (default 1024x1024; tiny: 64x64).")
+    p.add_argument("--video", help="Wan's WIDTHxHEIGHTxFRAMES (default 832x480x33; tiny: 32x32x9).")
+    p.add_argument("--batch", type=kit.count, help="Requests at once (default 4; tiny: 2); steps default 8 (2).")
+    args = p.parse_args(argv)
+    if unknown := (set(args.only) - set(SECTIONS)) | (set(args.families) - set(FAMILIES)):
+        p.error(f"unknown: {', '.join(sorted(unknown))}")
+    for name, real, tiny in (("size", "1024x1024", "64x64"), ("video", "832x480x33", "32x32x9"), ("steps", 8, 2),
+                             ("batch", 4, 2)):
+        setattr(args, name, getattr(args, name) or (tiny if args.tiny else real))
+    ctx = Context(args)
+    report = {"device": ctx.torch.cuda.get_device_name(0) if ctx.cuda else "cpu", "gpus": ctx.gpus,
+              **{name: version(name) for name in ("torch", "diffusers", "transformers")}, "config": vars(args),
+              **kit.machine(), "sections": {name: run_section(ctx, name) for name in args.only}}
+    kit.write_json(args.output_file, report)
+    print(f"\n{report['device']}, torch {report['torch']}, diffusers {report['diffusers']}")
+    for name, result in report["sections"].items():
+        print(f"\n{name}: {result['status']}" + (f", {result['seconds']:.0f} s\n\n{result['table']}"
+                                                 if "table" in result else ""))
+    return int(any("error" in fig for r in report["sections"].values() for fig in r.get("families", {}).values()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
