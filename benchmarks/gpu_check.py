@@ -3,7 +3,8 @@ built in memory, served as an executor serves them, by section (``--only``; each
 on an H100): ``first-day`` (the start-up check's verdict, no non-finite output, a step timed with
 and without synchronisation, an out-of-memory split), ``exactness`` (step mode against the plain
 pipeline, bf16), ``throughput`` (images/s, peak memory), ``accelerators`` (``--compile``, fp8),
-``parallel`` (2+ GPUs). ``--tiny``: the embedded tiny models on the CPU, the same code in seconds.
+``stages`` (encode and decode beside the loop, on and off: images/s, p99), ``parallel`` (2+
+GPUs). ``--tiny``: the embedded tiny models on the CPU, the same code in seconds.
 A section is a function under ``@section``. docs/benchmarks.md says what each figure is.
 
     python benchmarks/gpu_check.py --output-file gpu-check.json
@@ -280,6 +281,39 @@ def accelerators(ctx, family: str) -> dict:
         ctx.free()
     return {**fig, "compile speed-up": fig["eager: step ms"] / fig["compile: step ms"],
             "fp8 speed-up": fig["eager: step ms"] / fig["fp8: step ms"]}
+
+
+@section("stages", families=IMAGES)
+def stages(ctx, family: str) -> dict:
+    """Twice --batch requests, one arriving every other step, with the encode and decode stages
+    on (their own CUDA streams) and off: images/s and p99 latency."""
+    import select
+
+    import numpy as np
+
+    rt, fig = ctx.runtime(family, skip_startup_check=True), {}
+    for on in (True, False) * (1 + ctx.args.repeats):  # the first of each warms up
+        engine, its = rt.step_engine(stages=on), items(ctx, rt, family, 2 * ctx.args.batch, f"stages-{on}")
+        start, came, left, step = time.perf_counter(), {}, {}, 0
+        while len(left) < len(its):
+            if step % 2 == 0 and len(came) < len(its):
+                item = its[len(came)]
+                came[item.request.request_id] = time.perf_counter()
+                engine.admit([item], [[]])
+            if not engine.steppable and engine.stage_pending:
+                select.select([engine.wakeup.read_fd], [], [], 600)
+                engine.wakeup.clear()
+            left.update((o.item.request.request_id, time.perf_counter()) for o in engine.step().finished)
+            step += 1
+        engine.close()
+        key = "on" if on else "off"
+        fig.setdefault(key, []).append((len(its) / (time.perf_counter() - start),
+                                        float(np.percentile([left[r] - came[r] for r in came], 99))))
+    out = {}
+    for key, runs in fig.items():
+        out[f"img/s, stages {key}"] = statistics.median(r[0] for r in runs[1:])
+        out[f"p99 s, stages {key}"] = statistics.median(r[1] for r in runs[1:])
+    return {**out, "img/s, on / off": out["img/s, stages on"] / out["img/s, stages off"]}
 
 
 @section("parallel", needs="gpus")

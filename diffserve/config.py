@@ -168,6 +168,17 @@ class ServerConfig:
     cache_threshold: float = option(
         0.0, "--step-cache: the threshold of requests that set no cache_threshold (0: never "
         "reuse).", ge=0, le=1)
+    stages: str = option(
+        "auto", "Step mode: where prompts are encoded, input images VAE-encoded and finished "
+        "images decoded. on: on a thread of its own each (the encode and the decode stage; on "
+        "CUDA with a stream of its own), beside the step loop, so that the denoiser never waits "
+        "for them; off: on the step loop, between two steps. auto: on on a GPU (off in a parallel "
+        "group, whose ranks must admit at the same step, and on a CPU, where a stage takes "
+        "cores from the loop).", choices=("auto", "on", "off"))
+    prompt_cache_bytes: int = option(
+        512 << 20, "Step mode: most bytes of prompt encodings kept for the next request that "
+        "asks for the same prompt, negative prompt, adapters (by version) and input images "
+        "(least recently used first out). 0 = none kept.", ge=0, le=1 << 40)
     compile: bool = option(
         False, "torch.compile the denoiser's repeated blocks, rows padded to power-of-two "
         "buckets (CUDA graphs per bucket on CUDA); the native size's buckets compile at start, "
@@ -386,6 +397,9 @@ def check_parallel(config: ServerConfig) -> None:
             if given:
                 raise ConfigError(f"--tensor-parallel-size with {flag}: diffusers' tensor "
                                   "parallelism refuses PEFT layers and quantized weights")
+    if config.group_size > 1 and config.stages == "on":
+        raise ConfigError("--stages on with a parallel group: every rank must admit a request at "
+                          "the same step, which encoding beside each rank's loop cannot promise")
     if config.cfg_parallel_size > 1 and config.step_cache != "off":
         raise ConfigError("--cfg-parallel-size 2 with --step-cache: a forward's rows are split "
                           "between ranks, each image's cache decision needs all of its rows")

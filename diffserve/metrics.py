@@ -29,6 +29,7 @@ SIZE_LABELS = 16
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _HOST_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
 CACHE_OUTCOMES = ("hit", "miss")
+STAGES = ("encode", "decode")  # the step engine's stages (diffserve.executor.stages)
 COMPILE_PHASES = ("startup", "serving")
 
 # Distinct adapter names the per-adapter request counter keeps apart.
@@ -188,6 +189,18 @@ class EngineMetrics:
             "every caller had gone.", ex)
         self.executor_restarts_total = Counter(
             "diffserve_executor_restarts", "Times an executor process was restarted after dying.", ex)
+        self.step_stall_seconds = Counter(
+            "diffserve_step_stall_seconds", "Step mode: time the step loop waited for a stage "
+            "(encode: prompts, input images; decode: finished images, previews), or ran its work "
+            "itself where the stages are off.", ex + ["stage"])
+        self.stage_busy_seconds = Counter(
+            "diffserve_stage_busy_seconds", "Step mode: time a stage worked.", ex + ["stage"])
+        self.stage_queue_depth = Gauge(
+            "diffserve_stage_queue_depth", "Step mode: jobs a stage holds (waiting, running, done "
+            "and not taken back).", ex + ["stage"], multiprocess_mode="livesum")
+        self.prompt_cache_requests_total = Counter(
+            "diffserve_prompt_cache_requests", "Prompt encodings looked up in the prompt cache: "
+            "hit, or miss (encoded).", ex + ["outcome"])
         self.group_restarts_total = Counter(
             "diffserve_group_restarts", "Times a parallel group was restarted whole (a rank died "
             "or a collective timed out).", ex)
@@ -279,6 +292,11 @@ class EngineMetrics:
             self.step_retirements_total.labels(executor=label, outcome=outcome)
         for outcome in CACHE_OUTCOMES:
             self.step_cache_rows_total.labels(executor=label, outcome=outcome)
+            self.prompt_cache_requests_total.labels(executor=label, outcome=outcome)
+        for stage in STAGES:
+            self.step_stall_seconds.labels(executor=label, stage=stage)
+            self.stage_busy_seconds.labels(executor=label, stage=stage)
+            self.stage_queue_depth.labels(executor=label, stage=stage).set(0)
         for phase in COMPILE_PHASES:
             self.compiles_total.labels(executor=label, when=phase)
         self.step_host_seconds.labels(executor=label)

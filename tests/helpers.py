@@ -47,10 +47,16 @@ def taken(dispatches):
 def run_plan(engine, plan: dict) -> dict:
     """Drive a step engine: ``plan[step]`` lists (request, input frames) admitted before that
     step; every request must finish. Each request's images, by request id."""
+    import select
+
     from diffserve.protocol import WorkItem
 
     images, step = {}, 0
     while step == 0 or engine:
+        if step > max(plan) and not engine.steppable and getattr(engine, "wakeup", None):
+            # Only stage work is left (threaded stages): wait for a stage's notice.
+            assert select.select([engine.wakeup.read_fd], [], [], 600)[0], "a stage job hangs"
+            engine.wakeup.clear()
         if step in plan:
             failed = engine.admit([WorkItem(r, 0, r.n) for r, _ in plan[step]],
                                   [frames for _, frames in plan[step]])

@@ -115,8 +115,9 @@ class Server(ServerProcess):
             time.sleep(0.02)
 
     def client(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=scaled(kwargs.pop("timeout", 120)), verify=TLS,
-                            **kwargs)
+        timeout = kwargs.pop("timeout", 120)  # a number is a bound; an httpx.Timeout, as given
+        return httpx.Client(base_url=self.url, verify=TLS, **kwargs,
+                            timeout=scaled(timeout) if isinstance(timeout, (int, float)) else timeout)
 
 
 # One TLS context for every test client. httpx builds a new one per client by default, loading

@@ -40,6 +40,7 @@ def test_each_request_caches_with_its_own_threshold_and_reports_it(server):
     assert metric(text, "diffserve_step_host_seconds_count", executor="0") > 0
     assert metric(text, "diffserve_step_cache_bytes", executor="0") == 0  # nothing runs now
     assert "--quantization int8-weight-only" in server.log
+    assert "encode and decode stages off (on the loop)" in server.log  # --stages auto, a CPU
 
 
 def test_quantization_that_runs_leaves_no_import_noise_in_the_log(server):

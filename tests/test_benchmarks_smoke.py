@@ -79,8 +79,14 @@ IN_PROCESS = {
     "bench_edits": ("--model", "tiny-flux-kontext", "--count", "2", "--rounds", "1", "--steps", "1", "--side", "32",
                     "--torch-threads", "1", "--startup-timeout", "120"),
     "bench_video": ("jobs", "--jobs", "2", "--rounds", "1", "--steps", "2", "--frames", "5", "--torch-threads", "1"),
+    "bench_stages gaps": ("gaps", "--models", "tiny-qwen-image,tiny-wan", "--count", "3", "--steps", "3", "--rounds", "1"),
+    "bench_stages prompt": ("prompt", "--model", "tiny-sd", "--count", "3", "--steps", "1", "--rounds", "1",
+                            "--torch-threads", "1", "--startup-timeout", "120"),
+    "bench_stages edits": ("edits", "--edit-model", "tiny-flux-kontext", "--count", "2", "--steps", "1", "--side", "32",
+                           "--rounds", "1", "--startup-timeout", "120"),
 }
-KIT_MAIN = {"bench_priorities": "priorities", "bench_edits": "edits"}  # their --output-dir reports
+KIT_MAIN = {"bench_priorities": "priorities", "bench_edits": "edits",  # their --output-dir reports
+            **{f"bench_stages {s}": s for s in ("gaps", "prompt", "edits")}}
 # --compile traced by dynamo's "eager" backend, as the default suite does (inductor's code
 # generation alone takes a minute and a half of CPU here); then each tool's main.
 IN_PROCESS_SCRIPT = """
@@ -232,6 +238,17 @@ def test_bench_edits(in_process):
     assert medians["speed-up, at once / one at a time"] > 0 and medians["worst pixel diff"] <= 2
 
 
+def test_bench_stages(in_process):
+    gaps = in_process["bench_stages gaps"]["summary"]["medians"]
+    for model in ("tiny-qwen-image", "tiny-wan"):
+        for stages in ("on", "off"):
+            assert gaps[f"longest gap / median gap, {model}, stages {stages}"] >= 1, (model, stages)
+    prompt = in_process["bench_stages prompt"]["summary"]["medians"]
+    assert prompt["prompt encodings for one prompt"] == 1 and prompt["prompt cache hits"] == 2
+    edits = in_process["bench_stages edits"]["summary"]["medians"]
+    assert edits["one at a time / at once, stages on"] > 0 and edits["at once s, stages off"] > 0
+
+
 def test_bench_video(in_process):
     result = in_process["bench_video"]
     assert result["jobs_per_s"]["concurrent"] > 0 and result["jobs_per_s"]["sequential"] > 0
@@ -361,7 +378,7 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
     out = tmp_path / "gpu-check.json"
     done = run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out))
     sections = json.loads(out.read_text())["sections"]
-    assert list(sections) == ["first-day", "exactness", "throughput", "accelerators", "parallel"]
+    assert list(sections) == ["first-day", "exactness", "throughput", "accelerators", "stages", "parallel"]
     assert sections["accelerators"] == {"status": "skipped: needs CUDA"}
     assert sections["parallel"] == {"status": "skipped: needs 2+ GPUs"}
     first, exact = sections["first-day"]["families"], sections["exactness"]["families"]
@@ -375,4 +392,6 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
     for fig in sections["throughput"]["families"].values():
         assert fig["img/s, request"] > 0 and fig["img/s, step"] > 0
     assert set(sections["throughput"]["families"]) == {"flux", "qwen-image"}
+    for fig in sections["stages"]["families"].values():
+        assert fig["img/s, stages on"] > 0 and fig["p99 s, stages off"] > 0
     assert "accelerators: skipped: needs CUDA" in done.stdout and "| flux | float32 |" in done.stdout

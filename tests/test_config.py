@@ -85,6 +85,13 @@ def test_data_parallel_size_and_devices_agree():
     assert ServerConfig(devices="cuda:0, cuda:1").executor_devices() == ["cuda:0", "cuda:1"]
 
 
+def test_stages_on_are_refused_in_a_parallel_group():
+    assert ServerConfig().stages == "auto" and ServerConfig(stages="off").stages == "off"
+    with pytest.raises(ConfigError, match="--stages on with a parallel group"):
+        ServerConfig(stages="on", ulysses_degree=2, devices="cpu,cpu")
+    assert ServerConfig(stages="auto", ulysses_degree=2, devices="cpu,cpu").group_size == 2
+
+
 def test_lora_flags_parse_and_check_each_other():
     from diffserve.cli import build_parser
 

@@ -121,11 +121,13 @@ def test_request_waiting_past_the_timeout_gets_503_and_never_runs(own_server):
 
 
 def test_executor_crash_fails_its_requests_fast_restarts_and_runs_the_queue(serial_server):
-    # The last test of its server: the executor it kills is restarted once.
+    """The last test of its server: the executor it kills is restarted once. The request it held
+    streams previews, so it cannot simply run again: it is answered 503 at once (a request that
+    emitted nothing runs again: tests/test_data_parallel.py)."""
     srv = serial_server
     (executor,) = pids_titled(srv.proc.pid, "diffserve::executor")
     with ThreadPoolExecutor(2) as pool:
-        slow = pool.submit(post, srv, SLOW)
+        slow = pool.submit(post, srv, {**SLOW, "stream": True, "partial_images": 1})
         wait_running(srv)
         queued = pool.submit(post, srv, FAST)
         wait_for_metric(srv, "diffserve_num_requests_waiting", lambda v: v >= 1)
@@ -135,7 +137,7 @@ def test_executor_crash_fails_its_requests_fast_restarts_and_runs_the_queue(seri
         answered_in = time.monotonic() - killed_at
         health = httpx.get(srv.url + "/health")
         done = queued.result()
-    assert_openai_error(failed, 500)
+    assert_openai_error(failed, 503, code="executor_restarted")
     assert "executor" in failed.json()["error"]["message"]
     assert answered_in < 2.0, f"answered {answered_in:.2f} s after the executor died"
     assert health.status_code == 503
@@ -173,10 +175,11 @@ def test_scheduler_crash_answers_503_and_the_server_exits_nonzero(own_server):
 @pytest.mark.parametrize("target", ["frontend", "group"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.server("--dynamic-batch-max-size", "1", "--shutdown-timeout-s", "600",
-                    "--batching-mode", "{mode}")
+                    "--batching-mode", "{mode}", "--stages", "on")
 def test_graceful_shutdown_finishes_accepted_work_and_exits_0(sig, target, mode, own_server):
     """Either signal, to the frontend alone or to the whole process group (Ctrl-C in a terminal;
-    `systemctl stop` with systemd's default KillMode=control-group), drains the same way."""
+    `systemctl stop` with systemd's default KillMode=control-group), drains the same way (in
+    step mode, what the encode and decode stages hold too; request mode has none)."""
     srv = own_server.start()
     root = srv.proc.pid
     with ThreadPoolExecutor(3) as pool:

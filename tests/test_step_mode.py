@@ -40,7 +40,7 @@ def post(server: Server, body: dict, timeout: float = 120) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 @serves(spec("--batching-mode", "step", "--dynamic-batch-max-size", "2",
-             "--max-inference-steps", "1000", "--dynamic-batch-delay-ms", "0"))
+             "--max-inference-steps", "1000", "--dynamic-batch-delay-ms", "0", "--stages", "on"))
 def server(request):
     with LAUNCHES.take(request) as srv:
         yield srv
@@ -51,6 +51,25 @@ def test_the_mode_is_shown(server):
     assert httpx.get(server.url + "/health").json()["batching_mode"] == "step"
     assert metric(httpx.get(server.url + "/metrics").text, "diffserve_batching_mode", mode="step") == 1
     assert "step mode" in server.log
+
+
+def test_prompts_and_images_go_through_the_stages_and_a_repeated_prompt_is_kept(server):
+    text = lambda: httpx.get(server.url + "/metrics").text  # noqa: E731
+    hits = lambda t: metric(t, "diffserve_prompt_cache_requests_total", outcome="hit")  # noqa: E731
+    before = text()
+    first = post(server, {"prompt": "stages: once", "num_inference_steps": 3, "seed": 1})
+    again = post(server, {"prompt": "stages: once", "num_inference_steps": 3, "seed": 1})
+    assert first.status_code == 200 and again.status_code == 200
+    assert decode(first.json()["data"][0]["b64_json"]).tobytes() == \
+        decode(again.json()["data"][0]["b64_json"]).tobytes()  # the kept encoding is the same
+    after = text()
+    assert hits(after) - hits(before) >= 1
+    for stage in ("encode", "decode"):
+        busy = lambda t: metric(t, "diffserve_stage_busy_seconds_total", stage=stage)  # noqa: E731
+        assert busy(after) > busy(before), stage
+        assert metric(after, "diffserve_stage_queue_depth", stage=stage) == 0
+        assert f'diffserve_step_stall_seconds_total{{executor="0",stage="{stage}"}}' in after
+    assert "encode and decode stages on" in server.log
 
 
 def test_a_short_request_that_arrives_during_a_long_one_finishes_first(server):
@@ -101,22 +120,28 @@ def hanging_up(server: Server, body: dict):
 @pytest.mark.server("--batching-mode", "step", "--dynamic-batch-max-size", "4",
                     "--max-running-cost", "8", "--max-inference-steps", "1000")
 def test_an_executor_crash_mid_run_answers_every_running_request_at_once(own_server):
+    """The two that stream previews are answered 503 at once (the scheduler cannot know what
+    their clients saw); the one that emitted nothing runs again after the restart, as the
+    queued one runs, and both are answered with their images."""
     with own_server as srv:
         (executor,) = pids_titled(srv.proc.pid, "diffserve::executor")
+        streamed = {"stream": True, "partial_images": 1}
         with ThreadPoolExecutor(5) as pool:
             running = [pool.submit(post, srv, {"prompt": f"r{i}", "num_inference_steps": 600,
-                                               "n": 2 if i == 0 else 1}) for i in range(3)]
+                                               "n": 2 if i == 0 else 1, **(streamed if i < 2 else {})})
+                       for i in range(3)]
             wait_for_metric(srv, "diffserve_num_requests_running", lambda v: v >= 3)
             queued = pool.submit(post, srv, {"prompt": "queued", "num_inference_steps": 4,
                                              "size": "128x64"})  # no room left: it waits
             wait_for_metric(srv, "diffserve_num_requests_waiting", lambda v: v >= 1)
             killed_at = time.monotonic()
             os.kill(executor, signal.SIGKILL)
-            answers = [f.result() for f in running]
+            answers = [f.result() for f in running[:2]]
             answered_in = time.monotonic() - killed_at
             assert queued.result().status_code == 200  # kept in the queue, run after the restart
+            assert running[2].result().status_code == 200  # ran again
         for r in answers:
-            assert_openai_error(r, 500)
+            assert_openai_error(r, 503, code="executor_restarted")
         assert answered_in < 2.0
 
 

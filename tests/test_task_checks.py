@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from diffserve.config import ServerConfig
+from diffserve.executor import check_verdicts
 from diffserve.executor.families.sd3 import StableDiffusion3
 from diffserve.executor.loading import load_model, task_pipelines
 from diffserve.executor.runtime import build_runtime
@@ -33,6 +34,9 @@ def server(sd3_four_channels):
         latents = StableDiffusion3.image_latents
         patch.setattr(StableDiffusion3, "image_latents",
                       lambda self, *args: latents(self, *args) * 1.1)
+        # The check runs here (a verdict an earlier server of this code stored is not recalled)
+        # and its verdict replaces any stored one.
+        patch.setattr(check_verdicts, "recall", lambda key: None)
         rt = build_runtime(ServerConfig(model=str(sd3_four_channels)), torch_threads=1)
     assert rt.info.task_modes == {"generate": "step", "image-to-image": "request",
                                   "rollout": "step"}

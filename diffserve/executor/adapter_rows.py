@@ -59,6 +59,7 @@ method's fixed op count (two bmm per layer, whatever k) should matter more; not 
 from __future__ import annotations
 
 import math
+import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -91,20 +92,32 @@ class GatheredWeights:
         self.budget = budget
         self.nbytes = 0
         self._kept: dict = {}  # key -> (A_all, B_all) or None; insertion order is use order
+        self._sizes: dict = {}
+        self._lock = threading.Lock()  # the step loop and an encode stage share it
 
     def get(self, key, make):
-        if key in self._kept:
-            value = self._kept.pop(key)
-        else:
-            value = make()
-            self.nbytes += _nbytes(value)
-        self._kept[key] = value
-        while self.nbytes > self.budget and len(self._kept) > 1:
-            self.nbytes -= _nbytes(self._kept.pop(next(iter(self._kept))))
+        with self._lock:
+            if key in self._kept:
+                value = self._kept[key] = self._kept.pop(key)  # now the most recently used
+                self._evict()
+                return value
+        value = make()
+        with self._lock:
+            if key not in self._kept:
+                self._kept[key], self._sizes[key] = value, _nbytes(value)
+                self.nbytes += self._sizes[key]
+            self._evict()
         return value
 
+    def _evict(self) -> None:
+        while self.nbytes > self.budget and len(self._kept) > 1:
+            gone = next(iter(self._kept))
+            del self._kept[gone]
+            self.nbytes -= self._sizes.pop(gone)
+
     def clear(self) -> None:
-        self._kept, self.nbytes = {}, 0
+        with self._lock:
+            self._kept, self._sizes, self.nbytes = {}, {}, 0
 
 
 def _nbytes(value) -> int:
@@ -200,10 +213,13 @@ class RowAdapters:
         self._roots = modules
         self.method = method
         self._hooks: dict[LoraLayer, torch.utils.hooks.RemovableHandle] = {}
-        self._plan: _Plan | None = None
+        # The plan of the context a thread is in: the step loop's forward and an encode stage's
+        # text encoders (diffserve.executor.stages) run their own contexts at the same time.
+        self._local = threading.local()
         # Plans by their stacks: a running set's rows stay the same from step to step, and so
         # do the index tensors and gathered adapter weights each plan keeps.
         self._plans: dict[tuple, _Plan] = {}
+        self._plans_lock = threading.Lock()
         self.gathered = GatheredWeights(gathered_bytes)
         self._seen: tuple = ()
         self.adapters: frozenset[str] = frozenset()
@@ -212,6 +228,14 @@ class RowAdapters:
         self._root_hooks = [m.register_forward_pre_hook(self._refresh_if_changed) for m in modules]
         self.refresh()
 
+    @property
+    def _plan(self) -> _Plan | None:
+        return getattr(self._local, "plan", None)
+
+    @_plan.setter
+    def _plan(self, plan: _Plan | None) -> None:
+        self._local.plan = plan
+
     # -- contexts ---------------------------------------------------------------------------------
 
     def rows(self, stacks: Sequence[Stack]):
@@ -219,12 +243,13 @@ class RowAdapters:
         ``len(stacks)`` rows (dim 0). An empty stack is the base model."""
         self._refresh_if_changed()
         key = tuple(tuple(s) for s in stacks)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = _Plan([self._check(s) for s in stacks], len(stacks))
-            while len(self._plans) >= PLANS_KEPT:
-                self._plans.pop(next(iter(self._plans)))
-            self._plans[key] = plan
+        with self._plans_lock:  # the step loop and an encode stage share them
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = _Plan([self._check(s) for s in stacks], len(stacks))
+                while len(self._plans) >= PLANS_KEPT:
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[key] = plan
         return self._active(plan)
 
     def narrow(self, rows: Sequence[int]):

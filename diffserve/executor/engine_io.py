@@ -45,7 +45,16 @@ class EngineIO:
         self._progress_sent: dict[str, float] = {}  # request id -> when its progress last went
         self._compiled = None  # the compiled blocks, whose new graphs are counted
 
-    def receive(self, block: bool) -> tuple[Kind, Any, list[Any]] | None:
+    def receive(self, block: bool, wake: int | None = None) -> tuple[Kind, Any, list[Any]] | None:
+        """The next message from the scheduler; None if there is none (not ``block``), or when
+        ``wake`` (a file descriptor) became readable first."""
+        if wake is not None:
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+            poller.register(wake, zmq.POLLIN)
+            if self.sock not in dict(poller.poll()):
+                return None
+            block = False
         try:
             frames = self.sock.recv_multipart(0 if block else zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -154,6 +163,14 @@ class EngineIO:
         m.executor_busy_seconds.labels(executor=label).inc(out.seconds)
         for o in out.finished:
             m.step_retirements_total.labels(executor=label, outcome=o.status).inc()
+        for stage, seconds in out.stage_stall.items():
+            m.step_stall_seconds.labels(executor=label, stage=stage).inc(seconds)
+            m.stage_busy_seconds.labels(executor=label, stage=stage).inc(out.stage_busy[stage])
+            m.stage_queue_depth.labels(executor=label, stage=stage).set(out.stage_depth[stage])
+        if out.prompt_cache is not None:
+            hits, misses = out.prompt_cache
+            m.prompt_cache_requests_total.labels(executor=label, outcome="hit").inc(hits)
+            m.prompt_cache_requests_total.labels(executor=label, outcome="miss").inc(misses)
         if out.cache_bytes is not None:  # the server runs a step cache
             m.step_cache_rows_total.labels(executor=label, outcome="hit").inc(out.cache_hits)
             m.step_cache_rows_total.labels(executor=label, outcome="miss").inc(out.cache_misses)

@@ -61,15 +61,44 @@ def in_float32(pipe, device=None):
             torch.cuda.empty_cache()
 
 
+def extra_bytes(pipe) -> int:
+    """What upcasting the pipeline's half-precision weights to float32 adds."""
+    import torch
+
+    return sum(t.numel() * (4 - t.element_size()) for m in components(pipe) for t in _tensors(m)
+               if type(t.data) is torch.Tensor and t.is_floating_point() and t.element_size() < 4)
+
+
+def fits(pipe, device) -> bool:
+    """Whether the float32 weights fit beside what ``device`` holds (always, off CUDA)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return extra_bytes(pipe) < free * 0.9  # the call's own activations need the rest
+
+
 def run(rt, requests: list, plain) -> dict:
     """``plain(rt, request)`` (an outcome) for each request with the model in float32: request id
-    -> outcome. On the CPU where the device has no room for the float32 weights."""
-    with in_float32(rt.loaded.pipe):
-        found = {r.request_id: plain(rt, r) for r in requests}
-    if not any(m in (o.error or "") for o in found.values()
-               for m in ("OutOfMemoryError", *OOM_MESSAGES)):
+    -> outcome. On the CPU where the device has no room for the float32 weights (known before
+    the cast where the device says what is free, else found by the cast or the call running
+    out of memory)."""
+    from diffserve.executor.memory import is_out_of_memory, release
+
+    pipe, found = rt.loaded.pipe, None
+    if fits(pipe, rt.loaded.device):
+        try:
+            with in_float32(pipe):
+                found = {r.request_id: plain(rt, r) for r in requests}
+        except Exception as error:  # noqa: BLE001 - the cast itself may not fit
+            if not is_out_of_memory(error):
+                raise
+            release(error)
+    if found is not None and not any(m in (o.error or "") for o in found.values()
+                                      for m in ("OutOfMemoryError", *OOM_MESSAGES)):
         return found
     log.info("start-up check: the float32 reference does not fit on %s; it runs on the CPU",
              rt.loaded.device)
-    with in_float32(rt.loaded.pipe, "cpu"):
+    with in_float32(pipe, "cpu"):
         return {r.request_id: plain(rt, r) for r in requests}

@@ -137,15 +137,25 @@ class StepLoop:
         self.stopping = False
 
     def _receive(self, block: bool):
-        """The next message: first those that arrived during a request-mode call."""
+        """The next message: first those that arrived during a request-mode call. Blocking with
+        only stage work left, it also wakes when a stage finishes a job, and the wait counts as
+        the stages' stall."""
         if self.calls is not None and self.calls.pending:
             return self.calls.pending.popleft()
-        return self.io.receive(block=block)
+        wake = self.engine.wakeup if block and self.engine.stage_pending else None
+        if wake is None:
+            return self.io.receive(block=block)
+        began = time.perf_counter()
+        message = self.io.receive(block=True, wake=wake.read_fd)
+        self.engine.note_stall(time.perf_counter() - began)
+        wake.clear()
+        return message
 
     def run(self) -> None:
         while not self.stopping:
             work = []
-            message = self._receive(block=not self.engine)  # an empty set sleeps until work comes
+            # An engine with nothing to step sleeps until work comes (or a stage finishes a job).
+            message = self._receive(block=not self.engine.steppable)
             while message is not None:
                 kind, msg, frames = message
                 if kind is Kind.SHUTDOWN:
@@ -166,6 +176,7 @@ class StepLoop:
             if self.stopping:
                 if self.link is not None:
                     self.link.close()
+                self.engine.close()  # the stages' threads (the scheduler drained their work)
                 break
             self._admit(work)
             if self.engine:

@@ -94,7 +94,10 @@ class Group:
         self.rank = spec.rank
         self.torch, self.dist = torch, dist
         cuda = spec.device.startswith("cuda")
-        dist.init_process_group("nccl" if cuda else "gloo",
+        # On GPUs, gloo beside NCCL for host tensors: diffusers' Ulysses attention all-gathers each
+        # rank's sequence length before its all-to-alls, on the host where the group has gloo
+        # (no device round trip and synchronisation per attention).
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
                                 init_method=f"tcp://127.0.0.1:{spec.port}", rank=spec.rank,
                                 world_size=spec.degrees.size,
                                 timeout=datetime.timedelta(seconds=spec.timeout_s))

@@ -95,7 +95,7 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
     if rt.mode == STEP_MODE:
         # Tasks the start-up check sent to request mode run as whole calls between two steps.
         calls = {task for task, mode in rt.task_modes.items() if mode == REQUEST_MODE}
-        engine = rt.step_engine()
+        engine = rt.step_engine(stages=rt.threaded_stages)
         loop = StepLoop(engine if link is None else LeaderEngine(engine, link), io, rt.adapters,
                         RequestLoop(rt.request_runner, io, rt.adapters, nested=True)
                         if calls else None, calls, link)
@@ -103,8 +103,10 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
         loop = RequestLoop(rt.request_runner, io, rt.adapters)
     io.watch_compiles(rt.compiled)
     info = rt.info
-    log.info("loaded %s (%s) on %s/%s, native %dx%d, %s mode, tasks: %s", spec.config.model,
+    stages = ("" if rt.mode != STEP_MODE else
+              ", encode and decode stages " + ("on" if rt.threaded_stages else "off (on the loop)"))
+    log.info("loaded %s (%s) on %s/%s, native %dx%d, %s mode%s, tasks: %s", spec.config.model,
              info.pipeline_class, info.device, info.dtype, info.width, info.height, rt.mode,
-             ", ".join(f"{task} ({mode})" for task, mode in info.task_modes.items()))
+             stages, ", ".join(f"{task} ({mode})" for task, mode in info.task_modes.items()))
     io.sock.send_multipart(encode(Kind.READY, info))
     return loop

@@ -21,6 +21,7 @@ from diffserve.costs import WITH_NEGATIVE
 from diffserve.executor import memory
 from diffserve.executor.adapters import AdapterStore
 from diffserve.executor.families.base import (
+    PIPELINE_LOCK,
     Family,
     NonFiniteOutput,
     scheduler_swapped,
@@ -173,7 +174,8 @@ class RequestRunner:
                                                      references))
         if "callback_on_step_end" in accepts:
             kwargs["callback_on_step_end"] = self._step_callback(samples)
-        with self.torch.inference_mode(), self._adapters(first.loras), self._sampler(pipe, first):
+        with (PIPELINE_LOCK, self.torch.inference_mode(), self._adapters(first.loras),
+              self._sampler(pipe, first)):
             output = pipe(**kwargs)
         # Video pipelines answer frames (k, frames, H, W, 3) where image ones answer images.
         made = np.asarray(output.frames if first.num_frames else output.images)

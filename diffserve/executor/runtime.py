@@ -47,6 +47,7 @@ class Runtime:
     fallback: dict[str, str] = dataclasses.field(default_factory=dict)
     unavailable: dict[str, str] = dataclasses.field(default_factory=dict)
     group: Any = None  # the parallel group this process is a rank of (diffserve.executor.parallel)
+    prompt_cache: Any = None  # diffserve.executor.prompt_cache.PromptCache, where one is kept
 
     @property
     def task_modes(self) -> dict[str, str]:
@@ -61,12 +62,23 @@ class Runtime:
                           list(self.adapters.current) if self.adapters else [],
                           self.task_modes, self.unavailable, self.group)
 
+    @property
+    def threaded_stages(self) -> bool:
+        """Whether the served step engine encodes and decodes beside its loop (--stages)."""
+        if self.config.stages != "auto":
+            return self.config.stages == "on"
+        # A CPU stage thread takes cores and the interpreter lock from the loop's forwards: it
+        # shortens the longest pause only where the loop leaves it a core (docs/batching.md).
+        return self.group is None and self.family.torch.device(self.family.device).type == "cuda"
+
     def step_engine(self, **kwargs):
-        """A step engine over this model, with the configured set policy."""
+        """A step engine over this model, with the configured set policy and prompt cache; its
+        stages inline unless ``stages=True`` (the executor's loop asks for the configured ones)."""
         from diffserve.executor.step_engine import StepEngine
         from diffserve.policies import set_policy
 
         kwargs.setdefault("policy", set_policy(self.config.set_policy))
+        kwargs.setdefault("prompt_cache", self.prompt_cache)
         return StepEngine(self.family, self.count_tokens, adapters=self.adapters,
                           step_cache=self.step_cache, cache_threshold=self.config.cache_threshold,
                           group=self.group, **kwargs)
@@ -103,7 +115,8 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
     adapters = load_adapters(loaded.pipe, config, on_adapter_event)
     compiled = compiled_for(config, loaded, family)  # before the step cache wraps the blocks
     rt = Runtime(loaded, family, pipelines, mode, None, adapters, token_counter(loaded.pipe),
-                 config, step_cache_for(config, family, mode, group), compiled, group=group)
+                 config, step_cache_for(config, family, mode, group), compiled, group=group,
+                 prompt_cache=prompt_cache_for(config))
     rt.info = rt.describe()
     if not config.skip_startup_check:
         _check(rt, config)
@@ -186,6 +199,14 @@ def apply_verdicts(rt: Runtime, config: ServerConfig, unavailable: dict[str, str
 
 def _reasons(why: dict[str, str]) -> str:
     return "; ".join(f"{task}: {reason}" for task, reason in why.items())
+
+
+def prompt_cache_for(config: ServerConfig):
+    if not config.prompt_cache_bytes:
+        return None
+    from diffserve.executor.prompt_cache import PromptCache
+
+    return PromptCache(config.prompt_cache_bytes)
 
 
 def load_adapters(pipe, config: ServerConfig, on_event):

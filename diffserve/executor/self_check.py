@@ -178,7 +178,9 @@ class _InOrder(SetPolicy):
 def _stepped(rt, requests: list[ImageRequest]) -> list:
     """Each request's outcome in the step engine, all of them together, as they would share its
     forwards."""
-    engine = rt.step_engine(policy=_InOrder())
+    # Inline stages and no prompt cache: the checks' encodings (float32 ones among them, in half
+    # precision) are not kept for the requests that follow.
+    engine = rt.step_engine(policy=_InOrder(), stages=False, prompt_cache=None)
     outcomes = engine.admit([WorkItem(r, 0, 1) for r in requests], [_frames(r) for r in requests])
     while engine:
         outcomes += engine.step().finished

@@ -48,13 +48,14 @@ from diffserve.executor.families.base import (
     moved,
     park_state,
     restore_state,
-    split_finite,
 )
 from diffserve.executor.families.conditioning import Encoded
 from diffserve.executor.planner import Entry, Planner, StepPlan
-from diffserve.executor.results import Outcome, PartialImage, describe
+from diffserve.executor.results import Outcome, describe
 from diffserve.executor.row_index import put, selection, take
+from diffserve.executor.engine_stages import StageWork
 from diffserve.executor.running_batch import Layout
+from diffserve.executor.stages import Stage, Wakeup
 from diffserve.executor.step_timer import StepTimer
 from diffserve.executor.unit_builder import UnitBuilder
 from diffserve.executor.units import StepOutput, Unit, Waiting, batch_key_of
@@ -71,15 +72,18 @@ def _request_id(unit: Unit) -> str:
     return unit.request.request_id
 
 
-class StepEngine:
+class StepEngine(StageWork):
     def __init__(self, family: Family, count_tokens: Callable[[str], int] = lambda p: 0,
                  clock: Callable[[], float] = time.perf_counter,
                  adapters: AdapterStore | None = None, policy: SetPolicy | None = None,
-                 step_cache=None, cache_threshold: float = 0.0, group=None) -> None:
+                 step_cache=None, cache_threshold: float = 0.0, group=None,
+                 stages: bool = False, prompt_cache=None) -> None:
         """``policy``: which running set a step advances (default: time-fair). ``step_cache``: a
         :class:`~diffserve.executor.step_cache.StepCache` over the family's denoisers, and the
         threshold of requests that name none. ``group``: the parallel group this rank is one of
-        (:class:`~diffserve.executor.parallel.Group`), if any."""
+        (:class:`~diffserve.executor.parallel.Group`), if any. ``stages``: encode and decode on
+        threads of their own beside the step loop (else inline, on it); ``prompt_cache``: a
+        :class:`~diffserve.executor.prompt_cache.PromptCache`, if any."""
         self.family = family
         self.group = group
         self._cfg_parallel = group is not None and group.degrees.cfg > 1
@@ -98,7 +102,14 @@ class StepEngine:
         self._cancelled: set[str] = set()
         self._pausing: set[tuple[str, int]] = set()
         self.step_cache = step_cache
-        self.builder = UnitBuilder(family, count_tokens, self._rows, step_cache, cache_threshold)
+        self.builder = UnitBuilder(family, count_tokens, self._rows, step_cache, cache_threshold,
+                                   prompt_cache)
+        self.wakeup = Wakeup() if stages else None
+        self.encode_stage, self.decode_stage = (
+            Stage(name, family.torch, family.device, stages,
+                  self.wakeup.set if self.wakeup else lambda: None)
+            for name in ("encode", "decode"))
+        self._cancelled_in_stage: set[str] = set()  # requests in a stage's job that left
         self._layouts: dict[tuple, Layout] = {}  # per running set, while its members stay
         # A step's time as the device spent it (on CUDA: events, and one wait at its end).
         self.timer = StepTimer(family.torch, family.device, clock)
@@ -117,8 +128,21 @@ class StepEngine:
         return group_by(self.units, lambda u: u.batch_key)
 
     def __bool__(self) -> bool:
-        """Whether there is a step to take (paused items wait for their resume)."""
+        """Whether there is a step to take or stage work to take back (paused items wait for
+        their resume)."""
+        return self.steppable or self.stage_pending
+
+    @property
+    def steppable(self) -> bool:
         return bool(self.units or self.waiting)
+
+    @property
+    def stage_pending(self) -> bool:
+        return bool(self.encode_stage.depth or self.decode_stage.depth)
+
+    def close(self) -> None:
+        for stage in (self.encode_stage, self.decode_stage):
+            stage.close()
 
     # -- admission -------------------------------------------------------------------------
 
@@ -148,21 +172,13 @@ class StepEngine:
                 stacks.append(stack)
         if not ready:
             return failed
-        with self.family.torch.inference_mode():
-            # Prompts are encoded together; where that raises, in parts down to single requests,
-            # so a request whose prompt or adapters break the encoder fails alone.
-            encoded = isolate(list(zip(ready, stacks)), self._encode_pairs,
-                              lambda pair: pair[0][0].request.request_id, "prompt encoding")
-            for ((item, frames), stack), enc in encoded:
-                try:
-                    if isinstance(enc, Exception):
-                        raise enc
-                    self.units.append(self.builder.unit(item, frames, enc, start, stack,
-                                                        arrived[item.request.request_id]))
-                except Exception as error:  # noqa: BLE001 - only this request fails
-                    log.warning("could not admit %s: %s", item.request.request_id, error)
-                    self._release(stack)
-                    failed.append(Outcome.failed(item, describe(error), self.clock() - start))
+        # Prompts are encoded together (where that raises, in parts down to single requests,
+        # so a request whose prompt or adapters break the encoder fails alone), each item made a
+        # unit on the encode stage; inline, they join now.
+        self._submit_admission(list(zip(ready, stacks)), start, arrived)
+        if not self.encode_stage.threaded:
+            for job in self.encode_stage.take():
+                failed += self._admitted(job)
         return failed
 
     def _encode_pairs(self, pairs: list) -> list[Encoded]:
@@ -206,16 +222,27 @@ class StepEngine:
         held = [*self.units, *self.paused.values()]
         outcomes = [Outcome.failed(u.item, error, now - u.admitted_at) for u in held]
         outcomes += [Outcome.failed(w.item, error, 0.0) for w in self.waiting]
+        outcomes += [Outcome.failed(item, error, 0.0) for item in self._in_stages()]
+        for stage in (self.encode_stage, self.decode_stage):
+            for job in stage.jobs_held():
+                job.meta["abandoned"] = True
+                job.cancelled = True
+                if job.meta["kind"] == "admit":
+                    for _, stack in job.meta["pairs"]:
+                        self._release(stack)
         for unit in held:
             self._release(unit.adapters)
         self.units, self.waiting, self.paused, self._cancelled = [], [], {}, set()
         return outcomes
 
     def cancel(self, request_ids: list[str]) -> None:
-        """Drop these requests at the next step."""
+        """Drop these requests at the next step (or as their stage's job comes back)."""
         held = ({_request_id(u) for u in (*self.units, *self.paused.values())}
                 | {w.item.request.request_id for w in self.waiting})
         self._cancelled.update(rid for rid in request_ids if rid in held)
+        in_stage = {item.request.request_id for item in self._in_stages()}
+        self._cancelled_in_stage.update(set(request_ids) & in_stage)
+        self.encode_stage.cancel(self._cancelled_in_stage)
 
     def pause(self, keys: list[tuple[str, int]]) -> None:
         """Take these running items out of the running sets at the next step; their latents,
@@ -229,11 +256,14 @@ class StepEngine:
         """Plan one step (or take ``plan``: a group's other ranks take their leader's), then
         execute it."""
         out = StepOutput()
+        self._take_stages(out)
         plan = plan or self.plan()
         self._leave(plan, out)
         self._pause(plan)
         self._join(plan, out)
         self._execute(plan, out)
+        self._take_stages(out)  # inline, this step's decodes; on threads, what is done by now
+        self._count_stages(out)
         out.sets = len(self.running_sets())
         if self.step_cache is not None:
             out.cache_bytes = self.cache_bytes()
@@ -362,11 +392,15 @@ class StepEngine:
 
     def _remove(self, unit: Unit, out: StepOutput, outcome: Outcome) -> None:
         if unit in self.units:
-            self.units.remove(unit)
-            self._release(unit.adapters)
-            unit.cache = None  # its step cache goes with it
-            self._layouts.pop(unit.batch_key, None)
+            self._drop(unit)
             out.finished.append(outcome)
+
+    def _drop(self, unit: Unit) -> None:
+        """Out of the running set, its adapters released, its step cache gone."""
+        self.units.remove(unit)
+        self._release(unit.adapters)
+        unit.cache = None
+        self._layouts.pop(unit.batch_key, None)
 
     def _predict(self, units: list[Unit]) -> list[Any]:
         """One denoiser forward for ``units``; each unit's noise prediction, guidance applied."""
@@ -433,45 +467,21 @@ class StepEngine:
         p.latents = latents
         u.step += 1
 
-    def _decode(self, units: list[Unit]) -> list[Any]:
-        """Pixels of each unit's latents: one VAE call per task among them (they share a size).
-        A unit with an image that is not finite gets a NonFiniteOutput, which fails it alone."""
-        by_unit: dict[int, Any] = {}
-        for group in group_by(units, lambda u: u.request.task).values():
-            r = group[0].request
-            latents = self.family.torch.cat([u.prepared.latents for u in group])
-            with self.timer.span():
-                parts = split_finite(lambda: self.family.decode(latents, r.width, r.height,
-                                                                r.task_spec),
-                                     [u.samples for u in group])
-            by_unit.update(zip(map(id, group), parts))
-        return [by_unit[id(u)] for u in units]
-
     def _partials(self, units: list[Unit], out: StepOutput) -> None:
         due = [u for u in units if u in self.units and u.step in u.partial_at and not u.finished]
-        for u, pixels in self._each(due, self._decode, "a preview decode", out):
-            out.partials.extend(PartialImage(_request_id(u), u.item.start + j, u.partial_at[u.step],
-                                             pixels[j]) for j in range(u.samples))
+        if due:
+            self._submit_previews(due)
 
     def _retire(self, units: list[Unit], out: StepOutput) -> None:
+        """Units whose schedule ended leave the running set now; their decode follows on the
+        decode stage, and they are answered when it is done."""
         done = [u for u in units if u in self.units and u.finished]
         if not done:
             return
-        decoded = self._each(done, self._decode, "decoding", out)
-        now = self.clock()
-        for u, pixels in decoded:
-            tensors = None
-            if u.trajectory is not None:
-                r = u.request
-                try:
-                    tensors = u.trajectory.tensors(self.family, u.scheduler, u.prepared.timesteps,
-                                                   r.width, r.height, pixels, u.prepared.positive,
-                                                   r.returns)
-                except Exception as error:  # noqa: BLE001 - only this request fails
-                    self._fail(u, out, error, "the rollout's tensors")
-                    continue
-            self._remove(u, out, Outcome.made(u.item, pixels, now - u.admitted_at,
-                                              u.prompt_tokens, tensors, self._cached_steps(u)))
+        for u in done:
+            u.cached_steps = self._cached_steps(u)
+            self._drop(u)
+        self._submit_finish(done)
 
     def _cached_steps(self, u: Unit) -> list[int] | None:
         """Per image, its steps that reused its step cache (None where no step cache runs)."""

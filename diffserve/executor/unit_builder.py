@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from diffserve.executor.families.base import Family
 from diffserve.executor.families.conditioning import Encoded
+from diffserve.executor.prompt_cache import prompt_key
 from diffserve.executor.results import partial_steps
 from diffserve.executor.rollout import Trajectory
 from diffserve.executor.units import Unit, batch_key_of
@@ -22,11 +23,13 @@ from diffserve.tasks import REFERENCE
 class UnitBuilder:
     def __init__(self, family: Family, count_tokens: Callable[[str], int],
                  rows: Callable[[list], AbstractContextManager], step_cache=None,
-                 cache_threshold: float = 0.0) -> None:
+                 cache_threshold: float = 0.0, prompt_cache=None) -> None:
         """``rows(stacks)``: the context in which row i of every adapted call gets
         ``stacks[i]``. ``step_cache`` and ``cache_threshold``: the engine's step cache, if any,
-        and the threshold of requests that name none."""
+        and the threshold of requests that name none. ``prompt_cache``: encodings kept for the
+        next request that asks for the same (:mod:`diffserve.executor.prompt_cache`), if any."""
         self.family = family
+        self.prompt_cache = prompt_cache
         self.count_tokens = count_tokens
         self.rows = rows
         self.step_cache = step_cache
@@ -37,23 +40,36 @@ class UnitBuilder:
         the requests with a negative prompt, and the rest (which some families encode
         differently). Each prompt row is encoded with its own request's adapters (and, where the
         family's text encoder sees them, its reference images)."""
-        fam = self.family
+        fam, cache = self.family, self.prompt_cache
         cfg = [fam.uses_cfg(i.request.guidance_scale, i.request.negative_prompt) for i in items]
         negative = lambda i: cfg[i] and bool(items[i].request.negative_prompt)  # noqa: E731
         seen = ([input_arrays(item.request, f).get(REFERENCE.name) for item, f in zip(items, frames)]
                 if fam.encodes_references else None)
-        encoded: list[Encoded | None] = [None] * len(items)
-        for with_negative, group in group_by(range(len(items)), negative).items():
+        key = cache.key if cache is not None else prompt_key
+        keys = [key(item.request, cfg[i], negative(i), stacks[i], seen[i] if seen else None)
+                for i, item in enumerate(items)]
+        rows: list[Encoded | None] = (cache.lookup(keys) if cache is not None
+                                      else [None] * len(items))
+        # A prompt encoded once per call however many requests repeat it (an RL group's samples).
+        first: dict[tuple, int] = {}
+        for i in range(len(items)):
+            if rows[i] is None:
+                first.setdefault(keys[i], i)
+        for with_negative, group in group_by(list(first.values()), negative).items():
             extra = {"references": [seen[i] for i in group]} if seen is not None else {}
             with self.rows([stacks[i] for i in group]):
                 both = fam.encode([items[i].request.prompt for i in group],
                                   [items[i].request.negative_prompt for i in group] if with_negative
                                   else None, any(cfg[i] for i in group), **extra)
             for row, i in enumerate(group):
-                k = items[i].samples
-                encoded[i] = Encoded(both.positive.rows(row, row + 1).repeat(k),
-                                     both.negative.rows(row, row + 1).repeat(k) if cfg[i] else None)
-        return encoded
+                rows[i] = Encoded(both.positive.rows(row, row + 1),
+                                  both.negative.rows(row, row + 1) if cfg[i] else None)
+                if cache is not None:
+                    cache.put(keys[i], rows[i])
+        rows = [rows[i] if rows[i] is not None else rows[first[keys[i]]] for i in range(len(items))]
+        return [Encoded(r.positive.repeat(item.samples),
+                        r.negative.repeat(item.samples) if r.negative is not None else None)
+                for r, item in zip(rows, items)]
 
     def unit(self, item: WorkItem, frames: list[Any], encoded: Encoded, start: float,
              stack: tuple, arrived: float) -> Unit:

@@ -36,6 +36,7 @@ class Unit:
     # host from a timestep (Wan 2.2's expert, its guidance scale) reads these, never the device.
     host_timesteps: list[float] = field(default_factory=list)
     parked: dict = field(default_factory=dict)  # while paused: where its scheduler's tensors were
+    cached_steps: list[int] | None = None  # once retired: per image, its steps that reused a cache
 
     @property
     def timestep(self) -> float:
@@ -92,6 +93,12 @@ class StepOutput:
     cache_misses: int = 0  # and rows that computed every block
     cache_bytes: int | None = None  # held by the step caches after the step (None: none run)
     progress: list[tuple[str, int, int]] = field(default_factory=list)  # (id, done, total)
+    # The stages since the last step, by stage: the time the loop waited for (or, inline, ran)
+    # their work, the time they worked, and the jobs they hold now.
+    stage_stall: dict[str, float] = field(default_factory=dict)
+    stage_busy: dict[str, float] = field(default_factory=dict)
+    stage_depth: dict[str, int] = field(default_factory=dict)
+    prompt_cache: tuple[int, int] | None = None  # (hits, misses), where a prompt cache is kept
 
 
 def batch_key_of(item: WorkItem) -> tuple:

@@ -57,6 +57,27 @@ def test_staggered_edits_and_generations_equal_their_solo_pipeline_runs(runtime)
     assert max_diff(again["e1"], images["e1"]) > 2
 
 
+def test_edits_admitted_together_encode_their_images_in_one_vae_call(runtime):
+    rt, calls = runtime, []
+    vae = rt.family.pipe.vae
+    real = vae.encode
+    vae.encode = lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k)
+    picture, _ = sample_image(64)
+    other = np.ascontiguousarray(255 - picture)
+    wide = np.ascontiguousarray(np.concatenate([picture, other], axis=1)[:, :96])
+    plan = {0: [(edit("a", 1, prompt="make it blue", steps=3), [picture]),
+                (edit("b", 2, prompt="make it red", steps=3, n=2), [other]),
+                (edit("c", 3, prompt="wider", steps=3, width=96), [wide])]}
+    try:
+        images = run_plan(rt.step_engine(), plan)
+    finally:
+        vae.encode = real
+    assert sorted(calls) == [1, 2]  # the two 64x64 inputs in one call, the wide one alone
+    for r, frames in plan[0]:
+        expected = solo(rt.loaded, rt.pipelines, r, references=frames)
+        assert max_diff(images[r.request_id], expected) <= 2, r.request_id
+
+
 def test_request_mode_batches_edits_of_several_requests_in_one_call(runtime):
     rt = runtime
     picture, _ = sample_image(64, seed=3)

@@ -94,3 +94,17 @@ def test_bfloat16_rollouts_log_probs_are_what_a_trainer_recomputes():
                   - 0.5 * math.log(2 * math.pi)).mean().item()
             worst = max(worst, abs(lp - float(t["log_probs"][i, step])))
     assert worst <= 1e-4, worst  # 7e-8 measured; 2.4e-4 when the float32 sample was recorded
+
+
+def test_the_float32_reference_knows_what_the_upcast_adds_before_it_casts():
+    """On a GPU the reference runs on the CPU where the upcast weights would not fit beside what
+    the device holds: known from the weights' sizes before any cast (an 80 GB card holds
+    Qwen-Image in bfloat16, not in float32)."""
+    half = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
+    full = torch.nn.Linear(8, 8)  # already float32: adds nothing
+    pipe = type("Pipe", (), {"components": {"transformer": half, "vae": full, "scheduler": None}})()
+    assert float32_reference.extra_bytes(pipe) == (64 * 32 + 32) * 2
+    assert float32_reference.fits(pipe, "cpu")
+    with float32_reference.in_float32(pipe):
+        assert half.weight.dtype == torch.float32
+    assert half.weight.dtype == torch.bfloat16

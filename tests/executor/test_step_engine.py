@@ -201,16 +201,17 @@ class Fault:
     kernel or scheduler error would. ``concerns(culprit_unit, args)`` tells."""
 
     def __init__(self, engine: StepEngine, method: str, culprit: str, concerns) -> None:
-        self.engine, self.method, self.culprit, self.concerns = engine, method, culprit, concerns
+        self.engine, self.method, self.concerns = engine, method, concerns
+        # The culprit's unit, found while it runs (a finished one is decoded after it left).
+        self.unit = next(u for u in engine.units if u.request.request_id == culprit)
         self.real = getattr(engine.family, method)
         self.raised = 0
         setattr(engine.family, method, self)
 
     def __call__(self, *args, **kwargs):
-        for unit in self.engine.units:
-            if unit.request.request_id == self.culprit and self.concerns(unit, args):
-                self.raised += 1
-                raise RuntimeError(f"injected fault in {self.method}")
+        if self.concerns(self.unit, args):
+            self.raised += 1
+            raise RuntimeError(f"injected fault in {self.method}")
         return self.real(*args, **kwargs)
 
     def remove(self) -> None:

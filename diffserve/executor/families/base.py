@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from contextlib import contextmanager
+import threading
+from contextlib import contextmanager, nullcontext
 from typing import Any, ClassVar
 
 import numpy as np
@@ -30,16 +31,22 @@ from diffserve.executor.row_scope import RowScope
 from diffserve.tasks import Task
 
 
+# Held while a pipeline's scheduler is swapped (an encode stage preparing a request) and for a
+# whole plain pipeline call (a request-mode task's, on the step loop), which reads it.
+PIPELINE_LOCK = threading.RLock()
+
+
 @contextmanager
 def scheduler_swapped(pipe, scheduler):
     """``pipe`` with ``scheduler`` in place of its own, for one helper call. Bypasses the
     pipeline's ``__setattr__``, which would rewrite its config on every swap."""
-    saved = pipe.__dict__["scheduler"]
-    object.__setattr__(pipe, "scheduler", scheduler)
-    try:
-        yield pipe
-    finally:
-        object.__setattr__(pipe, "scheduler", saved)
+    with PIPELINE_LOCK:
+        saved = pipe.__dict__["scheduler"]
+        object.__setattr__(pipe, "scheduler", scheduler)
+        try:
+            yield pipe
+        finally:
+            object.__setattr__(pipe, "scheduler", saved)
 
 
 def moved(value, device):
@@ -214,6 +221,12 @@ class Family:
         """The prompt's conditioning plus what the family adds per request (SDXL: size ids)."""
         return encoded.positive, encoded.negative
 
+    def references_together(self, requests: list[tuple[list, int, int]], dtype):
+        """A context within which the reference images of ``requests`` ((images, width, height)
+        each) are encoded already, together where the family can
+        (:mod:`~diffserve.executor.families.reference_batch`); here, nothing is."""
+        return nullcontext()
+
     def reference_conditioning(self, references: list[np.ndarray], width: int, height: int,
                                k: int, dtype, generators: list) -> dict[str, Any]:
         """Instruction edits (families with ``max_references``): the fields a request's reference
@@ -346,6 +359,16 @@ class Family:
         ``task`` decodes them."""
         latents = self.vae_latents(self.unpack(latents, width, height), task)
         return self.postprocess(self.vae_decode(latents))
+
+    decodes_in_parts: ClassVar[bool] = False  # whether decode_parts yields between parts
+
+    def decode_parts(self, latents, width: int, height: int, task: Task):
+        """:meth:`decode` as a generator that yields between its parts and returns its pixels:
+        the decode stage runs other jobs between two parts. One part here; a video family
+        decodes a few latent frames a part, so that a long video does not hold up the finish
+        of a short one."""
+        return self.decode(latents, width, height, task)
+        yield  # noqa: unreachable - a generator of one part
 
     def unpack(self, latents, width: int, height: int):
         """Latents as the VAE takes them (families that pack latents into tokens unpack here)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.executor.families.flux import Flux, FluxConditioning
+from diffserve.executor.families.reference_batch import TogetherReferences
 
 
 @dataclass
@@ -20,7 +21,7 @@ class KontextConditioning(FluxConditioning):
     image_latents: Any = None  # an edit's reference image, packed into tokens: one row per image
 
 
-class FluxKontext(Flux):
+class FluxKontext(TogetherReferences, Flux):
     name = "flux-kontext"
     pipelines = ("FluxKontextPipeline",)
     max_references = 1  # the pipeline takes one input image
@@ -34,11 +35,13 @@ class FluxKontext(Flux):
         return self.pipe.prepare_latents(None, k, self._channels, height, width, dtype,
                                          self.device, generators)[0]
 
+    def reference_tensor(self, reference, width, height, dtype):
+        return self.image_tensor(self.pipe, reference, width, height).to(self.device, dtype)
+
     def reference_conditioning(self, references, width, height, k, dtype, generators):
         (reference,) = references
         pipe = self.pipe
-        image = self.image_tensor(pipe, reference, width, height).to(self.device, dtype)
-        latents = pipe._encode_vae_image(image, generators[:1])  # the distribution's mode
+        latents = self.reference_latents(reference, width, height, dtype)  # the mode
         h, w = latents.shape[2:]
         packed = pipe._pack_latents(latents, 1, self._channels, h, w)
         return {"image_latents": packed.repeat(k, 1, 1)}

@@ -5,6 +5,7 @@ the family makes its own per size)."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -29,18 +30,20 @@ class PackedFlow(Family):
     def __init__(self, pipe, pipelines, call_kwargs) -> None:
         super().__init__(pipe, pipelines, call_kwargs)
         self._ids: OrderedDict[tuple, Any] = OrderedDict()
+        self._ids_lock = threading.Lock()  # the step loop and an encode stage both ask
 
     def _position_ids(self, width: int, height: int, make):
         """The image tokens' position ids at this size, ``make()`` once while the size is in
         use (built on the host and copied up, they would cost a copy that waits for the device
         at every forward)."""
         key = (width, height, self.dtype)
-        if key not in self._ids:
-            self._ids[key] = make()
-            while len(self._ids) > IDS_CACHED:
-                self._ids.popitem(last=False)
-        self._ids.move_to_end(key)
-        return self._ids[key]
+        with self._ids_lock:
+            if key not in self._ids:
+                self._ids[key] = make()
+                while len(self._ids) > IDS_CACHED:
+                    self._ids.popitem(last=False)
+            self._ids.move_to_end(key)
+            return self._ids[key]
 
     @property
     def _channels(self) -> int:

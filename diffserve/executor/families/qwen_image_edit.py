@@ -18,6 +18,7 @@ from typing import Any
 
 from diffserve.executor.families.conditioning import Encoded
 from diffserve.executor.families.qwen_image import QwenImage, QwenImageConditioning
+from diffserve.executor.families.reference_batch import TogetherReferences
 
 VAE_AREA = 1024 * 1024  # the pixels the pipelines encode each input image at
 
@@ -27,7 +28,7 @@ class QwenEditConditioning(QwenImageConditioning):
     image_latents: Any = None  # the input images' VAE latents, packed: one row per image
 
 
-class QwenImageEdit(QwenImage):
+class QwenImageEdit(TogetherReferences, QwenImage):
     name = "qwen-image-edit"
     pipelines = ("QwenImageEditPipeline",)
     max_references = 1
@@ -75,12 +76,15 @@ class QwenImageEdit(QwenImage):
         return self.pipe.prepare_latents(None, k, self._channels, height, width, dtype,
                                          self.device, generators)[0]
 
+    def reference_tensor(self, reference, width, height, dtype):
+        image = self._resized(reference, VAE_AREA)
+        tensor = self.pipe.image_processor.preprocess(image, image.height, image.width)
+        return tensor.unsqueeze(2).to(self.device, dtype)
+
     def reference_conditioning(self, references, width, height, k, dtype, generators):
         pipe, packed = self.pipe, []
         for reference in references:
-            image = self._resized(reference, VAE_AREA)
-            tensor = pipe.image_processor.preprocess(image, image.height, image.width).unsqueeze(2)
-            latents = pipe._encode_vae_image(tensor.to(self.device, dtype), generators[:1])
+            latents = self.reference_latents(reference, width, height, dtype)
             *_, h, w = latents.shape
             packed.append(pipe._pack_latents(latents, 1, self._channels, h, w))
         return {"image_latents": self.torch.cat(packed, dim=1).repeat(k, 1, 1)}

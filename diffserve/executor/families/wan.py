@@ -22,6 +22,9 @@ from diffserve.executor.blocks import BlockKind
 from diffserve.executor.families.base import Family, to_uint8
 from diffserve.executor.families.conditioning import Conditioning, Encoded, Prepared
 
+# Latent frames the decode stage decodes before it lets another job run (4 video frames each).
+LATENT_FRAMES_PER_PART = 4
+
 
 @dataclass
 class WanConditioning(Conditioning):
@@ -130,12 +133,44 @@ class Wan(Family):
 
     def decode(self, latents, width, height, task) -> np.ndarray:
         """Videos (k, frames, height, width, 3), as the pipelines decode them."""
+        video = self.pipe.vae.decode(self._vae_input(latents), return_dict=False)[0]
+        return self._pixels(video)
+
+    decodes_in_parts = True
+
+    def decode_parts(self, latents, width, height, task):
+        """:meth:`decode`, LATENT_FRAMES_PER_PART latent frames a part: the VAE's causal
+        decoder run frame by frame as ``AutoencoderKLWan.decode`` runs it, with a cache of its
+        own (the VAE's is shared by every call). Where the VAE tiles, or hooks wrap its decode
+        (offloading), one part: its own decode."""
+        vae, torch = self.pipe.vae, self.torch
+        counts = getattr(vae, "_cached_conv_counts", None)
+        if vae.use_tiling or counts is None or getattr(vae, "_hf_hook", None) is not None:
+            return self.decode(latents, width, height, task)
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        cache = [None] * counts["decoder"]
+        x = vae.post_quant_conv(self._vae_input(latents))
+        frames = []
+        for i in range(x.shape[2]):
+            frames.append(vae.decoder(x[:, :, i:i + 1], feat_cache=cache, feat_idx=[0],
+                                      first_chunk=i == 0))
+            if (i + 1) % LATENT_FRAMES_PER_PART == 0 and i + 1 < x.shape[2]:
+                yield
+        video = torch.cat(frames, 2)
+        if vae.config.patch_size is not None:
+            video = unpatchify(video, patch_size=vae.config.patch_size)
+        return self._pixels(torch.clamp(video, min=-1.0, max=1.0))
+
+    def _vae_input(self, latents):
         vae, torch = self.pipe.vae, self.torch
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, vae.dtype)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device,
                                                                                 vae.dtype)
-        video = vae.decode(latents.to(vae.dtype) / inverse_std + mean, return_dict=False)[0]
+        return latents.to(vae.dtype) / inverse_std + mean
+
+    def _pixels(self, video) -> np.ndarray:
         return to_uint8(self.pipe.video_processor.postprocess_video(video, output_type="np"))
 
 
