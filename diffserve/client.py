@@ -1,12 +1,16 @@
-"""A Python client for rollouts (``POST /v1/rollouts``), for reinforcement-learning trainers:
-tensors come back as torch tensors, many prompts are sent at once, and an overloaded or
-restarting server (429, 503) is retried as its ``Retry-After`` asks.
+"""A Python client for reinforcement-learning trainers: rollouts (``POST /v1/rollouts``) with
+tensors back as torch tensors, many prompts sent at once, an overloaded or restarting server
+(429, 503) retried as its ``Retry-After`` asks; and the control routes of the online loop (a
+server started with ``--enable-weight-updates``): new weights, from disk or straight from the
+trainer's memory, and sleeping while the trainer has the device.
 
     from diffserve.client import Client
 
     client = Client("http://127.0.0.1:8000")
     groups = client.rollout(["a red circle", "a blue square"], n=16, num_inference_steps=20)
     groups[0].log_probs.shape  # torch.Size([16, 20])
+    groups[0].weight_version   # "0": the weights that made them
+    client.update_weights(tensors=model.state_dict())  # {"weight_version": "1", ...}
 
 Needs ``httpx`` (``pip install 'diffserve[client]'``) and torch.
 """
@@ -40,6 +44,7 @@ class Rollout:
     tensors: dict[str, Any]
     request: dict[str, Any]
     seeds: list[int]
+    weight_version: str = "0"
 
     def __getattr__(self, name: str):  # rollout.latents, rollout.log_probs, ...
         try:
@@ -81,7 +86,45 @@ class Client:
         tensors = load(response.content)
         metadata = _metadata(response.content)
         return Rollout(tensors, json.loads(metadata.get("request", "{}")),
-                       json.loads(metadata.get("seeds", "[]")))
+                       json.loads(metadata.get("seeds", "[]")), metadata.get("weight_version", "0"))
+
+    # -- the online loop's control (--enable-weight-updates) ---------------------------------
+
+    def update_weights(self, path: str | None = None, tensors: dict[str, Any] | None = None,
+                       mode: str = "drain", weight_version: str | None = None) -> dict[str, Any]:
+        """New denoiser weights for every executor: ``path`` (inside the server's
+        --weights-dir) or ``tensors`` (name -> tensor, e.g. a model's ``state_dict()``: written
+        to shared memory on this host, which the server takes over). ``mode``: ``drain`` lets
+        running requests finish on the old weights, ``abort`` ends them. Returns once applied:
+        ``{"weight_version": ..., "applied_at": ...}``."""
+        from diffserve import shared_tensors
+
+        body: dict[str, Any] = {"mode": mode}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if tensors is not None:
+            name = shared_tensors.write(tensors)
+            body["tensors"] = {"shared_memory": name}
+        else:
+            body["path"] = path
+        try:
+            return self._post("/v1/update_weights", body).json()
+        finally:
+            if tensors is not None:  # the server took it over, unless it refused before
+                (shared_tensors.SHARED_DIR / name).unlink(missing_ok=True)
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Give the device back: 1 moves the weights to host memory, 2 drops them."""
+        return self._post("/v1/sleep", {"level": level}).json()
+
+    def wake_up(self) -> dict[str, Any]:
+        return self._post("/v1/wake_up", {}).json()
+
+    def is_sleeping(self) -> bool:
+        response = self.http.get("/v1/is_sleeping")
+        if response.status_code != 200:
+            raise RolloutError(response.status_code, _json(response))
+        return response.json()["is_sleeping"]
 
     def _post(self, path: str, body: dict[str, Any]):
         """The answer, retrying 429 and 503 after the server's ``Retry-After`` (else an

@@ -203,6 +203,15 @@ class ServerConfig:
         "where one is set; paths only inside --lora-dir).")
     lora_dir: str = option("", "Directory that runtime-loaded adapters must lie in (symlinks "
                            "resolved); required with --enable-lora-runtime-updates.")
+    enable_weight_updates: bool = option(
+        False, "The online-RL control routes: POST /v1/update_weights (paths only inside "
+        "--weights-dir, or tensors in shared memory), /v1/sleep, /v1/wake_up and GET "
+        "/v1/is_sleeping (API key required where one is set).")
+    weights_dir: str = option("", "Directory that weight updates from disk must lie in (symlinks "
+                              "resolved); required with --enable-weight-updates.")
+    reject_while_sleeping: bool = option(
+        False, "While the server sleeps (POST /v1/sleep), answer new requests 503 at once instead "
+        "of holding them until it wakes (or --request-timeout-s).")
     video_dir: str = option(
         "", "Video models: the directory of the video jobs (their table in SQLite, MP4s, "
         "thumbnails, sprite sheets); a restart with the same directory keeps every job. Unset: "
@@ -267,6 +276,13 @@ class ServerConfig:
         if self.enable_lora_runtime_updates and not self.lora_dir:
             raise ConfigError("--enable-lora-runtime-updates needs --lora-dir, the one directory "
                               "runtime-loaded adapters may come from")
+        if self.enable_weight_updates and not self.weights_dir:
+            raise ConfigError("--enable-weight-updates needs --weights-dir, the one directory "
+                              "weight updates from disk may come from")
+        if self.enable_weight_updates and self.quantization != "none":
+            raise ConfigError(f"--enable-weight-updates with --quantization {self.quantization}: "
+                              "an update would have to be quantized again as it is applied, "
+                              "which is not done; serve the trained model unquantized")
 
     def __repr__(self) -> str:  # keep the API key out of logs
         shown = dataclasses.replace(self, api_key=("***",)) if self.api_key else self
@@ -397,6 +413,9 @@ def check_parallel(config: ServerConfig) -> None:
             if given:
                 raise ConfigError(f"--tensor-parallel-size with {flag}: diffusers' tensor "
                                   "parallelism refuses PEFT layers and quantized weights")
+    if config.tensor_parallel_size > 1 and config.enable_weight_updates:
+        raise ConfigError("--tensor-parallel-size with --enable-weight-updates: an update holds "
+                          "whole tensors, and each rank holds a shard of them")
     if config.group_size > 1 and config.stages == "on":
         raise ConfigError("--stages on with a parallel group: every rank must admit a request at "
                           "the same step, which encoding beside each rank's loop cannot promise")

@@ -12,7 +12,7 @@ import tempfile
 from contextlib import asynccontextmanager
 from typing import Callable
 
-from diffserve import metrics, processes
+from diffserve import metrics, processes, shared_tensors
 from diffserve.config import ServerConfig
 from diffserve.errors import unavailable
 
@@ -32,6 +32,9 @@ class Engine:
         self.ipc_dir = tempfile.mkdtemp(prefix="diffserve-")
         self._ctx = zmq.Context()
         self.client = EngineClient(self._ctx, self.ipc_dir)
+        # Where weight updates handed over in shared memory are kept (diffserve.shared_tensors).
+        self.shared_dir = self.client.shared_dir = (
+            shared_tensors.shared_directory() if config.enable_weight_updates else None)
         spec = SchedulerSpec(config, self.client.request_addr, self.client.result_addr,
                              self.ipc_dir, self.metrics_dir, os.getpid())
         self.scheduler = processes.start(run_scheduler, spec, "diffserve::scheduler")
@@ -78,4 +81,6 @@ class Engine:
         processes.stop(self.scheduler)
         self._ctx.destroy(linger=0)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        if self.shared_dir:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
         metrics.remove_directory(self.metrics_dir)

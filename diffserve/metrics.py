@@ -29,6 +29,7 @@ SIZE_LABELS = 16
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _HOST_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
 CACHE_OUTCOMES = ("hit", "miss")
+WEIGHT_OUTCOMES = ("applied", "refused", "failed")
 STAGES = ("encode", "decode")  # the step engine's stages (diffserve.executor.stages)
 COMPILE_PHASES = ("startup", "serving")
 
@@ -175,6 +176,20 @@ class EngineMetrics:
             "diffserve_class_queue_time_seconds", "Queue time (arrival to first dispatch) by the "
             f"request's priority class (past {PRIORITY_LABELS} classes, the rest count as "
             "\"other\").", ["priority"], buckets=_LATENCY_BUCKETS)
+        self.sleeping = Gauge(
+            "diffserve_sleeping", "The level the server sleeps at (POST /v1/sleep: 1 weights "
+            "in host memory, 2 dropped); 0 while awake.", multiprocess_mode="livemax")
+        self.queue_held = Gauge(
+            "diffserve_queue_held", "1 while a weight update or a sleep holds the queue (new "
+            "requests wait; running ones finish or, for an update in abort mode, end).",
+            multiprocess_mode="livemax")
+        self.weight_updates_total = Counter(
+            "diffserve_weight_updates", "POST /v1/update_weights by outcome: applied, refused "
+            "(the update did not fit, or another was under way), failed.", ["outcome"])
+        self.weight_update_seconds = Histogram(
+            "diffserve_weight_update_seconds", "An applied weight update, from its request to "
+            "every executor holding it (the drain of running work included).",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
         self.num_requests_paused = Gauge(
             "diffserve_num_requests_paused", "Step mode: request items paused to make room for "
             "better priority classes, waiting to resume.", multiprocess_mode="livesum")

@@ -38,6 +38,7 @@ from diffserve.roles import (  # noqa: F401  (the roles are part of the protocol
     batch_key_fields,
 )
 from diffserve.tasks import GENERATE, Task, task_named
+from diffserve.control import BASE_VERSION, WeightCommand, WeightResult, WeightStep
 
 # Seeds are 32-bit, as the API accepts them; image i of a request uses (seed + i) modulo this.
 SEED_MODULUS = 2**32
@@ -359,9 +360,12 @@ class ExecutorState:
 
 @dataclass(frozen=True)
 class EngineStatus:
-    """Scheduler to frontend: the executors' states (ready while at least one is)."""
+    """Scheduler to frontend: the executors' states (ready while at least one is), the weights'
+    version and whether the server sleeps (its level; 0: awake)."""
 
     executors: list[ExecutorState]
+    weight_version: str = BASE_VERSION
+    sleeping: int = 0
 
     @property
     def ready(self) -> bool:
@@ -377,6 +381,7 @@ class RequestDone:
     seeds: list[int]
     prompt_tokens: int = 0
     cached_steps: list[int] | None = None  # per image, where the request ran with a step cache
+    weight_version: str = BASE_VERSION  # the weights that made it
 
 
 @dataclass(frozen=True)
@@ -428,6 +433,9 @@ class Kind(enum.IntEnum):
     TENSORS = 18        # executor -> frontend: ItemTensors + one frame per tensor
     PROGRESS = 20       # executor -> frontend: Progress
     PAUSE = 19          # scheduler -> executor: Pause
+    WEIGHTS = 21        # frontend -> scheduler: WeightCommand
+    WEIGHT_STEP = 22    # scheduler -> executor: WeightStep
+    WEIGHTS_DONE = 23   # executor -> scheduler -> frontend: WeightResult
 
 
 PAYLOADS: dict[Kind, type] = {
@@ -439,6 +447,7 @@ PAYLOADS: dict[Kind, type] = {
     Kind.ADAPTER_DONE: AdapterResult, Kind.ADAPTER_SYNC: AdapterSync, Kind.TENSORS: ItemTensors,
     Kind.PROGRESS: Progress,
     Kind.PAUSE: Pause,
+    Kind.WEIGHTS: WeightCommand, Kind.WEIGHT_STEP: WeightStep, Kind.WEIGHTS_DONE: WeightResult,
 }
 
 _ENCODER = msgspec.msgpack.Encoder()

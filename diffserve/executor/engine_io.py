@@ -117,6 +117,9 @@ class EngineIO:
     def answer_adapter(self, command_id: str, status: int = 200, error: str = "") -> None:
         self.sock.send_multipart(encode(Kind.ADAPTER_DONE, AdapterResult(command_id, status, error)))
 
+    def answer_weights(self, result) -> None:
+        self.sock.send_multipart(encode(Kind.WEIGHTS_DONE, result))
+
     # What the loops count.
 
     def count_adapter_event(self, event: str, name: str = "", seconds: float | None = None) -> None:

@@ -145,6 +145,7 @@ def run_follower(spec: FollowerSpec) -> None:
     from diffserve.executor.loading import leave_out_unused_libraries
     from diffserve.executor.parallel import Group
     from diffserve.executor.loops import apply_adapter_message
+    from diffserve.executor.weights import run_step
     from diffserve.executor.process_setup import bound_openmp_spin, freeze_heap
     from diffserve.executor.runtime import build_runtime
 
@@ -175,6 +176,12 @@ def run_follower(spec: FollowerSpec) -> None:
                 engine.abandon(*args)
             elif op == "adapter":
                 apply_adapter_message(rt.adapters, silent, *args)
+            elif op == "weights":
+                # A refusal (the update does not fit) is every rank's, as the leader answers it;
+                # a rank that fails otherwise takes its group down, to restart in step.
+                result = run_step(rt.weights, *args)
+                if result.status >= 500:
+                    raise RuntimeError(f"rank {spec.rank} could not apply weights: {result.error}")
     finally:
         ctx.destroy(linger=0)
         group.close()

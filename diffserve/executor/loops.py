@@ -51,15 +51,25 @@ def apply_adapter_message(adapters, io: EngineIO, kind: Kind, msg) -> None:
 ADAPTER_KINDS = (Kind.ADAPTER, Kind.ADAPTER_SYNC)
 
 
+def apply_weight_step(weights, io: EngineIO, step) -> None:
+    """A step of a weight update or a sleep (diffserve.executor.weights), answered."""
+    from diffserve.executor.weights import run_step
+
+    io.answer_weights(run_step(weights, step))
+
+
 class RequestLoop:
     """One work message at a time, one pipeline call each."""
 
-    def __init__(self, make_runner, io: EngineIO, adapters=None, nested: bool = False) -> None:
+    def __init__(self, make_runner, io: EngineIO, adapters=None, nested: bool = False,
+                 weights=None) -> None:
         """``make_runner(should_interrupt, emit_partial, emit_progress)`` builds the request
         runner. ``nested``: the calls of a step loop's request-mode tasks, whose cancels (which
-        may concern its running sets too) also wait for that loop."""
+        may concern its running sets too) also wait for that loop. ``weights``: what weight
+        updates change (diffserve.executor.weights), where they are on."""
         self.io = io
         self.adapters = adapters
+        self.weights = weights
         self.runner = make_runner(self._should_interrupt, io.send_partial, io.send_progress)
         self.nested = nested
         self.running: set[str] = set()
@@ -81,6 +91,8 @@ class RequestLoop:
                 self.execute(msg, frames)
             elif kind in ADAPTER_KINDS:  # between calls: no call ever sees an adapter change
                 apply_adapter_message(self.adapters, self.io, kind, msg)
+            elif kind is Kind.WEIGHT_STEP:  # likewise: no call sees half-new weights
+                apply_weight_step(self.weights, self.io, msg)
             else:
                 log.warning("executor ignored a %s message", kind.name)
 
@@ -125,12 +137,13 @@ class StepLoop:
     ``calls`` between two steps."""
 
     def __init__(self, engine, io: EngineIO, adapters=None, calls: RequestLoop | None = None,
-                 call_tasks: set[str] = frozenset(), link=None) -> None:
+                 call_tasks: set[str] = frozenset(), link=None, weights=None) -> None:
         """``link``: a parallel group's control link (the engine is then its leader's), which
-        adapter changes and the shutdown also go through."""
+        adapter changes, weight steps and the shutdown also go through."""
         self.engine = engine
         self.io = io
         self.adapters = adapters
+        self.weights = weights
         self.calls = calls
         self.call_tasks = call_tasks
         self.link = link
@@ -172,6 +185,11 @@ class StepLoop:
                     if self.link is not None:
                         self.link.send("adapter", kind, msg)
                     apply_adapter_message(self.adapters, self.io, kind, msg)
+                elif kind is Kind.WEIGHT_STEP:  # between two steps: no forward sees half of it
+                    work = self._admit(work)
+                    if self.link is not None:
+                        self.link.send("weights", msg)
+                    apply_weight_step(self.weights, self.io, msg)
                 message = self._receive(block=False)
             if self.stopping:
                 if self.link is not None:

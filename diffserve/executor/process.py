@@ -98,9 +98,9 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
         engine = rt.step_engine(stages=rt.threaded_stages)
         loop = StepLoop(engine if link is None else LeaderEngine(engine, link), io, rt.adapters,
                         RequestLoop(rt.request_runner, io, rt.adapters, nested=True)
-                        if calls else None, calls, link)
+                        if calls else None, calls, link, rt.weights)
     else:
-        loop = RequestLoop(rt.request_runner, io, rt.adapters)
+        loop = RequestLoop(rt.request_runner, io, rt.adapters, weights=rt.weights)
     io.watch_compiles(rt.compiled)
     info = rt.info
     stages = ("" if rt.mode != STEP_MODE else

@@ -48,6 +48,7 @@ class Runtime:
     unavailable: dict[str, str] = dataclasses.field(default_factory=dict)
     group: Any = None  # the parallel group this process is a rank of (diffserve.executor.parallel)
     prompt_cache: Any = None  # diffserve.executor.prompt_cache.PromptCache, where one is kept
+    weights: Any = None  # diffserve.executor.weights.Weights, with --enable-weight-updates
 
     @property
     def task_modes(self) -> dict[str, str]:
@@ -117,6 +118,10 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
     rt = Runtime(loaded, family, pipelines, mode, None, adapters, token_counter(loaded.pipe),
                  config, step_cache_for(config, family, mode, group), compiled, group=group,
                  prompt_cache=prompt_cache_for(config))
+    if config.enable_weight_updates:
+        from diffserve.executor.weights import Weights
+
+        rt.weights = Weights(loaded.pipe, resolve_model(config.model), loaded.device, loaded.dtype)
     rt.info = rt.describe()
     if not config.skip_startup_check:
         _check(rt, config)

@@ -16,22 +16,24 @@ from diffserve.errors import APIError, forbidden, invalid_request, model_not_fou
 from diffserve.protocol import AdapterResult
 
 
-def path_inside(lora_path: str, lora_dir: str) -> str:
-    """``lora_path`` resolved, if it lies inside ``lora_dir``; 403 otherwise, 400 if missing."""
-    root = Path(lora_dir).resolve()
-    candidate = Path(lora_path)
+def path_inside(path: str, root_dir: str, param: str = "lora_path",
+                flag: str = "--lora-dir") -> str:
+    """``path`` resolved, if it lies inside ``root_dir``; 403 otherwise, 400 if missing.
+    ``param`` and ``flag``: the body field and the server flag, as the errors name them."""
+    root = Path(root_dir).resolve()
+    candidate = Path(path)
     resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
     if not resolved.is_relative_to(root):
-        raise forbidden(f"lora_path must lie inside the server's --lora-dir ({lora_dir}); "
-                        f"{lora_path!r} does not", "lora_path")
+        raise forbidden(f"{param} must lie inside the server's {flag} ({root_dir}); "
+                        f"{path!r} does not", param)
     if not resolved.exists():
-        raise invalid_request(f"lora_path {lora_path!r} does not exist in --lora-dir",
-                              "lora_path", "invalid_value")
+        raise invalid_request(f"{param} {path!r} does not exist in {flag}", param,
+                              "invalid_value")
     if resolved.is_dir():  # the loader reads files inside it: each must stay inside too
         for entry in resolved.rglob("*"):
             if not entry.resolve().is_relative_to(root):
-                raise forbidden(f"lora_path {lora_path!r} holds {entry.name!r}, a link to a file "
-                                f"outside the server's --lora-dir ({lora_dir})", "lora_path")
+                raise forbidden(f"{param} {path!r} holds {entry.name!r}, a link to a file "
+                                f"outside the server's {flag} ({root_dir})", param)
     return str(resolved)
 
 

@@ -2,7 +2,8 @@
 
 The routes live by what they do: making images (:mod:`~diffserve.frontend.image_routes`, whose
 requests go through :class:`~diffserve.frontend.serving.Serving`), runtime LoRA updates
-(:mod:`~diffserve.frontend.adapter_routes`) and what the server says of itself
+(:mod:`~diffserve.frontend.adapter_routes`), weight updates and sleeping
+(:mod:`~diffserve.frontend.weight_routes`) and what the server says of itself
 (:mod:`~diffserve.frontend.info_routes`). Every error leaves through
 :func:`diffserve.errors.error_response`.
 """
@@ -26,6 +27,7 @@ from diffserve.frontend.engine_client import EngineClient
 from diffserve.frontend.image_routes import image_routes
 from diffserve.frontend.info_routes import info_routes
 from diffserve.frontend.serving import Serving
+from diffserve.frontend.weight_routes import weight_routes
 from diffserve.metrics import FrontendMetrics
 
 
@@ -48,6 +50,8 @@ def create_app(config: ServerConfig, engine: EngineClient, counts: FrontendMetri
         app.include_router(router)
     if config.enable_lora_runtime_updates:
         app.include_router(adapter_routes(serving))
+    if config.enable_weight_updates:
+        app.include_router(weight_routes(serving))
     app.include_router(info_routes(engine, render_metrics))
     return app
 

@@ -15,6 +15,7 @@ work, and the host is told (``diffserve serve`` then exits non-zero for its supe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -25,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from diffserve.errors import APIError, engine_error, internal_error, unavailable
+from diffserve.control import WeightCommand, WeightResult
 from diffserve.rollouts import join_parts
 from diffserve.protocol import (
     LOAD,
@@ -139,7 +141,8 @@ class EngineClient:
         self.draining = False  # stopping: refuse new work, finish what was accepted
         self.stopped_reason: str | None = None
         self._pending: dict[str, _Pending] = {}
-        self._commands: dict[str, asyncio.Future] = {}  # adapter commands awaiting their result
+        self._commands: dict[str, asyncio.Future] = {}  # adapter and weight commands, by id
+        self.shared_dir: str | None = None  # where weight updates from shared memory are kept
         self._command_ids = itertools.count(1)
         self.adapters: dict[str, None] = {}  # LoRA adapters served now, in the order they came
         self._reader: asyncio.Task | None = None
@@ -227,6 +230,20 @@ class EngineClient:
                 self.adapters.pop(name, None)
         return result
 
+    async def weights_command(self, command: WeightCommand) -> WeightResult:
+        """A weight update, sleep or wake over every executor (its ``command_id`` is set
+        here); the engine's answer, once the command is over."""
+        if self.stopped_reason:
+            raise unavailable(self.stopped_reason)
+        command = dataclasses.replace(command, command_id=f"cmd-{next(self._command_ids)}")
+        future = asyncio.get_running_loop().create_future()
+        self._commands[command.command_id] = future
+        try:
+            await self._out.send_multipart(encode(Kind.WEIGHTS, command))
+            return await future
+        finally:
+            self._commands.pop(command.command_id, None)
+
     def _forget(self, request_id: str) -> bool:
         pending = self._pending.pop(request_id, None)
         if pending is not None and pending.grace is not None:
@@ -297,7 +314,7 @@ class EngineClient:
                         IMAGES_GRACE_S, self._images_lost, msg.request_id)
         elif kind is Kind.REQUEST_FAILED:
             self._finish(msg.request_id, engine_error(msg.status, msg.message, msg.type, msg.code))
-        elif kind is Kind.ADAPTER_DONE:
+        elif kind in (Kind.ADAPTER_DONE, Kind.WEIGHTS_DONE):
             future = self._commands.get(msg.command_id)
             if future is not None and not future.done():
                 future.set_result(msg)

@@ -108,7 +108,8 @@ def image_routes(serving: Serving) -> APIRouter:
 
         def respond(request: ImageRequest, done) -> Response:
             metadata = {"request": rollout_fields(request), "seeds": done.done.seeds,
-                        "model": engine.model_info.name, "latents_layout": LATENTS_LAYOUT}
+                        "model": engine.model_info.name, "latents_layout": LATENTS_LAYOUT,
+                        "weight_version": done.done.weight_version}
             return Response(safetensors_body(done.tensors, metadata),
                             media_type="application/octet-stream")
 

@@ -31,7 +31,8 @@ def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, 
                     partial_images=info.partial_images, max_edit_images=info.max_edit_images,
                     schedulers=info.schedulers, num_frames=info.num_frames,
                     frame_stride=info.frame_stride, fps=info.fps, parallel=info.parallel,
-                    components=[dataclasses.asdict(c) for c in info.components])
+                    components=[dataclasses.asdict(c) for c in info.components],
+                    weight_version=engine.status.weight_version)
         return ModelList(data=[ModelCard(id=info.name, **card),
                                *(ModelCard(id=name, parent=info.name, **card)
                                  for name in engine.adapters)])

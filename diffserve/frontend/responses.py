@@ -58,6 +58,7 @@ class ImageAnswer:
             "usage": self._usage(done.done.prompt_tokens, self.request.n,
                                  None if done.done.cached_steps is None
                                  else sum(done.done.cached_steps)),
+            "weight_version": done.done.weight_version,
         })
 
     def stream(self, first, submission: Submission,
@@ -78,7 +79,9 @@ class ImageAnswer:
                         tokens, cached = event.done.prompt_tokens, event.done.cached_steps
                         for i, (b64, seed) in enumerate(zip(encoded, event.done.seeds)):
                             used = self._usage(tokens, 1, None if cached is None else cached[i])
-                            yield streaming.completed(self.events, common, b64, used, i, n, seed)
+                            yield streaming.completed(
+                                self.events, {**common, "weight_version": event.done.weight_version},
+                                b64, used, i, n, seed)
                         outcome = "success"
                         return
                     (b64,) = await self._encode([event.frame])

@@ -120,6 +120,8 @@ class ImagesResponse(BaseModel):
     size: str
     background: str
     usage: Usage
+    weight_version: str = Field("0", description="The version of the weights that made the "
+                                "images (POST /v1/update_weights; 0: --model's own).")
 
 
 class ModelCard(BaseModel):
@@ -150,6 +152,8 @@ class ModelCard(BaseModel):
                                      "group (ulysses, ring, cfg, tp degrees) and how many groups.")
     components: list[dict] = Field(default_factory=list, description="Where each pipeline "
                                    "component sits: name, device, rank, dtype, bytes.")
+    weight_version: str = Field("0", description="The version of the weights serving now "
+                                "(POST /v1/update_weights; 0: --model's own).")
 
 
 class LoadLoraAdapter(BaseModel):
@@ -167,6 +171,35 @@ class UnloadLoraAdapter(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     lora_name: str = Field(min_length=1, max_length=256)
+
+
+class SharedTensors(BaseModel):
+    """A trainer's tensors in shared memory: a safetensors file it wrote in the host's shared
+    memory directory (/dev/shm), named here; the server takes the file over."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shared_memory: str = Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._-]+\.safetensors$")
+
+
+class UpdateWeights(BaseModel):
+    """``POST /v1/update_weights``: new denoiser weights, from disk (``path``) or from a
+    trainer's memory (``tensors``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(None, min_length=1, max_length=4096)
+    tensors: SharedTensors | None = None
+    mode: Literal["drain", "abort"] = "drain"
+    weight_version: str | None = Field(None, min_length=1, max_length=128, pattern=r"^\S+$")
+
+
+class SleepBody(BaseModel):
+    """``POST /v1/sleep``: 1 moves the weights to host memory, 2 drops them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    level: Literal[1, 2] = 1
 
 
 class ModelList(BaseModel):

@@ -79,7 +79,8 @@ class Completion:
         return Finished(done=RequestDone(r.request_id, [r.seed_of(i) for i in range(r.n)],
                                          tracked.prompt_tokens,
                                          None if cached is None else
-                                         [cached.get(i, 0) for i in range(r.n)]),
+                                         [cached.get(i, 0) for i in range(r.n)],
+                                         self.weight_version),
                         execution_s=tracked.execution_s)
 
     def _settle(self, slot: ExecutorSlot, now: float) -> None:
@@ -136,6 +137,22 @@ class Completion:
         return finished
 
     # -- failures --------------------------------------------------------------------------
+
+    def fail_started(self, status: int, message: str, code: str) -> list[Finished]:
+        """Answer every request that has started and is not done (running, paused, or a part
+        still waiting): before new weights, so that no request is made by two versions."""
+        started = [rid for rid, t in self.requests.items() if t.first_dispatch_at is not None]
+        finished = []
+        for slot in self.slots:
+            keys = [key for key in [*slot.items, *slot.paused] if key[0] in started]
+            for key in keys:
+                if key in slot.items:
+                    slot.take(key)
+                if key in slot.paused:
+                    slot.unpause(key)
+        for rid in started:
+            finished.extend(self._fail(rid, status, message, code))
+        return finished
 
     def fail_all(self, status: int, message: str) -> list[Finished]:
         """Answer every request still known (used when the scheduler must stop)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.policies import QueuePolicy
+from diffserve.control import BASE_VERSION
 from diffserve.protocol import REQUEST_MODE, Cancel, ImageRequest
 from diffserve.scheduler.batcher import Batcher
 from diffserve.scheduler.completion import Completion
@@ -79,6 +80,11 @@ class SchedulerCore(Placement, Completion):
         self.slots = [ExecutorSlot(i) for i in range(num_executors)]
         self.requests: dict[str, _Tracked] = {}
         self.draining = False
+        # The control plane (diffserve.scheduler.weights): while held, nothing leaves the queue
+        # (a weight update or a sleep is under way); refusing: new requests get 503 (asleep).
+        self.held = False
+        self.refusing: str | None = None
+        self.weight_version = BASE_VERSION  # stamped on every answer
         self._work_ids = itertools.count(1)
         self._cancels: list[tuple[int, Cancel]] = []
 
@@ -119,6 +125,11 @@ class SchedulerCore(Placement, Completion):
         return sum(len(slot.paused) for slot in self.slots)
 
     @property
+    def busy(self) -> bool:
+        """Whether any executor holds work (sent and not answered)."""
+        return any(slot.items for slot in self.slots)
+
+    @property
     def any_ready(self) -> bool:
         return any(slot.ready for slot in self.slots)
 
@@ -136,6 +147,8 @@ class SchedulerCore(Placement, Completion):
             return self._refuse(request.request_id, 400, f"a {request.task} request carries "
                                 f"{request.input_frames} input frames, not {len(frames)}",
                                 "invalid_request_error", "invalid_value")
+        if self.refusing:
+            return self._refuse(request.request_id, 503, self.refusing, "server_error", "sleeping")
         if self.max_queue_size and self.num_waiting >= self.max_queue_size:
             return self._refuse(request.request_id, 429, f"The server is overloaded: "
                                 f"{self.num_waiting} requests are waiting (--max-queue-size "

@@ -80,7 +80,7 @@ class Placement:
         """Seconds until :meth:`dispatch` has something to send; None if only an event can change
         that (nothing waiting, or no executor that can take the head)."""
         head = self.batcher.head()
-        if head is None:
+        if head is None or self.held:
             return None
         placed = self._place(head[0])
         if placed is None:
@@ -90,9 +90,9 @@ class Placement:
         return self.batcher.time_until_ready(now, placed.room, placed.room_cost)
 
     def dispatch(self, now: float) -> list[Dispatch]:
-        """Everything that can leave the queue now."""
+        """Everything that can leave the queue now (nothing while the queue is held)."""
         sent = []
-        while (head := self.batcher.head()) is not None:
+        while not self.held and (head := self.batcher.head()) is not None:
             batch_key, enqueued_at = head
             placed = self._place(batch_key)
             if placed is None and self.mode == STEP_MODE and self.policy_uses_priority:

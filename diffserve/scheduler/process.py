@@ -9,6 +9,7 @@ Executors send pixels straight to the frontend; here only their result headers a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from diffserve import metrics, processes
+from diffserve.metrics import WEIGHT_OUTCOMES
 from diffserve.config import ServerConfig
 from diffserve.executor.process import ExecutorSpec, run_executor
 from diffserve.policies import queue_policy_for
@@ -30,7 +32,9 @@ from diffserve.protocol import (
     decode,
     encode,
 )
+from diffserve.control import SHARED
 from diffserve.scheduler.adapters import AdapterRegistry, Outcome
+from diffserve.scheduler.weights import Actions, WeightControl
 from diffserve.scheduler.core import Finished, SchedulerCore
 from diffserve.scheduler.supervisor import FAILED, ExecutorSupervisor
 
@@ -99,6 +103,10 @@ class SchedulerProc:
         self.executors.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.supervisor = ExecutorSupervisor(c.executor_devices(), self._start_executor)
         self.adapters = AdapterRegistry(c.lora_adapters)
+        self.weights = WeightControl(c.reject_while_sleeping)
+        self._weights_began: dict[str, float] = {}  # command id -> when it came
+        for outcome in WEIGHT_OUTCOMES:
+            self.metrics.weight_updates_total.labels(outcome=outcome)
         self.announced = False  # the frontend has the model info
         self.stopping = False
 
@@ -171,6 +179,10 @@ class SchedulerProc:
                 self._send_cancels()
             elif kind is Kind.ADAPTER:
                 self._adapter_command(msg)
+            elif kind is Kind.WEIGHTS:
+                self._weights_began[msg.command_id] = time.monotonic()
+                ready = [i for i, slot in enumerate(self.core.slots) if slot.ready]
+                self._weights_actions(self.weights.begin(msg, ready, self.core.busy), msg.op)
             elif kind is Kind.DRAIN:
                 self.core.start_drain()
             elif kind is Kind.SHUTDOWN:
@@ -193,6 +205,10 @@ class SchedulerProc:
                 continue
             if kind is Kind.ITEMS_DONE:
                 self._answer(self.core.complete(index, msg, now))
+                self._weights_actions(self.weights.tick(self.core.busy))
+            elif kind is Kind.WEIGHTS_DONE:
+                op = self.weights.running.command.op if self.weights.running else None
+                self._weights_actions(self.weights.answered(index, msg, self.core.busy), op)
             elif kind is Kind.ADAPTER_DONE:
                 self._adapter_outcome(self.adapters.answered(index, msg))
             elif kind is Kind.READY:
@@ -215,10 +231,51 @@ class SchedulerProc:
         if outcome.answer is not None:
             self.to_frontend.send_multipart(encode(Kind.ADAPTER_DONE, outcome.answer))
 
+    def _weights_actions(self, actions: Actions, op: str | None = None) -> None:
+        """Carry out what the weight control decided (:mod:`diffserve.scheduler.weights`)."""
+        if actions.fail_started:
+            self._answer(self.core.fail_started(503, actions.fail_started, "weights_updated"))
+        for index, step in actions.sends:
+            self._send_executor(index, encode(Kind.WEIGHT_STEP, step))
+        if actions.sync_others is not None:
+            for index, slot in enumerate(self.core.slots):
+                if slot.ready and index not in actions.sync_others:
+                    for step in self.weights.state_steps(f"state-{index}"):
+                        self._send_executor(index, encode(Kind.WEIGHT_STEP, step))
+        if actions.hold is not None:
+            self.core.held = actions.hold
+            self.metrics.queue_held.set(int(actions.hold))
+        w = self.weights
+        self.core.refusing = ("The server is sleeping (POST /v1/sleep) and answers new requests "
+                              "only once it wakes (POST /v1/wake_up)."
+                              if w.sleeping and w.reject_while_sleeping else None)
+        self.core.weight_version = w.version
+        for path in actions.delete:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if actions.changed:
+            self.metrics.sleeping.set(w.sleeping)
+            self._publish_status()
+        answer = actions.answer
+        if answer is not None:
+            began = self._weights_began.pop(answer.command_id, None)
+            if op == "update":
+                outcome = ("applied" if answer.status == 200 else
+                           "failed" if answer.status >= 500 else "refused")
+                self.metrics.weight_updates_total.labels(outcome=outcome).inc()
+                if answer.status == 200 and began is not None:
+                    self.metrics.weight_update_seconds.observe(time.monotonic() - began)
+                log.info("weight update %s: %s", answer.version if answer.status == 200 else
+                         "refused", answer.error or f"applied in "
+                         f"{time.monotonic() - (began or time.monotonic()):.2f} s")
+            self.to_frontend.send_multipart(encode(Kind.WEIGHTS_DONE, answer))
+
     def _executor_loaded(self, index: int, info, now: float) -> None:
         self.supervisor.loaded(index, info.device)
         # Before any work: what changed at run time while it was loading (or away).
         self._send_executor(index, encode(Kind.ADAPTER_SYNC, AdapterSync(self.adapters.table())))
+        for step in self.weights.catch_up(f"catch-up-{index}"):
+            self._send_executor(index, encode(Kind.WEIGHT_STEP, step))
         if not self.announced:
             self.core.set_mode(info.batching_mode, info.max_batch_cost, info.max_running_cost,
                                info.task_modes)
@@ -256,6 +313,9 @@ class SchedulerProc:
         self._answer(self.core.executor_lost(index, reason, time.monotonic()))
         for outcome in self.adapters.executor_lost(index):
             self._adapter_outcome(outcome)
+        op = self.weights.running.command.op if self.weights.running else None
+        self._weights_actions(self.weights.executor_lost(index, self.core.busy), op)
+        self._weights_actions(self.weights.tick(self.core.busy))
         if not self.announced:
             self._stop(Fatal(f"the executor died before loading the model (exit code "
                              f"{death.exit_code})"))
@@ -305,8 +365,8 @@ class SchedulerProc:
         self._send_cancels()  # the other parts of a request that failed
 
     def _publish_status(self) -> None:
-        self.to_frontend.send_multipart(encode(Kind.ENGINE_STATUS,
-                                               EngineStatus(self.supervisor.states())))
+        self.to_frontend.send_multipart(encode(Kind.ENGINE_STATUS, EngineStatus(
+            self.supervisor.states(), self.weights.version, self.weights.sleeping)))
 
     def _stop(self, fatal: Fatal) -> None:
         """The engine cannot serve: answer everything, tell the frontend, stop the executors."""
@@ -317,6 +377,10 @@ class SchedulerProc:
 
     def _shutdown(self) -> None:
         self._answer(self.core.fail_all(503, "the server is shutting down"))
+        for source in self.weights.sources:  # a trainer's tensors the server took over
+            if source.kind == SHARED:
+                with contextlib.suppress(OSError):
+                    os.unlink(source.path)
         self._stop_executors()
         self.stopping = True
 

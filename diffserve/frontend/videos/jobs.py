@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import time
 import uuid
@@ -107,8 +108,10 @@ class VideoJobs:
             self._fail(job, "server_error", f"{type(error).__name__}: {error}")
         else:
             now = int(time.time())
+            job.params["weight_version"] = event.done.weight_version
             self.store.update(job.id, status=COMPLETED, progress=100, completed_at=now,
-                              expires_at=now + int(self.ttl_s) if self.ttl_s else None)
+                              expires_at=now + int(self.ttl_s) if self.ttl_s else None,
+                              params=json.dumps(job.params))
             self.metrics.finished_total.labels(status=COMPLETED).inc()
             self.metrics.video_seconds_total.inc(request.num_frames / job.params["fps"])
             self.metrics.run_seconds.observe(time.time() - (started or job.created_at))

@@ -41,7 +41,8 @@ def video_object(job: Job) -> Video:
     error = VideoError(code=job.error_code, message=job.error_message or "") if job.error_code else None
     return Video(id=job.id, status=job.status, progress=job.progress, created_at=job.created_at,
                  completed_at=job.completed_at, expires_at=job.expires_at, model=job.model,
-                 prompt=job.prompt, seconds=job.seconds, size=job.size, error=error)
+                 prompt=job.prompt, seconds=job.seconds, size=job.size, error=error,
+                 weight_version=job.params.get("weight_version"))
 
 
 def frame_count(body: VideoCreate, info: ModelInfo, fps: int, limit: int) -> int:

@@ -71,6 +71,7 @@ class Video(BaseModel):
     size: str
     error: VideoError | None = None
     remixed_from_video_id: str | None = None
+    weight_version: str | None = None  # an extension: the weights that made it, once completed
 
 
 class VideoList(BaseModel):
