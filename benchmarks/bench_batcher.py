@@ -1,8 +1,7 @@
-"""Micro-benchmark of the scheduler's Batcher alone: scheduling decisions per second.
-
-A fake clock, requests of four batch signatures and n of 1-4, a no-op executor. ``stream``: one
-arrival per cycle, then every ready batch taken (2% of cycles abort a request). ``backlog@D``: D
-requests waiting, one batch taken per cycle and added back. Target: 20,000 decisions/s.
+"""Micro-benchmark of the scheduler's Batcher alone: scheduling decisions per second, with a fake
+clock, requests of four batch signatures and n of 1-4, a no-op executor. ``stream``: one arrival
+per cycle, then every ready batch taken (2% of cycles abort a request). ``backlog@D``: D requests
+waiting, one batch taken per cycle and added back. Target: 20,000 decisions/s.
 
     python benchmarks/bench_batcher.py --mode step --backlog-depth 100,10000
 """

@@ -1,7 +1,6 @@
 """Instruction edits batched per step: ``--count`` edits sent at once to a step-mode server
 against the same edits one at a time, each image checked against the model's own pipeline
-called alone with its fitted input (in this process). One fresh server per round; the ratio of
-the two wall times is taken within a round, and the median over ``--rounds`` is reported.
+called alone with its fitted input (in this process).
 
     python benchmarks/bench_edits.py --model tiny-flux-kontext --count 8 --rounds 3
 """
@@ -24,15 +23,6 @@ SPEED_UP = "speed-up, at once / one at a time"
 EXPECTED: dict[int, np.ndarray] = {}  # edit i's image from the pipeline alone, made once
 
 
-def inputs(count: int, side: int) -> list[np.ndarray]:
-    """Different structured inputs: gradients and a block, shifted per edit."""
-    ramp = np.linspace(0, 255, side, dtype=np.float32)
-    base = np.stack([np.broadcast_to(ramp, (side, side)), np.broadcast_to(ramp[:, None], (side, side)),
-                     np.full((side, side), 128.0)], axis=-1).astype(np.uint8)
-    base[side // 4:3 * side // 4, side // 4:3 * side // 4] = (200, 40, 30)
-    return [np.ascontiguousarray(np.roll(base, 5 * i, axis=1)) for i in range(count)]
-
-
 async def edit(client: httpx.AsyncClient, url: str, image: np.ndarray, i: int, a) -> np.ndarray:
     png = io.BytesIO()
     Image.fromarray(image).save(png, format="PNG")
@@ -43,8 +33,12 @@ async def edit(client: httpx.AsyncClient, url: str, image: np.ndarray, i: int, a
     return kit.decode(r.json()["data"][0]["b64_json"])
 
 
-async def timed(url: str, images: list[np.ndarray], a) -> tuple[float, float, list[np.ndarray]]:
-    """(one at a time s, at once s, the images made at once), after a warm-up edit."""
+async def timed(url: str, a) -> tuple[float, float, list[np.ndarray], list[np.ndarray]]:
+    """(one at a time s, at once s, the inputs, the images made at once) of ``--count`` edits, each of
+    its own input (the tests' sample image, seeded), after a warm-up edit."""
+    from reference import sample_image
+
+    images = [sample_image(a.side, seed=i)[0] for i in range(a.count)]
     async with httpx.AsyncClient(timeout=3600) as client:
         await edit(client, url, images[0], 999, a)
         start = time.perf_counter()
@@ -52,13 +46,13 @@ async def timed(url: str, images: list[np.ndarray], a) -> tuple[float, float, li
             await edit(client, url, image, i, a)
         alone, start = time.perf_counter() - start, time.perf_counter()
         together = await asyncio.gather(*(edit(client, url, image, i, a) for i, image in enumerate(images)))
-        return alone, time.perf_counter() - start, list(together)
+        return alone, time.perf_counter() - start, images, list(together)
 
 
 def edits(b: kit.Bench) -> dict[str, float | None]:
-    a, images = b.args, inputs(b.args.count, b.args.side)
+    a = b.args
     with b.servers("edits", {"--batching-mode": "step", "--dynamic-batch-max-size": a.count}) as served:
-        alone, at_once, made = asyncio.run(timed(served.urls[0], images, a))
+        alone, at_once, images, made = asyncio.run(timed(served.urls[0], a))
     ref = kit.reference(a.model, a.torch_threads)
     for i, image in enumerate(images):
         if i not in EXPECTED:
@@ -71,14 +65,9 @@ def edits(b: kit.Bench) -> dict[str, float | None]:
     return {"one at a time s": alone, "at once s": at_once, SPEED_UP: alone / at_once, "worst pixel diff": worst}
 
 
-def arguments(p) -> None:
-    p.add_argument("--count", type=kit.count, default=8, help="Edits, one at a time and at once.")
-    p.add_argument("--side", type=int, default=64, help="Side of the inputs and the outputs, pixels.")
-
-
 def main(argv: list[str] | None = None) -> int:
-    return kit.main(__doc__, {"edits": kit.Scenario(edits, [(SPEED_UP, ">=", 2.0)])}, argv, arguments,
-                    model="tiny-flux-kontext", rounds=3, steps=4, torch_threads=0)
+    return kit.main(__doc__, {"edits": kit.Scenario(edits, [(SPEED_UP, ">=", 2.0)])}, argv, model="tiny-flux-kontext",
+                    rounds=3, steps=4, count=8, side=64, torch_threads=0)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,6 @@
-"""The ceiling: the server's own engine in this process, with no server around it.
-
-Loads the model as an executor does and, per batch size B, times B single-image requests through
-the engine of ``--batching-mode`` (request: one pipeline call; step: admitted at once, stepped to
-the end): the median of ``--repeats`` runs as images/s. A server cannot beat B = its largest batch.
+"""The ceiling: the server's own engine in this process, with no server around it. Per batch size
+B, B single-image requests through the engine of ``--batching-mode`` (request: one pipeline call;
+step: admitted at once, stepped to the end): the median of ``--repeats`` runs as images/s.
 
     python benchmarks/bench_offline.py --model tiny-sd --batching-mode step --batch-sizes 1,2,4,8
 """
@@ -24,43 +22,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N.")
     args = p.parse_args(argv)
     sizes = sorted(set(args.batch_sizes))
-    if not sizes or sizes[0] < 1 or args.repeats < 1 or args.warmup < 0:
-        p.error("--batch-sizes needs positive integers, --repeats >= 1, --warmup >= 0")
     from diffserve.executor.process_setup import bound_openmp_spin
 
     bound_openmp_spin()  # as the executor does, before torch loads
     import torch
 
-    from diffserve.config import ServerConfig
     from diffserve.executor.loading import UnsupportedMode
-    from diffserve.executor.runtime import build_runtime
-    from diffserve.protocol import ImageRequest, Work, WorkItem
 
     try:
-        rt = build_runtime(ServerConfig(model=args.model, device=args.device, batching_mode=args.batching_mode),
-                           torch_threads=args.torch_threads)
+        rt = kit.runtime(args.model, args.torch_threads, device=args.device, batching_mode=args.batching_mode)
     except UnsupportedMode as error:
         p.error(str(error))
-    loaded, info, prompts, runner = rt.loaded, rt.info, kit.prompts(), rt.request_runner()
+    loaded, info = rt.loaded, rt.info
     width, height = (int(v) for v in args.size.lower().split("x")) if args.size else (info.width, info.height)
     steps = args.steps or info.default_steps
 
-    def run(batch: int, seed: int) -> None:
-        items = [WorkItem(ImageRequest(f"r{seed}-{i}", args.model, width, height, num_inference_steps=steps,
-                                       guidance_scale=info.default_guidance_scale, prompt=prompts[i % len(prompts)],
-                                       seed=seed + i), 0, 1) for i in range(batch)]
-        if args.batching_mode == "request":
-            outcomes = runner.execute(Work(seed, items), [[] for _ in items])
-        else:
-            engine = rt.step_engine()
-            outcomes = engine.admit(items, [[] for _ in items])
-            while engine:
-                outcomes += engine.step().finished
-        if loaded.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        failed = [o.error for o in outcomes if o.error]
+    def run(batch: int, seed: int) -> float:
+        """Seconds to ``batch`` requests' images (on the host, so the device is done with them)."""
+        start = time.perf_counter()
+        outcomes = kit.run(rt, kit.items(rt, batch, "r", steps, seed, width=width, height=height), args.batching_mode)
+        seconds, failed = time.perf_counter() - start, [o.error for o in outcomes if o.error]
         if failed or len(outcomes) != batch:
             raise RuntimeError(f"B={batch}: {len(failed)} failed ({failed[:1]}), {len(outcomes)} outcomes")
+        return seconds
 
     report = {"model": args.model, "pipeline_class": loaded.pipeline_class, "batching_mode": args.batching_mode,
               "device": loaded.device, "dtype": loaded.dtype, "width": width, "height": height,
@@ -72,11 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in sizes:
         for i in range(args.warmup):
             run(batch, 1000 * i)
-        times = []
-        for i in range(args.repeats):
-            start = time.perf_counter()
-            run(batch, 1000 * i)
-            times.append(time.perf_counter() - start)
+        times = [run(batch, 1000 * i) for i in range(args.repeats)]
         median = statistics.median(times)
         report["results"].append({"batch_size": batch, "median_s": median, "images_per_s": batch / median,
                                   "times_s": times})

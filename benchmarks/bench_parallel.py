@@ -1,10 +1,6 @@
 """One denoiser forward on 1 rank against G (Ulysses), the bytes each collective moves, and the
-speedup on G H100s modelled on paper for real-size FLUX.1-dev, Qwen-Image and Wan 2.1 14B.
-
-Measured: ``--model``'s denoiser on the inputs its pipeline makes (``--size``, ``--batch`` rows),
-alone on rank 0 (all the ranks' threads), then on G spawned ranks as a server's group runs it
-(``parallelize``; gloo on a CPU, NCCL on GPUs), every collective counted. Modelled: FLOPs from the
-shapes; time = FLOPs / (G x ``--tflops``) + bytes a rank sends / ``--link-gbs``, no overlap.
+speed-up on G H100s modelled for real-size FLUX.1-dev, Qwen-Image and Wan 2.1 14B: FLOPs from
+the shapes, time = FLOPs / (G x ``--tflops``) + bytes a rank sends / ``--link-gbs``, no overlap.
 
     python benchmarks/bench_parallel.py --model tiny-flux --ranks 2 --size 256x256 --batch 2
     python benchmarks/bench_parallel.py --model none     # the modelled table alone
@@ -63,14 +59,6 @@ def modelled(tflops: float, link_gbs: float) -> list[dict]:
                          "compute ms": 1e3 * compute, "comm ms": 1e3 * comm, "1 GPU ms": 1e3 * one,
                          "speed-up": one / (compute + comm)})
     return rows
-
-
-def table(rows: list[dict]) -> str:
-    """``rows`` as a markdown table, a column per key any of them has."""
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    cell = lambda v: (f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}") if isinstance(v, float) else v  # noqa: E731
-    return "\n".join(["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-                     + ["| " + " | ".join(str(cell(r.get(k, ""))) for k in keys) + " |" for r in rows])
 
 
 def count_collectives(world: int) -> dict:
@@ -192,9 +180,8 @@ def measure(build, args) -> dict:
     a2a = {f: sum(e[f] for k, e in r["collectives"].items() if "to_all" in k) for f in ("bytes", "sent")}
     return {"figures": {"forward ms, 1 rank": 1e3 * t1, f"forward ms, {args.ranks} ranks": 1e3 * tg,
                         "speed-up": t1 / tg, "max abs diff": float(abs(r.pop("out_1") - r.pop("out_g")).max()),
-                        "all-to-all bytes/forward": a2a["bytes"],
+                        "all-to-all bytes/forward": a2a["bytes"], "all-to-all bytes sent/forward": a2a["sent"],
                         "all-to-all bytes/forward, modelled": r["predicted"]["a2a_bytes"],
-                        "all-to-all bytes sent/forward": a2a["sent"],
                         "collective calls/forward": sum(e["calls"] for e in r["collectives"].values()),
                         "collective calls/forward, modelled": r.pop("predicted")["calls"]}, **r}
 
@@ -214,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model} {args.size}, {args.batch} row(s), on {result['device']}: {result['collectives']}")
     result["modelled"] = modelled(args.tflops, args.link_gbs)
     print(f"\nModelled: a denoising step on H100s, {args.tflops:g} TFLOP/s bf16 each, {args.link_gbs:g} GB/s, "
-          f"no overlap\n\n{table(result['modelled'])}")
-    kit.report("parallel", [result], args, figures=lambda r: r["figures"])
+          f"no overlap\n\n{kit.table(result['modelled'])}")
+    kit.report("parallel", [result], args)
     return 0
 
 

@@ -1,10 +1,7 @@
-"""Interactive and batch classes on one server, under ``--scheduling-policy fcfs`` and ``priority``.
-
-A saturating batch class (``--batch-steps``, ``--batch-clients`` in a closed loop, its API key at
-class 10) beside an interactive class (``--interactive-steps``, class 0, Poisson arrivals at
-``--interactive-load`` percent of its capacity alone): the interactive p50/p99 against its latency
-alone, and the batch class's images/s. The priority server's batch images (some paused and
-resumed) are checked against the plain pipeline alone.
+"""Interactive and batch classes on one server, under ``--scheduling-policy fcfs`` and ``priority``:
+a saturating batch class (class 10) beside interactive Poisson arrivals (class 0) at
+``--interactive-load`` percent of their capacity alone; the interactive p99 against its latency
+alone, the batch class's images/s, and its images against the plain pipeline alone.
 
     python benchmarks/bench_priorities.py --model shapes --rounds 3 --output-file priorities.json
 """
@@ -13,45 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import sys
 import time
 
-import aiohttp
 import numpy as np
 
 import kit
 from diffserve.protocol import ImageRequest
 
 PRODUCT, TRAINER = "product-key", "trainer-key"
+BEARER = {key: {"Authorization": f"Bearer {key}"} for key in (PRODUCT, TRAINER)}
 TARGETS = [("priority interactive p99 / alone", "<=", 1.5), ("batch img/s, priority / fcfs", ">=", 0.9)]
 
 
 async def generate(client, url, key, prompt, seed, steps) -> tuple[float, np.ndarray]:
     start = time.perf_counter()
-    async with client.post(url + kit.ENDPOINT, headers={"Authorization": f"Bearer {key}"}, raise_for_status=True,
-                           json={"prompt": prompt, "seed": seed, "num_inference_steps": steps}) as r:
-        image = kit.decode((await r.json())["data"][0]["b64_json"])
+    image = await kit.image(client, url, {"prompt": prompt, "seed": seed, "num_inference_steps": steps},
+                            headers=BEARER[key])
     return time.perf_counter() - start, image
-
-
-async def fcfs_only(url, a) -> tuple[float, float]:
-    """The interactive capacity (req/s, closed loop at the batch size) and latency alone (s)."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as client:
-        count, start = 4 * a.max_batch_size, time.perf_counter()
-        await kit.drive(lambda i: generate(client, url, PRODUCT, "a red circle on a blue background", i,
-                                           a.interactive_steps), count, concurrency=a.max_batch_size)
-        capacity = count / (time.perf_counter() - start)
-        alone = [(await generate(client, url, PRODUCT, "a green square on a white background", i,
-                                 a.interactive_steps))[0] for i in range(a.alone_requests)]
-    return capacity, statistics.median(alone)
 
 
 async def mixed(url, a, rate: float, seed: int) -> tuple[dict, dict[int, np.ndarray]]:
     """The batch class saturating, interactive arrivals at ``rate`` meanwhile: figures, batch images."""
     images: dict[int, np.ndarray] = {}
     stop = asyncio.Event()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as client:
+    async with kit.session() as client:
         async def batch_client(i):
             while not stop.is_set():
                 images[i] = (await generate(client, url, TRAINER, f"batch job {i}", 1000 + i, a.batch_steps))[1]
@@ -76,9 +59,12 @@ def priorities(b: kit.Bench) -> dict[str, float | None]:
         trainer = f"{TRAINER}:10" if policy == "priority" else TRAINER
         with b.servers(policy, {"--scheduling-policy": policy, "--priority-aging-s": a.aging,
                                 "--api-key": [PRODUCT, trainer], "--max-inference-steps": 1000}) as served:
-            url = served.urls[0]
-            if policy == "fcfs":
-                f["capacity req/s"], f["alone s"] = asyncio.run(fcfs_only(url, a))
+            url, interactive = served.urls[0], {"steps": a.interactive_steps, "headers": BEARER[PRODUCT]}
+            if policy == "fcfs":  # the interactive class alone: its capacity (closed loop) and latency
+                f["capacity req/s"] = b.load(served, "interactive capacity", num_prompts=4 * a.max_batch_size,
+                                             max_concurrency=a.max_batch_size, **interactive)["requests_per_s"]
+                f["alone s"] = b.load(served, "interactive alone", num_prompts=a.alone_requests, max_concurrency=1,
+                                      **interactive)["latency_s"]["p50"]
             figures, images = asyncio.run(mixed(url, a, f["capacity req/s"] * a.interactive_load / 100, b.round - 1))
             if policy == "priority":
                 f["preemptions"] = kit.total(kit.metrics(url), "diffserve_preemptions_total") or 0.0

@@ -1,17 +1,12 @@
-"""Load generator for image servers speaking the OpenAI images API.
+"""Load generator for image servers speaking the OpenAI images API: a closed loop or seeded Poisson
+arrivals, round-robin over the ``--base-url``s; throughput, latency (per step count and size where
+mixed) and, from the change in diffserve's /metrics summed over the servers, what they did.
 
-``--num-prompts`` requests to ``POST {base-url}/v1/images/generations`` in a closed loop
-(``--max-concurrency`` in flight) or at seeded Poisson arrivals (``--request-rate``/s), round-robin
-over the ``--base-url``s: throughput and latency (per step count and per size where they are mixed),
-and, from the change in diffserve's /metrics summed over the servers, what they did.
-
-    python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 \\
-        --num-prompts 200 --max-concurrency 16 --steps 4
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 200 --max-concurrency 16
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -54,38 +49,31 @@ def format_report(r: dict) -> str:
     return "\n".join([title.center(64, "="), *(f"{k + ':':<38}{v}" for k, v in rows), "=" * 64])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = kit.parser(__doc__, size=None, steps=None, output_file=None)
+def main(argv: list[str] | None = None) -> int:
+    p = kit.parser(__doc__, size=None, steps=None, warmup=2, output_file=None)
     p.add_argument("--base-url", dest="base_urls", metavar="URL", action="append", help="Server address; repeat "
                    "(or comma-separate) for round-robin over several. Default: http://127.0.0.1:8000.")
     p.add_argument("--num-prompts", "--num-requests", type=kit.count, default=200, help="Requests after warm-up.")
     p.add_argument("--max-concurrency", type=kit.count, default=None, help="Most in flight (default: no limit).")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Mean requests/s of Poisson arrivals (seeded); "
-                   "inf sends all at once.")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s (seeded); inf: at once.")
     p.add_argument("--mixed-steps", type=kit.ints, help="Comma-separated step counts; each request draws one (seeded).")
     p.add_argument("--sizes", type=kit.names, default=None, help='Sizes to mix, e.g. "32x32,48x48": in '
                    "turn, or drawn with --size-weights; latency is reported per size.")
     p.add_argument("--size-weights", type=kit.floats, help='Draw --sizes with these weights (seeded), e.g. "9,1".')
-    p.add_argument("--models", type=kit.names, default=None, help="`model` of request i is the "
-                   "(i mod count)-th of these (e.g. LoRA adapters served as models).")
+    p.add_argument("--models", type=kit.names, help="`model` of request i: the (i mod count)-th (e.g. LoRA adapters).")
     p.add_argument("--n", type=int, default=1, help="Images per request.")
     p.add_argument("--seed", type=int, default=0, help="Seeds prompts, arrivals, step draws, images.")
-    p.add_argument("--warmup", type=int, default=2, help="Untimed requests per base URL first.")
     p.add_argument("--output-format", choices=("png", "jpeg", "webp"), default=None)
     p.add_argument("--extra-body", type=json.loads, default={},
                    help='JSON object merged into every body, e.g. \'{"model": "m", "guidance_scale": 3}\'.')
     p.add_argument("--timeout", dest="timeout_s", type=float, default=600.0, help="Per-request timeout, s.")
     p.add_argument("--label", default=None, help="Name of this run in the report and JSON.")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = p.parse_args(argv)
     args.base_urls = [u for arg in args.base_urls or ["http://127.0.0.1:8000"] for u in kit.names(arg)]
     try:
         if not isinstance(args.extra_body, dict):
             raise ValueError("--extra-body must be a JSON object")
-        load = kit.Load(**{f.name: getattr(args, f.name) for f in fields(kit.Load)})
+        load = kit.Load(**{f.name: getattr(args, f.name) for f in fields(kit.Load) if hasattr(args, f.name)})
         result = asyncio.run(kit.run_load(load))
     except (ValueError, RuntimeError, OSError) as error:
         print(f"bench_serving.py: error: {error}", file=sys.stderr)

@@ -1,7 +1,5 @@
-"""How long ``diffserve serve`` takes to become ready, and the CPU each of its processes used.
-
-Each of ``--rounds`` fresh starts: the time to ``/health``, and each process's CPU time then
-(``/proc/<pid>/stat``): what a restart after a crash costs, and every server start in the tests.
+"""How long ``diffserve serve`` takes to become ready, and the CPU each of its processes used then
+(``/proc/<pid>/stat``), over ``--rounds`` fresh starts.
 
     python benchmarks/bench_startup.py --model tiny-sd --rounds 3
 """
@@ -51,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p = kit.parser(__doc__, model="tiny-sd", rounds=3, output_file=None)
     p.add_argument("extra", nargs="*", help="more `diffserve serve` arguments (after --)")
     args = p.parse_args(argv)
-    kit.report("startup", [one_start(args) for _ in range(args.rounds)], args)
+    kit.report("startup", [{"figures": one_start(args)} for _ in range(args.rounds)], args)
     return 0
 
 

@@ -1,13 +1,9 @@
-"""One denoising step of the step engine, in process: what the accelerators change.
-
-``compile``: a step at each bucket, eager against ``--compile`` (buckets compiled beforehand, as at
-start-up). ``quantization``: the denoiser's weight bytes, resident memory and step time, float
-against int8 weight-only. ``cache``: the step cache's ceiling, a step whose every row computes
-against one whose every row reuses its cache. Each figure is the median over ``--rounds`` of the
-median over ``--repeats`` steps.
+"""One denoising step of the step engine, in process: what the accelerators change. ``compile``:
+eager against ``--compile`` per bucket; ``quantization``: weights, memory and step time, float
+against int8 weight-only; ``cache``: the step cache's ceiling (every row computes against every
+row reuses). Each figure: the median over ``--rounds`` of the median over ``--repeats`` steps.
 
     python benchmarks/bench_step.py compile --model sd-mid --batch-sizes 1,2,4,8
-    python benchmarks/bench_step.py quantization --model sd-mid --batch-sizes 8
 """
 
 from __future__ import annotations
@@ -22,48 +18,24 @@ import kit
 
 
 def runtime(args, **config):
-    from diffserve.config import ServerConfig
-    from diffserve.executor.runtime import build_runtime
-
-    return build_runtime(ServerConfig(model=args.model, batching_mode="step", skip_startup_check=True, **config),
-                         torch_threads=args.torch_threads)
+    return kit.runtime(args.model, args.torch_threads, batching_mode="step", skip_startup_check=True, **config)
 
 
-def requests(rt, batch: int, steps: int, tag: str, threshold: float | None = None):
-    from diffserve.protocol import ImageRequest, WorkItem
-
-    info = rt.info
-    return [WorkItem(ImageRequest(f"{tag}-{i}", info.name, info.width, info.height, num_inference_steps=steps,
-                                  guidance_scale=info.default_guidance_scale, prompt=f"a red circle {i}", seed=i,
-                                  cache_threshold=threshold), 0, 1) for i in range(batch)]
-
-
-def step_times(engine, items, measure=lambda out: out.seconds) -> list:
-    """Admit ``items`` and step to the end; ``measure(out)`` of each step but the first and the
-    last (which decodes)."""
-    engine.admit(items, [[] for _ in items])
-    seen = []
-    while engine:
-        out = engine.step()
-        if not out.finished:
-            seen.append(measure(out))
-    return seen[1:]
-
-
-def median_step(args, rt, batch: int, tag: str, **kwargs) -> float:
-    """The median of --repeats timed steps of ``batch`` requests admitted together."""
-    return median(step_times(rt.step_engine(), requests(rt, batch, args.repeats + 2, tag, **kwargs)))
+def median_step(args, rt, batch: int, tag: str, hits: bool = False, **fields) -> float:
+    """The median of --repeats steps of ``batch`` requests admitted together (neither the first step
+    nor the last, which decodes); ``hits``: of those whose every row reused its cache."""
+    steps = []
+    kit.stepped(rt.step_engine(), {0: kit.items(rt, batch, tag, args.repeats + 2, **fields)}, steps.append)
+    return median(out.seconds for out in steps[1:-1] if not (hits and out.cache_misses))
 
 
 def compiled(args, batches: list[int]) -> list[dict]:
-    results = []
-    eager = runtime(args)
-    start = time.perf_counter()
+    eager, start = runtime(args), time.perf_counter()
     fast = runtime(args, compile=True)  # warms the native buckets up
     warm_up_s = time.perf_counter() - start
     for batch in batches:  # buckets the warm-up did not reach compile here, untimed
-        step_times(fast.step_engine(), requests(fast, batch, 3, "warm"))
-    graphs = fast.compiled.take_new()
+        kit.run(fast, kit.items(fast, batch, "warm", 3))
+    graphs, results = fast.compiled.take_new(), []
     by_round = {batch: {"eager": [], "compiled": []} for batch in batches}
     for _ in range(args.rounds):  # the two alternate, so that drift hits both alike
         for name, rt in (("eager", eager), ("compiled", fast)):
@@ -74,10 +46,8 @@ def compiled(args, batches: list[int]) -> list[dict]:
         e, c = median(times["eager"]), median(times["compiled"])
         results.append({"batch": batch, "eager step ms": 1000 * e, "compiled step ms": 1000 * c,
                         "speed-up": e / c, "eager by round": times["eager"], "compiled by round": times["compiled"]})
-        print(results[-1], flush=True)
-    results.append({"start-up with --compile s": warm_up_s, "graphs compiled beyond the start-up's": graphs,
-                    "graphs compiled while measuring": recompiled})
-    return results
+    return results + [{"start-up with --compile s": warm_up_s, "graphs compiled beyond the start-up's": graphs,
+                       "graphs compiled while measuring": recompiled}]
 
 
 def quantized(args, batches: list[int]) -> list[dict]:
@@ -95,27 +65,22 @@ def quantized(args, batches: list[int]) -> list[dict]:
             times = [median_step(args, rt, batch, scheme) for _ in range(args.rounds)]
             row[f"step ms, batch {batch}"] = 1000 * median(times)
             row[f"step ms by round, batch {batch}"] = [1000 * t for t in times]
-        print(row, flush=True)
         results.append(row)
         del rt
     return results
 
 
 def ceiling(args, batches: list[int]) -> list[dict]:
-    rt = runtime(args, step_cache="first-block")
-    results = []
+    rt, results = runtime(args, step_cache="first-block"), []
     for batch in batches:
         computing, hitting = [], []
         for _ in range(args.rounds):
-            computing.append(median_step(args, rt, batch, "all", threshold=0.0))
+            computing.append(median_step(args, rt, batch, "all", cache_threshold=0.0))
             # A threshold no change reaches: every step past the first hits (the last computes).
-            seen = step_times(rt.step_engine(), requests(rt, batch, args.repeats + 2, "hit", threshold=1e9),
-                              lambda out: (out.seconds, out.cache_misses))
-            hitting.append(median(s for s, missed in seen if not missed))
+            hitting.append(median_step(args, rt, batch, "hit", hits=True, cache_threshold=1e9))
         c, h = median(computing), median(hitting)
         results.append({"batch": batch, "step ms, every row computes": 1000 * c, "step ms, every row hits": 1000 * h,
                         "ceiling (all hit)": c / h, "by round": {"computes": computing, "hits": hitting}})
-        print(results[-1], flush=True)
     return results
 
 

@@ -1,9 +1,6 @@
-"""Video jobs on a Wan model through the Videos API, end to end against ``diffserve serve`` in step mode.
-
-``--jobs`` jobs created at once (sharing the running set) against one at a time, alternating
-``--rounds`` times on one server: jobs/s from the first create to the last MP4 (medians). Each MP4
-is checked against the plain pipeline alone (PSNR), and so are the step engine's frames for the
-same requests admitted together in this process (within 2/255).
+"""Video jobs on a Wan model through the Videos API of a step-mode ``diffserve serve``: ``--jobs``
+jobs created at once against one at a time (jobs/s, medians of ``--rounds``); each MP4, and the
+step engine's frames for the same requests in this process, against the plain pipeline alone.
 
     python benchmarks/bench_video.py jobs --model tiny-wan
 """
@@ -16,9 +13,9 @@ import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import kit
-from diffserve.protocol import ImageRequest, WorkItem
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the SDK's Videos API
 
@@ -26,8 +23,14 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)  # the SDK's Vide
 def jobs(args) -> dict:
     from openai import OpenAI
 
-    bodies = [dict(prompt=f"video {i}", size=args.size, extra_body={
-        "seed": 100 + i, "num_frames": args.frames, "num_inference_steps": args.steps}) for i in range(args.jobs)]
+    from diffserve.frontend.videos.encode import decode_mp4
+
+    rt = kit.runtime(args.model, args.torch_threads, skip_startup_check=True)  # the engine's own frames
+    width, height = map(int, args.size.split("x"))
+    its = kit.items(rt, args.jobs, "job", args.steps, 100, width=width, height=height, num_frames=args.frames)
+    bodies = [dict(prompt=r.prompt, size=args.size, extra_body={
+        "seed": r.seed, "num_frames": r.num_frames, "num_inference_steps": r.num_inference_steps})
+        for r in (item.request for item in its)]
     rounds: dict[str, list[float]] = {"concurrent": [], "sequential": []}
     bounds = ("--max-batch-cost", args.max_batch_cost) if args.max_batch_cost else ()
     # One intra-op thread unless --torch-threads says more, as the project's test servers run.
@@ -49,41 +52,18 @@ def jobs(args) -> dict:
                 start = time.perf_counter()
                 made = run()
                 rounds[name].append(args.jobs / (time.perf_counter() - start))
-        psnr = min(mp4_psnr(args, client.videos.download_content(v.id).read(), b) for v, b in zip(made, bodies))
+        folder = Path(tempfile.mkdtemp(prefix="bench-video-"))  # the last round's MP4s
+        mp4s = [folder / f"{video.id}.mp4" for video in made]
+        for video, path in zip(made, mp4s):
+            client.videos.download_content(video.id).write_to_file(path)
+    ref = kit.reference(args.model, args.torch_threads)
+    engine = {o.item.request.request_id: o.images for o in kit.stepped(rt.step_engine(), {0: its})}
+    # Each job's frames: from the pipeline alone, the engine's (admitted together), the server's MP4.
+    checked = [(ref.images(it.request), engine[it.request.request_id], mp4) for it, mp4 in zip(its, mp4s)]
     medians = {name: statistics.median(values) for name, values in rounds.items()}
     return {"jobs_per_s": medians, "rounds": rounds, "ratio": medians["concurrent"] / medians["sequential"],
-            "worst_mp4_psnr_db": psnr, "worst_engine_diff": engine_diff(args, bodies)}
-
-
-def request(args, body: dict, request_id: str = "ref") -> ImageRequest:
-    (width, height), extra = map(int, args.size.split("x")), body["extra_body"]
-    return ImageRequest(request_id, args.model, width, height, num_inference_steps=extra["num_inference_steps"],
-                        guidance_scale=5.0, prompt=body["prompt"], seed=extra["seed"], num_frames=extra["num_frames"])
-
-
-def mp4_psnr(args, data: bytes, body: dict) -> float:
-    from diffserve.frontend.videos.encode import decode_mp4
-
-    with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
-        f.write(data)
-        f.flush()
-        frames = decode_mp4(f.name)
-    return kit.psnr(frames, kit.reference(args.model, args.torch_threads, True).images(request(args, body))[0])
-
-
-def engine_diff(args, bodies) -> int:
-    """The step engine's frames for the jobs admitted together, against the pipeline alone."""
-    from diffserve.executor.families import family_for
-    from diffserve.executor.step_engine import StepEngine
-
-    ref = kit.reference(args.model, args.torch_threads, True)
-    engine = StepEngine(family_for(ref.loaded.pipeline_class)(ref.loaded.pipe, ref.pipelines, ref.loaded.call_kwargs))
-    requests = [request(args, body, f"j{i}") for i, body in enumerate(bodies)]
-    engine.admit([WorkItem(r, 0, 1) for r in requests], [[] for _ in requests])
-    made = {}
-    while engine:
-        made.update((o.item.request.request_id, o.images) for o in engine.step().finished)
-    return max(ref.diff(made[r.request_id], ref.images(r)) for r in requests)
+            "worst_mp4_psnr_db": min(kit.psnr(decode_mp4(str(mp4)), alone[0]) for alone, _, mp4 in checked),
+            "worst_engine_diff": max(ref.diff(made, alone) for alone, made, _ in checked)}
 
 
 def main(argv=None) -> int:

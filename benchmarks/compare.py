@@ -1,10 +1,6 @@
 """Named scenarios against diffserve servers that this script starts, one server (or one set of
-servers) at a time, loaded over the OpenAI images API (see docs/benchmark-tools.md).
-
-Each scenario is the function of its name (``overhead``: ``modes``' saturated and idle figures).
-Each figure is taken in each of ``--rounds`` rounds (fresh servers, ratios within a round); the
-medians, with target verdicts, go to ``<scenario>.md`` and ``<scenario>.json`` in ``--output-dir``.
-``--tree`` measures another checkout of the project with the same load and rules.
+servers) at a time, loaded over the OpenAI images API; each scenario is the function of its name
+(docs/benchmark-tools.md says what each measures).
 
     python benchmarks/compare.py modes --model shapes --rounds 3 --output-dir results/modes
 """
@@ -17,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 
 import kit
@@ -29,10 +24,8 @@ BEST = f"best img/s / uncached at PSNR >= {QUALITY_DB:g} dB"
 
 
 def modes(b: Bench, full: bool = True) -> dict[str, float | None]:
-    """Step mode against request mode: saturated img/s and p99 (closed loop at ``--concurrency``);
-    p50/p99 under Poisson arrivals at ``--loads`` percent of request mode's saturated req/s (drawn
-    in ``modes.png``); the short requests' mean latency with ``--mixed-steps`` at about 50% load;
-    the idle overhead at concurrency 1. Without ``full`` (``overhead``) only the first and last."""
+    """Step mode against request mode: saturated, at ``--loads`` percent of request mode's
+    saturation, with ``--mixed-steps``, and idle. Without ``full`` (``overhead``): the first and last."""
     a, f = b.args, {}
     for mode in ("request", "step"):  # request first: its saturation sets the offered loads
         with b.servers(f"{mode} mode", {"--batching-mode": mode}) as served:
@@ -58,10 +51,8 @@ def modes(b: Bench, full: bool = True) -> dict[str, float | None]:
 
 def idle_overhead_ms(idle: dict, delay_ms: float) -> float | None:
     """A lone request's latency beyond its time in the engine and the batching delay."""
-    execution = (idle["server_metrics"] or {}).get("mean_request_execution_s")
-    if execution is None or idle["latency_s"]["mean"] is None:
-        return None
-    return ms(idle["latency_s"]["mean"] - execution) - delay_ms
+    execution, latency = (idle["server_metrics"] or {}).get("mean_request_execution_s"), idle["latency_s"]["mean"]
+    return None if execution is None or latency is None else ms(latency - execution) - delay_ms
 
 
 def closed_loop(b: Bench, systems: list[tuple[str, list[dict | None]]]) -> dict[str, float | None]:
@@ -111,10 +102,8 @@ def plot(summary: dict, args, out_dir: Path, title: str) -> None:
 
 
 def lora(b: Bench) -> dict[str, float | None]:
-    """Requests spread evenly over k distinct random adapters (``--lora-counts``, 0: none) of each
-    rank in ``--lora-ranks``. Step mode: saturated img/s for every k, and the p99 at ``--lora-load``
-    percent of the saturated rate without adapters, with none and with the most; request mode
-    (one stack per call) saturated with the most."""
+    """Requests over k random adapters of each of ``--lora-ranks``: step mode saturated for each k of
+    ``--lora-counts`` and at ``--lora-load`` percent, request mode saturated with the most."""
     from tools.loras import write_lora
 
     a, f, most = b.args, {}, max(b.args.lora_counts)
@@ -149,10 +138,8 @@ def lora(b: Bench) -> dict[str, float | None]:
 
 
 def sizes(b: Bench) -> dict[str, float | None]:
-    """Two sizes (``--sizes``; "rare" is the second) alternating at ``--sizes-load`` percent of
-    request mode's saturated rate, in each mode: each size's p50 and p99, and the saturated img/s.
-    In step mode also each size's arrivals alone (half the rate), one size only at the full rate
-    (images per forward), and a 90/10 mix against the rare size's arrivals alone."""
+    """Two ``--sizes`` mixed at ``--sizes-load`` percent of request mode's saturation, in each mode;
+    in step mode also each size alone and only, and a 90/10 mix against the rare (second) alone."""
     a, f, rate = b.args, {}, None
     if len(a.sizes or []) != 2:
         raise SystemExit("compare.py sizes: needs --sizes with two sizes, e.g. 32x32,48x48")
@@ -183,10 +170,9 @@ def sizes(b: Bench) -> dict[str, float | None]:
                                 num_prompts=max(8, a.num_requests // 4))
             f["p99 ms rare alone"] = ms(rare_alone["latency_s"]["p99"])
     for i, size in enumerate(both, 1):
-        f[f"p99 size {i}, mixed / alone"] = ratio(f.get(f"p99 ms size {i} ({size}), step"),
-                                                  f.get(f"p99 ms size {i} ({size}) alone"))
-        f[f"p50 size {i}, step / request"] = ratio(f.get(f"p50 ms size {i} ({size}), step"),
-                                                   f.get(f"p50 ms size {i} ({size}), request"))
+        of = f"size {i} ({size})"
+        f[f"p99 size {i}, mixed / alone"] = ratio(f.get(f"p99 ms {of}, step"), f.get(f"p99 ms {of} alone"))
+        f[f"p50 size {i}, step / request"] = ratio(f.get(f"p50 ms {of}, step"), f.get(f"p50 ms {of}, request"))
     f["images per forward, mixed / uniform"] = ratio(f.get("images per forward mixed, step"),
                                                      f.get("images per forward, uniform"))
     f["p99 rare size (90/10), mixed / alone"] = ratio(f.get("p99 ms rare (90/10)"), f.get("p99 ms rare alone"))
@@ -195,35 +181,28 @@ def sizes(b: Bench) -> dict[str, float | None]:
     return f
 
 
-ROLLOUT_PROMPTS = ["a red circle", "a blue square", "a green triangle", "a yellow star",
-                   "an orange ring", "a purple cross", "a white disc", "a black bar"]
-
-
 def rollout(b: Bench) -> dict[str, float | None]:
-    """``POST /v1/rollouts``: ``--rollout-prompts`` prompts x ``--rollout-n`` samples all at once, as
-    one request per prompt (step and request mode) and as one request per sample with the group's
-    seeds (step mode). Per layout: samples/s (median of ``--rollout-repeats``) and the time to a
-    group's last sample (mean over groups). One server per mode; each layout warms up first."""
-    a, f = b.args, {}
-    prompts, n = ROLLOUT_PROMPTS[:a.rollout_prompts], a.rollout_n
-    common = {**({"num_inference_steps": a.steps} if a.steps else {}), **({"size": a.size} if a.size else {})}
-    layouts = {  # each a function of the seed: the groups, each a list of request bodies
-        "groups": lambda seed: [[{"prompt": p, "n": n, "seed": seed + g * n, **common}] for g, p in enumerate(prompts)],
-        "singles": lambda seed: [[{"prompt": p, "n": 1, "seed": seed + g * n + i, **common} for i in range(n)]
-                                 for g, p in enumerate(prompts)]}
-    for mode, names in (("step", ("groups", "singles")), ("request", ("groups",))):
+    """``/v1/rollouts``: ``--rollout-prompts`` x ``--rollout-n`` samples at once, a request per prompt
+    (both modes) against a request per sample (step mode): samples/s and a group's last sample."""
+    f, n = {}, b.args.rollout_n
+    for mode, layouts in (("step", ("groups", "singles")), ("request", ("groups",))):
         with b.servers(mode, {"--batching-mode": mode, "--max-n": n, "--dynamic-batch-max-size": n}) as served:
-            for layout in names:
-                f.update(rollout_layout(b, served.urls[0], f"{layout}, {mode}", layouts[layout], len(prompts) * n))
+            for layout in layouts:
+                f.update(rollout_layout(b, served.urls[0], f"{layout}, {mode}", n if layout == "groups" else 1))
     f["samples/s, groups / singles, step"] = ratio(f["samples/s, groups, step"], f["samples/s, singles, step"])
     f["samples/s, groups, step / request"] = ratio(f["samples/s, groups, step"], f["samples/s, groups, request"])
     return f
 
 
-def rollout_layout(b: Bench, url: str, name: str, layout, samples: int) -> dict[str, float | None]:
-    """One layout against one server: a warm-up, then ``--rollout-repeats`` timed repeats."""
-    async def send_all(bodies: list[dict]) -> tuple[float, list[float | None]]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+def rollout_layout(b: Bench, url: str, name: str, per_request: int) -> dict[str, float | None]:
+    """``per_request`` samples a request: a warm-up, then ``--rollout-repeats`` timed repeats."""
+    a, n = b.args, b.args.rollout_n
+    common = {**({"num_inference_steps": a.steps} if a.steps else {}), **({"size": a.size} if a.size else {})}
+    prompts = kit.prompts()[:a.rollout_prompts]
+    samples = len(prompts) * n
+
+    async def send_all(bodies: list[dict]) -> tuple[list[float | None], float]:
+        async with kit.session() as session:
             async def one(i: int) -> float | None:  # its latency, None if it failed
                 start = time.perf_counter()
                 async with session.post(f"{url}/v1/rollouts", json=bodies[i]) as response:
@@ -231,21 +210,18 @@ def rollout_layout(b: Bench, url: str, name: str, layout, samples: int) -> dict[
                     return time.perf_counter() - start if response.status == 200 else None
 
             start = time.perf_counter()
-            latencies = await kit.drive(one, len(bodies))
-            return time.perf_counter() - start, latencies
+            return await kit.drive(one, len(bodies)), time.perf_counter() - start
 
     walls, lasts, failed = [], [], 0
-    for repeat in range(b.args.rollout_repeats + 1):  # the first is the warm-up
-        groups = layout(1000 * repeat)
-        wall, latencies = asyncio.run(send_all([body for g in groups for body in g]))
+    for repeat in range(a.rollout_repeats + 1):  # the first is the warm-up
+        groups = [[{"prompt": p, "n": per_request, "seed": 1000 * repeat + g * n + i, **common}
+                   for i in range(0, n, per_request)] for g, p in enumerate(prompts)]
+        latencies, wall = asyncio.run(send_all([body for g in groups for body in g]))
         failed += latencies.count(None)
         if repeat and None not in latencies:
             walls.append(wall)
-            per_group, i = [], 0
-            for g in groups:  # a group is done when its last request is
-                per_group.append(max(latencies[i:i + len(g)]))
-                i += len(g)
-            lasts.append(statistics.mean(per_group))
+            each = iter(latencies)  # a group is done when its last request is
+            lasts.append(statistics.mean(max(next(each) for _ in g) for g in groups))
     b.runs.append({"label": name, "round": b.round, "completed": len(walls) * samples, "failed": failed,
                    "walls_s": walls, "last_sample_s": lasts, "config": {"num_prompts": len(walls) * samples + failed}})
     b.failed |= failed > 0
@@ -256,10 +232,8 @@ def rollout_layout(b: Bench, url: str, name: str, layout, samples: int) -> dict[
 
 
 def cache(b: Bench) -> dict[str, float | None]:
-    """``--step-cache first-block`` at 0 (uncached) and each of ``--cache-thresholds``, one server
-    each: saturated img/s, the share of rows that reused their cache (warm-up included), and the
-    PSNR of ``--cache-images`` fixed requests against their uncached twins. The headline: the best
-    speed-up of the thresholds whose lowest PSNR is at least 30 dB."""
+    """``--step-cache first-block`` at 0 and each of ``--cache-thresholds``: saturated img/s, rows that
+    hit (warm-up included), and the PSNR of ``--cache-images`` against their uncached twins."""
     a, f = b.args, {}
     thresholds = sorted(set([0.0, *a.cache_thresholds]))
     twins: list[np.ndarray] | None = None
@@ -273,8 +247,7 @@ def cache(b: Bench) -> dict[str, float | None]:
             after = kit.metrics(url)
             images = asyncio.run(sample(url, a.cache_images, a.steps, a.size))
         f[f"img/s, {name}"] = result["images_per_s"]
-        hit, miss = ((kit.total(after, "diffserve_step_cache_rows_total", outcome=k) or 0.0)
-                     - (kit.total(before, "diffserve_step_cache_rows_total", outcome=k) or 0.0)
+        hit, miss = (kit.change(before, after, "diffserve_step_cache_rows_total", outcome=k) or 0.0
                      for k in ("hit", "miss"))
         f[f"rows that hit, {name}"] = hit / (hit + miss) if hit + miss else None
         if twins is None:
@@ -294,13 +267,9 @@ def cache(b: Bench) -> dict[str, float | None]:
 async def sample(url: str, count: int, steps: int | None, size: str | None) -> list[np.ndarray]:
     """``count`` images of fixed prompts and seeds, requested together."""
     extra = {**({"num_inference_steps": steps} if steps else {}), **({"size": size} if size else {})}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as client:
-        async def one(i: int) -> np.ndarray:
-            body = {"prompt": f"a coloured shape, number {i}", "seed": 7919 * i, **extra}
-            async with client.post(url + kit.ENDPOINT, json=body, raise_for_status=True) as response:
-                return kit.decode((await response.json())["data"][0]["b64_json"])
-
-        return await kit.drive(one, count)
+    async with kit.session() as client:
+        return await kit.drive(lambda i: kit.image(
+            client, url, {"prompt": f"a coloured shape, number {i}", "seed": 7919 * i, **extra}), count)
 
 
 def arguments(p) -> None:
@@ -313,12 +282,10 @@ def arguments(p) -> None:
     p.add_argument("--sizes", type=kit.names, help='sizes: the two sizes to mix, e.g. "32x32,48x48" (required).')
     p.add_argument("--sizes-load", type=int, default=60, help="sizes: %% of request mode's saturation.")
     p.add_argument("--rollout-prompts", type=int, default=4, help="rollout: prompts (groups).")
-    p.add_argument("--rollout-n", type=int, default=16, help="rollout: samples per prompt; also the servers' "
-                   "--max-n and --dynamic-batch-max-size.")
+    p.add_argument("--rollout-n", type=int, default=16, help="rollout: samples per prompt (the servers' --max-n).")
     p.add_argument("--rollout-repeats", type=int, default=3, help="rollout: timed repeats per layout.")
     p.add_argument("--cache-thresholds", type=kit.floats, default=[0.1, 0.3], help="cache: the thresholds besides 0.")
-    p.add_argument("--cache-images", type=int, default=16,
-                   help="cache: images compared with their uncached twins per threshold.")
+    p.add_argument("--cache-images", type=int, default=16, help="cache: images compared with their uncached twins.")
 
 
 SCENARIOS = {

@@ -28,10 +28,8 @@ from types import SimpleNamespace
 
 import bench_parallel
 import kit
-from diffserve.config import ServerConfig
 from diffserve.executor import memory, runtime
 from diffserve.executor.loading import load_model
-from diffserve.protocol import ImageRequest, Work, WorkItem
 
 FAMILIES, IMAGES = ("flux", "qwen-image", "wan"), ("flux", "qwen-image")
 SECTIONS: dict[str, SimpleNamespace] = {}
@@ -44,7 +42,8 @@ def section(name: str, needs: str = "", families: tuple = FAMILIES):
 
 def spec(family: str, tiny: bool, scratch: Path) -> tuple[str, dict, dict]:
     """(pipeline class, modules: name -> (class, build) or a built one, the other components):
-    the real sizes, or the embedded tiny model's."""
+    the real sizes, or the embedded tiny model's. Where diffusers' defaults are the released
+    model's sizes (the transformers, the Qwen-Image and Wan VAEs), those."""
     import diffusers as d
     import transformers as t
 
@@ -65,10 +64,7 @@ def spec(family: str, tiny: bool, scratch: Path) -> tuple[str, dict, dict]:
                                 num_attention_heads=12, projection_dim=768, hidden_act="quick_gelu", bos_token_id=512,
                                 eos_token_id=513, pad_token_id=513)  # the byte tokenizer's ids
         return "FluxPipeline", {
-            "transformer": (d.FluxTransformer2DModel, lambda: s(
-                0, d.FluxTransformer2DModel, in_channels=64, num_layers=19, num_single_layers=38,
-                attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                guidance_embeds=True, axes_dims_rope=(16, 56, 56))),
+            "transformer": (d.FluxTransformer2DModel, lambda: s(0, d.FluxTransformer2DModel, guidance_embeds=True)),
             "vae": (d.AutoencoderKL, lambda: s(
                 1, d.AutoencoderKL, latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
                 down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
@@ -85,32 +81,24 @@ def spec(family: str, tiny: bool, scratch: Path) -> tuple[str, dict, dict]:
             vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
             num_key_value_heads=4, rms_norm_eps=1e-6, bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
             rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}),
-            vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                               fullatt_block_indexes=[7, 15, 23, 31]),
+            vision_config=dict(hidden_size=1280),  # else transformers' defaults, Qwen2.5-VL-7B's
             image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
             vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
         return "QwenImagePipeline", {
-            "transformer": (d.QwenImageTransformer2DModel, lambda: s(
-                0, d.QwenImageTransformer2DModel, patch_size=2, in_channels=64, out_channels=16, num_layers=60,
-                attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))),
-            "vae": (d.AutoencoderKLQwenImage, lambda: s(1, d.AutoencoderKLQwenImage, base_dim=96, z_dim=16,
-                                                        num_res_blocks=2, temperal_downsample=[False, True, True])),
+            "transformer": (d.QwenImageTransformer2DModel, lambda: s(0, d.QwenImageTransformer2DModel)),
+            "vae": (d.AutoencoderKLQwenImage, lambda: s(1, d.AutoencoderKLQwenImage)),
             "text_encoder": (t.Qwen2_5_VLForConditionalGeneration,
                              lambda: s(2, t.Qwen2_5_VLForConditionalGeneration, vl))}, {
             "tokenizer": tokenizer, "scheduler": qwen_image.scheduler()}  # Qwen-Image's own settings
     return "WanPipeline", {
-        "transformer": (d.WanTransformer3DModel, lambda: s(
-            0, d.WanTransformer3DModel, patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
-            in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
-            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)),
-        "vae": (d.AutoencoderKLWan, lambda: s(1, d.AutoencoderKLWan, base_dim=96, z_dim=16, num_res_blocks=2,
-                                              temperal_downsample=[False, True, True])),
+        "transformer": (d.WanTransformer3DModel, lambda: s(0, d.WanTransformer3DModel)),  # Wan 2.1 14B
+        "vae": (d.AutoencoderKLWan, lambda: s(1, d.AutoencoderKLWan)),
         "text_encoder": t5(t.UMT5EncoderModel, t.UMT5Config, 256384)}, {
         "tokenizer": character_t5_tokenizer(), "scheduler": d.UniPCMultistepScheduler(
             prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)}
 
 
-def skeleton(family: str, tiny: bool, size: tuple, device: str):
+def skeleton(family: str, tiny: bool, size: tuple, device: str, steps: int | None = None):
     """A pipeline directory without weights (index, tokenizers, scheduler, serving defaults), and
     ``made(dtype, quantization)``: its modules on ``device``, for the loader."""
     import diffusers
@@ -131,11 +119,12 @@ def skeleton(family: str, tiny: bool, size: tuple, device: str):
     for name, obj in others.items():
         obj.save_pretrained(directory / name)
     (directory / "model_index.json").write_text(json.dumps(index))
-    w, h, frames = size
-    defaults = {"width": w, "height": h, "spatial_stride": 16, "guidance_scale": {"flux": 3.5, "wan": 5}.get(family, 4)}
+    w, h, frames = size  # the requests' defaults: this size and the run's steps
+    defaults = {"width": w, "height": h, "spatial_stride": 16, "guidance_scale": {"flux": 3.5, "wan": 5}.get(family, 4),
+                **({"num_frames": frames} if frames else {}), **({"num_inference_steps": steps} if steps else {})}
     if family != "qwen-image":  # whose text is as long as the prompt; the others pad it to this
         defaults["pipeline_kwargs"] = {"max_sequence_length": {"flux": 64, "wan": 32}[family] if tiny else 512}
-    (directory / "diffserve.json").write_text(json.dumps({**defaults, **({"num_frames": frames} if frames else {})}))
+    (directory / "diffserve.json").write_text(json.dumps(defaults))
 
     def made(dtype, quantization: str = "none") -> dict:
         built, default = {}, torch.get_default_dtype()
@@ -167,29 +156,8 @@ def loaded_family(family: str, tiny: bool, size: tuple, device: str, torch_threa
     return load_model(model, device, "auto", torch_threads, components=lambda path, dtype: made(dtype))
 
 
-def items(ctx, rt, family: str, n: int, tag: str, steps: int | None = None) -> list:
-    w, h, frames = ctx.sizes[family]
-    return [WorkItem(ImageRequest(f"{tag}-{i}", rt.info.name, w, h, num_inference_steps=steps or ctx.args.steps,
-                                  guidance_scale=rt.info.default_guidance_scale, prompt=ctx.prompts[i], seed=i,
-                                  num_frames=frames), 0, 1) for i in range(n)]
-
-
-def stepped(rt, first: list, late: list = (), each=lambda out: None) -> list:
-    """Outcomes of ``first`` admitted at once and ``late`` after the first step, stepped to the end;
-    ``each(out)`` of every step that ran a forward."""
-    engine, outcomes = rt.step_engine(), []
-    outcomes += engine.admit(first, [[] for _ in first])
-    while engine:
-        out = engine.step()
-        if out.samples:
-            each(out)
-        outcomes += out.finished + (engine.admit(late, [[] for _ in late]) if late else [])
-        late = []
-    return outcomes
-
-
-def requested(rt, its: list) -> list:
-    return rt.request_runner().execute(Work(0, its), [[] for _ in its])
+def failures(outcomes: list) -> list:
+    return [o.code or o.error[:200] for o in outcomes if o.error]
 
 
 @section("first-day")
@@ -204,34 +172,38 @@ def first_day(ctx, family: str) -> dict:
         rt = ctx.runtime(family, skip_startup_check=True)
     fig.update({"dtype": rt.loaded.dtype, "load and check s": time.perf_counter() - start, "mode": rt.mode,
                 "task modes": rt.task_modes, "fallback": rt.fallback, "unavailable": rt.unavailable})
-    failed = [o.code or o.error[:200] for o in stepped(rt, items(ctx, rt, family, 1, "finite")) if o.error]
+    failed = failures(kit.run(rt, kit.items(rt, 1, "finite")))
     fig.update({"non-finite": failed.count("non_finite_output"), "failed": failed})
     host, rows, denoiser = [], [], rt.family.denoisers[0]  # a step: the denoiser by perf_counter alone, the timer
     hooks = [denoiser.register_forward_pre_hook(lambda *a: host.append(-time.perf_counter())),
              denoiser.register_forward_hook(lambda *a: host.append(host.pop() + time.perf_counter()))]
-    stepped(rt, items(ctx, rt, family, ctx.args.batch, "timing", max(4, ctx.args.steps)),
-            each=lambda out: (rows.append((sum(host), out.seconds - out.host_seconds, out.seconds)), host.clear()))
+
+    def timed(out):
+        if out.samples:
+            rows.append((sum(host), out.seconds - out.host_seconds, out.seconds))
+            host.clear()
+    kit.stepped(rt.step_engine(), {0: kit.items(rt, ctx.args.batch, "timing", max(4, ctx.args.steps))}, timed)
     for hook in hooks:
         hook.remove()
     for i, name in enumerate(("denoiser ms, perf_counter alone", "denoiser+VAE ms, StepTimer", "step ms, synced")):
         fig[name] = 1e3 * statistics.median(r[i] for r in rows[1:-1])  # neither the first step nor the decode
-    fig["out-of-memory split"] = (oom_split(ctx, rt, family) if ctx.cuda else "skipped: needs CUDA") \
+    fig["out-of-memory split"] = (oom_split(ctx, rt) if ctx.cuda else "skipped: needs CUDA") \
         if family in IMAGES else "images only"
     return fig
 
 
-def oom_split(ctx, rt, family: str) -> dict:
+def oom_split(ctx, rt) -> dict:
     torch = ctx.torch
     torch.cuda.empty_cache()
     retries, release = [], memory.release
-    cap = torch.cuda.memory_allocated() + 2.5e9 * ctx.peak(lambda: requested(rt, items(ctx, rt, family, 1, "1", 2)))
+    cap = torch.cuda.memory_allocated() + 2.5e9 * ctx.peak(lambda: kit.run(rt, kit.items(rt, 1, "1", 2), "request"))
     memory.release = lambda error: retries.append(memory.is_out_of_memory(error)) or release(error)
     fig = {"cap GB": cap / 1e9, "requests": 8}
     try:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
-        for mode, run in (("request", requested), ("step", stepped)):
+        for mode in ("request", "step"):
             retries.clear()
-            failed = [o.code or o.error[:200] for o in run(rt, items(ctx, rt, family, 8, mode, 2)) if o.error]
+            failed = failures(kit.run(rt, kit.items(rt, 8, mode, 2), mode))
             fig.update({f"{mode}: out-of-memory retries": sum(retries), f"{mode}: failed": failed})
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
@@ -241,12 +213,11 @@ def oom_split(ctx, rt, family: str) -> dict:
 
 @section("exactness")
 def exactness(ctx, family: str) -> dict:
-    sys.path.insert(0, str(kit.HERE.parent / "tests"))
     from reference import solo
 
     rt = ctx.runtime(family, dtype="bfloat16", skip_startup_check=True)
-    its = items(ctx, rt, family, 4, "exact")
-    served = {o.item.request.request_id: o.images for o in stepped(rt, its[:2], its[2:])}
+    its = kit.items(rt, 4, "exact")  # two join the running set after its first step
+    served = {o.item.request.request_id: o.images for o in kit.stepped(rt.step_engine(), {0: its[:2], 1: its[2:]})}
     pairs = [(served[i.request.request_id].astype(int), solo(rt.loaded, rt.pipelines, i.request)) for i in its]
     return {"dtype": rt.loaded.dtype, "worst pixel diff": max(int(abs(a - b).max()) for a, b in pairs),
             "mean pixel diff": statistics.mean(float(abs(a - b).mean()) for a, b in pairs),
@@ -257,11 +228,11 @@ def exactness(ctx, family: str) -> dict:
 def throughput(ctx, family: str) -> dict:
     rt, b = ctx.runtime(family, skip_startup_check=True), ctx.args.batch
     fig = {"weights GB": ctx.torch.cuda.memory_allocated() / 1e9} if ctx.cuda else {}
-    for mode, run in (("request", requested), ("step", stepped)):
+    for mode in ("request", "step"):
         times = []
         for _ in range(1 + ctx.args.repeats):  # the first warms up
             start = time.perf_counter()
-            peak = ctx.peak(lambda: run(rt, items(ctx, rt, family, b, mode)))
+            peak = ctx.peak(lambda m=mode: kit.run(rt, kit.items(rt, b, m), m))
             times.append(time.perf_counter() - start)
         fig.update({f"img/s, {mode}": b / statistics.median(times[1:]), f"peak GB above, {mode}": peak})
     return {**fig, "step / request": fig["img/s, step"] / fig["img/s, request"]}
@@ -275,7 +246,8 @@ def accelerators(ctx, family: str) -> dict:
         start, steps = time.perf_counter(), []
         rt = ctx.runtime(family, skip_startup_check=True, **config)
         fig[f"{name}: start s"] = time.perf_counter() - start
-        stepped(rt, items(ctx, rt, family, ctx.args.batch, name), each=lambda out, s=steps: s.append(out.seconds))
+        kit.stepped(rt.step_engine(), {0: kit.items(rt, ctx.args.batch, name)},
+                    lambda out, s=steps: out.samples and s.append(out.seconds))
         fig[f"{name}: step ms"] = 1e3 * statistics.median(steps[1:-1])
         del rt
         ctx.free()
@@ -287,33 +259,25 @@ def accelerators(ctx, family: str) -> dict:
 def stages(ctx, family: str) -> dict:
     """Twice --batch requests, one arriving every other step, with the encode and decode stages
     on (their own CUDA streams) and off: images/s and p99 latency."""
-    import select
-
     import numpy as np
 
-    rt, fig = ctx.runtime(family, skip_startup_check=True), {}
+    rt, runs = ctx.runtime(family, skip_startup_check=True), {True: [], False: []}
     for on in (True, False) * (1 + ctx.args.repeats):  # the first of each warms up
-        engine, its = rt.step_engine(stages=on), items(ctx, rt, family, 2 * ctx.args.batch, f"stages-{on}")
-        start, came, left, step = time.perf_counter(), {}, {}, 0
-        while len(left) < len(its):
-            if step % 2 == 0 and len(came) < len(its):
-                item = its[len(came)]
-                came[item.request.request_id] = time.perf_counter()
-                engine.admit([item], [[]])
-            if not engine.steppable and engine.stage_pending:
-                select.select([engine.wakeup.read_fd], [], [], 600)
-                engine.wakeup.clear()
-            left.update((o.item.request.request_id, time.perf_counter()) for o in engine.step().finished)
-            step += 1
+        engine, its = rt.step_engine(stages=on), kit.items(rt, 2 * ctx.args.batch, f"stages-{on}")
+        ends, left = [time.perf_counter()], {}  # ends[k]: when step k began, as the request before it came
+
+        def each(out):
+            ends.append(time.perf_counter())
+            left.update((o.item.request.request_id, ends[-1]) for o in out.finished)
+        kit.stepped(engine, {2 * i: [item] for i, item in enumerate(its)}, each)
         engine.close()
-        key = "on" if on else "off"
-        fig.setdefault(key, []).append((len(its) / (time.perf_counter() - start),
-                                        float(np.percentile([left[r] - came[r] for r in came], 99))))
-    out = {}
-    for key, runs in fig.items():
-        out[f"img/s, stages {key}"] = statistics.median(r[0] for r in runs[1:])
-        out[f"p99 s, stages {key}"] = statistics.median(r[1] for r in runs[1:])
-    return {**out, "img/s, on / off": out["img/s, stages on"] / out["img/s, stages off"]}
+        runs[on].append((len(its) / (ends[-1] - ends[0]), float(np.percentile(
+            [left[item.request.request_id] - ends[2 * i] for i, item in enumerate(its)], 99))))
+    fig = {}
+    for on, key in ((True, "on"), (False, "off")):
+        fig[f"img/s, stages {key}"] = statistics.median(r[0] for r in runs[on][1:])
+        fig[f"p99 s, stages {key}"] = statistics.median(r[1] for r in runs[on][1:])
+    return {**fig, "img/s, on / off": fig["img/s, stages on"] / fig["img/s, stages off"]}
 
 
 @section("parallel", needs="gpus")
@@ -329,19 +293,18 @@ class Context:
     def __init__(self, args) -> None:
         import torch
 
-        self.args, self.torch, self.prompts = args, torch, kit.prompts()
+        self.args, self.torch = args, torch
         self.cuda = torch.cuda.is_available() and not args.tiny
         self.gpus, self.device = (torch.cuda.device_count(), "cuda:0") if self.cuda else (0, "cpu")
         image, video = (tuple(int(v) for v in text.split("x")) for text in (args.size + "x0", args.video))
         self.sizes = {f: video if f == "wan" else image for f in FAMILIES}
 
     def runtime(self, family: str, **config):
-        model, made = skeleton(family, self.args.tiny, self.sizes[family], self.device)
+        model, made = skeleton(family, self.args.tiny, self.sizes[family], self.device, self.args.steps)
         load = runtime.load_model  # given the modules made here (the scheme applied as they are)
         runtime.load_model = lambda *a: load(*a[:5], "none", lambda path, dtype: made(dtype, a[5]))
         try:
-            config = ServerConfig(model=model, device=self.device, **config)
-            return runtime.build_runtime(config, self.device, self.args.torch_threads)
+            return kit.runtime(model, self.args.torch_threads, device=self.device, **config)
         finally:
             runtime.load_model = load
 
@@ -375,7 +338,7 @@ def run_section(ctx, name: str) -> dict:
              **({"error": fig["error"].strip().splitlines()[-1][:80]} if "error" in fig else {})}
             for f, fig in families.items()]
     return {"status": "ran", "seconds": time.perf_counter() - start, "families": families,
-            "table": bench_parallel.table(rows) if rows else ""}
+            "table": kit.table(rows) if rows else ""}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,9 @@
-"""What the tools in benchmarks/ share, so that each tool is only its scenario: the shared
-arguments (:func:`parser`), servers (:func:`server`, :class:`Bench`), the OpenAI images API in a
-closed loop or at Poisson arrivals with latency percentiles and the /metrics delta (:func:`run_load`),
-medians over rounds and target verdicts (:func:`main`, :func:`report`), the plain pipeline alone
-(:func:`reference`). A server-load scenario is a function of a :class:`Bench` returning its figures::
+"""What the tools in benchmarks/ share, so that each tool is only its scenario: arguments
+(:func:`parser`), servers (:func:`server`, :class:`Bench`), load on the OpenAI images API with
+latency percentiles and the /metrics delta (:func:`run_load`), medians over rounds and target
+verdicts (:func:`main`, :func:`report`), the plain pipeline alone (:func:`reference`) and the
+engines in this process (:func:`runtime`, :func:`items`, :func:`stepped`). A server-load scenario
+is a function of a :class:`Bench` returning its figures::
 
     def dp2(b: kit.Bench) -> dict:
         with b.servers("dp2", {"--data-parallel-size": 2}) as served:
@@ -10,8 +11,8 @@ medians over rounds and target verdicts (:func:`main`, :func:`report`), the plai
         return {"img/s, dp2": run["images_per_s"]}
 
     if __name__ == "__main__":
-        sys.exit(kit.main(__doc__, {"dp2": kit.Scenario(dp2, [("img/s, dp2", ">=", 10.0)])},
-                          num_requests=64, concurrency=16, warmup=2))
+        sys.exit(kit.main(__doc__, {"dp2": kit.Scenario(dp2, [("img/s, dp2", ">=", 10.0)])}, num_requests=64,
+                          concurrency=16, warmup=2))
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ import math
 import os
 import platform
 import random
+import select
 import statistics
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -46,6 +49,7 @@ from diffserve.launcher import LaunchError, ServerProcess, free_port
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(1, str(HERE.parent))  # tools/ (random LoRA adapters)
+sys.path.append(str(HERE.parent / "tests"))  # reference.py (the plain pipeline alone), after all else
 
 # -- arguments and output ------------------------------------------------------------------------
 
@@ -70,9 +74,11 @@ ARGS = {  # the shared arguments: name -> (type, help[, choices]); a tool names 
     "num_requests": (count, "Requests per measurement."),
     "concurrency": (count, "Closed-loop concurrency (saturation)."),
     "warmup": (int, "Untimed requests per server (or runs) first."),
-    "repeats": (int, "Timed runs per measurement."),
+    "repeats": (count, "Timed runs per measurement."),
     "rounds": (count, "Rounds, each with fresh servers (or state); figures are their medians."),
-    "batch_sizes": (ints, "Comma-separated images per batch."),
+    "batch_sizes": (counts, "Comma-separated images per batch."),
+    "count": (count, "Requests (edits) per run, one at a time or at once."),
+    "side": (int, "Side of the edits' inputs and outputs, pixels."),
     "torch_threads": (int, "torch intra-op threads per executor (0: torch's default)."),
     "max_batch_size": (int, "Most images in a batch (the servers' --dynamic-batch-max-size)."),
     "batch_delay_ms": (float, "The servers' --dynamic-batch-delay-ms."),
@@ -142,6 +148,11 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return math.inf if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
 
 
+def num(value: float | None) -> str:
+    """A figure as the tables show it."""
+    return "n/a" if value is None else f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
 def judge(value: float | None, op: str, bound: float) -> bool | None:
     """True (met), False (missed) or None (not measured)."""
     return None if value is None else (value >= bound if op == ">=" else value <= bound)
@@ -159,7 +170,6 @@ def summarize(rounds: list[dict[str, float | None]], targets: list[Target] = ())
 def format_table(summary: dict, targets: list[Target] = ()) -> str:
     bounds = {name: f"{op} {bound:g}" for name, op, bound in targets}
     word = {True: "met", False: "**MISSED**", None: "not measured"}
-    num = lambda v: "n/a" if v is None else f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"  # noqa: E731
     rows = ["| figure | median | by round | target | verdict |", "| --- | --- | --- | --- | --- |"]
     rows += [f"| {name} | {num(value)} | {', '.join(num(v) for v in summary['by_round'][name])} | "
              f"{bounds.get(name, '')} | {word[summary['verdicts'][name]] if name in bounds else ''} |"
@@ -169,11 +179,18 @@ def format_table(summary: dict, targets: list[Target] = ()) -> str:
     return "\n".join(rows)
 
 
-def report(name: str, rounds: list[dict], args: argparse.Namespace, targets: list[Target] = (),
-           figures: Callable[[dict], dict] = lambda r: r) -> dict:
-    """The summary of ``rounds`` (``figures`` picks a round's figures), printed as a table and
-    written to the tool's ``--output-file``."""
-    summary = summarize([{k: v for k, v in figures(r).items() if k != "error"} for r in rounds], targets)
+def table(rows: list[dict]) -> str:
+    """``rows`` as a markdown table, a column per key any of them has."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return "\n".join(["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)] + [
+        "| " + " | ".join(num(v) if isinstance(v, float) else str(v) for v in (r.get(k, "") for k in keys)) + " |"
+        for r in rows])
+
+
+def report(name: str, rounds: list[dict], args: argparse.Namespace, targets: list[Target] = ()) -> dict:
+    """The summary of ``rounds`` (each with its ``figures``), printed as a table and written to
+    the tool's ``--output-file``."""
+    summary = summarize([{k: v for k, v in r["figures"].items() if k != "error"} for r in rounds], targets)
     result = {"scenario": name, "config": vars(args), "machine": machine(), "summary": summary,
               "targets": [{"figure": f, "op": op, "bound": bound, "met": summary["verdicts"][f]}
                           for f, op, bound in targets], "rounds": rounds}
@@ -237,12 +254,13 @@ class Bench:
             yield Served([proc.url for proc in procs], all(c is not None for c in configs))
 
     def load(self, served: Served, label: str, **overrides) -> dict:
-        """:func:`run_load` on ``served``: the tool's --num-requests, --warmup, --size and --steps,
-        the round as the seed, ``overrides`` over them."""
+        """:func:`run_load` on ``served``: the tool's --num-requests, --warmup, --size and --steps
+        (where it has them), the round as the seed, ``overrides`` over them."""
         a = self.args
         result = asyncio.run(run_load(Load(**{
-            "base_urls": served.urls, "num_prompts": a.num_requests, "size": getattr(a, "size", None),
-            "steps": getattr(a, "steps", None), "seed": self.round, "warmup": a.warmup, "label": label, **overrides})))
+            "base_urls": served.urls, "num_prompts": getattr(a, "num_requests", None), "size": getattr(a, "size", None),
+            "steps": getattr(a, "steps", None), "seed": self.round, "warmup": getattr(a, "warmup", 0), "label": label,
+            **overrides})))
         result["round"] = self.round
         self.runs.append(result)
         self.failed |= bool(result["failed"]) and served.ours
@@ -261,10 +279,8 @@ class Scenario:
 
 def main(doc: str, scenarios: dict[str, Scenario], argv: list[str] | None = None,
          arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None, **shared) -> int:
-    """A server-load tool: its scenario (named first on the command line where it has several)
-    over --rounds rounds of fresh servers; the rounds, medians and verdicts go to <scenario>.json
-    and <scenario>.md in --output-dir. ``arguments`` adds the tool's own arguments to the shared
-    ones it names in ``shared``."""
+    """A server-load tool: its scenario (named first where it has several) over --rounds rounds of
+    fresh servers, to <scenario>.json and .md in --output-dir; ``arguments`` adds the tool's own."""
     from diffserve.config import DEFAULT_MODEL
     from diffserve.models.registry import resolve_model, serving_defaults
 
@@ -290,7 +306,7 @@ def main(doc: str, scenarios: dict[str, Scenario], argv: list[str] | None = None
             figures, bench.failed = {"error": str(error)}, True
         failed |= bench.failed
         rounds.append({"figures": figures, "runs": bench.runs})
-    result = report(name, rounds, args, scenario.targets, lambda r: r["figures"])
+    result = report(name, rounds, args, scenario.targets)
     title = ", ".join(part for part in (
         f"{name}: {args.model}", hasattr(args, "steps") and f"steps {args.steps or args.default_steps}",
         hasattr(args, "num_requests") and f"{args.num_requests} requests/measurement", f"{args.rounds} round(s)")
@@ -326,6 +342,7 @@ class Load:
     warmup: int = 2  # per base URL
     output_format: str | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # e.g. an API key
     timeout_s: float = 600.0
     label: str | None = None
 
@@ -403,17 +420,17 @@ async def run_load(cfg: Load) -> dict[str, Any]:
     warm = payloads(cfg, cfg.warmup * len(urls), random.Random(cfg.seed - 1))
     bodies = payloads(cfg, cfg.num_prompts, rng)
     slots = min(cfg.max_concurrency or len(bodies), len(bodies))
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=slots + 4),
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=slots + 4), headers=cfg.headers,
                                      timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as client:
         if warm:
             done = await drive(lambda i: send(client, urls[i % len(urls)], warm[i]), len(warm), concurrency=slots)
             if not any(o["ok"] for o in done):
                 raise RuntimeError(f"every warm-up request failed; first error: {done[0]['error']}")
-        before, start = await fetch_metrics(client, urls), time.perf_counter()
+        before, start = metrics(*urls), time.perf_counter()  # nothing is in flight while they are read
         outcomes = await drive(lambda i: send(client, urls[i % len(urls)], bodies[i]), len(bodies),
                                cfg.request_rate, cfg.max_concurrency, rng)
         duration = time.perf_counter() - start
-        after = await fetch_metrics(client, urls)
+        after = metrics(*urls)
     ok = [(b, o) for b, o in zip(bodies, outcomes) if o["ok"]]
     of = lambda key, value: percentiles([o["latency_s"] for b, o in ok if b.get(key) == value])  # noqa: E731
     latency, images = percentiles([o["latency_s"] for _, o in ok]), sum(o["images"] for _, o in ok)
@@ -435,12 +452,22 @@ def decode(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
+async def image(client: aiohttp.ClientSession, url: str, body: dict, **kwargs) -> np.ndarray:
+    """The first image of one generation (an error status raises)."""
+    async with client.post(url + ENDPOINT, json=body, raise_for_status=True, **kwargs) as response:
+        return decode((await response.json())["data"][0]["b64_json"])
+
+
+def session() -> aiohttp.ClientSession:
+    """A client for a tool's own requests, patient with a busy machine."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600))
+
+
 # -- /metrics ------------------------------------------------------------------------------------
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (name, sorted labels) -> value
-# Not a metric of the server's: the executors of the servers read, each counted once. Every
-# executor's series exist from start-up, so counting them does not depend on whether an executor
-# had finished loading when the snapshot was taken (summing its readiness would).
+# Not a metric of the server's: the executors of the servers read, each counted once. Their series
+# exist from start-up, so the count does not depend on whether one had finished loading (its readiness would).
 EXECUTORS = ("executors", ())
 
 
@@ -463,28 +490,25 @@ def total(samples: Samples, name: str, **match: str) -> float | None:
     return sum(values) if values else None
 
 
-def metrics(url: str) -> Samples:
-    """One server's /metrics now."""
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as response:
-        return parse_metrics(response.read().decode())
+def change(before: Samples, after: Samples, name: str, **match: str) -> float | None:
+    """How much :func:`total` of ``name`` grew from ``before`` to ``after``; None if it is in neither."""
+    a = total(after, name, **match)
+    return None if a is None else a - (total(before, name, **match) or 0.0)
 
 
-async def fetch_metrics(client: aiohttp.ClientSession, base_urls: list[str]) -> Samples | None:
-    """diffserve's metrics summed over ``base_urls`` (each counted once); None if any of them
-    has no diffserve /metrics."""
-    async def one(url: str) -> str | None:
-        try:
-            async with client.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
-                text = await response.text()
-                return text if response.status == 200 and "diffserve_batch_size" in text else None
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return None
-
-    texts = await asyncio.gather(*(one(url.rstrip("/")) for url in dict.fromkeys(base_urls)))
-    if None in texts:
-        return None
+def metrics(*urls: str) -> Samples | None:
+    """diffserve's metrics now, summed over ``urls`` (each counted once); None where a server has
+    none (the naive baseline)."""
     samples: Samples = {}
-    for text in texts:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy the environment names
+    for url in dict.fromkeys(u.rstrip("/") for u in urls):
+        try:
+            with opener.open(url + "/metrics", timeout=10) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError:
+            text = ""
+        if "diffserve_batch_size" not in text:
+            return None
         parse_metrics(text, samples)
     return samples
 
@@ -495,24 +519,21 @@ def metrics_delta(before: Samples | None, after: Samples | None, duration_s: flo
     time went given the client's mean latency."""
     if before is None or after is None:
         return None
-
-    def change(name: str, **match: str) -> float | None:
-        a = total(after, name, **match)
-        return None if a is None else a - (total(before, name, **match) or 0.0)
+    grew = functools.partial(change, before, after)
 
     def mean(name: str) -> float | None:
-        s, n = change(name + "_sum"), change(name + "_count")
+        s, n = grew(name + "_sum"), grew(name + "_count")
         return s / n if s is not None and n else None
 
     def by_label(name: str, label: str) -> dict[str, float]:
         """The nonzero changes of ``name`` per value of ``label``."""
         values = sorted({dict(labels).get(label) for n, labels in after if n == name} - {None})
-        return {v: d for v in values if (d := change(name, **{label: v}))}
+        return {v: d for v in values if (d := grew(name, **{label: v}))}
 
-    executors, busy = after.get(EXECUTORS) or 1.0, change("diffserve_executor_busy_seconds_total")
+    executors, busy = after.get(EXECUTORS) or 1.0, grew("diffserve_executor_busy_seconds_total")
     d = {"batching_mode": ",".join(sorted(dict(labels)["mode"] for (n, labels), v in after.items()
                                           if n == "diffserve_batching_mode" and v)),
-         "executors": executors, "dispatches": change("diffserve_batch_size_count"),
+         "executors": executors, "dispatches": grew("diffserve_batch_size_count"),
          "dispatches_by_reason": by_label("diffserve_dispatches_total", "reason"),
          "mean_batch_size": mean("diffserve_batch_size"),
          "mean_step_running_images": mean("diffserve_step_running_images"),
@@ -520,7 +541,7 @@ def metrics_delta(before: Samples | None, after: Samples | None, duration_s: flo
          "mean_batch_execution_s": mean("diffserve_batch_execution_seconds"),
          "mean_request_execution_s": mean("diffserve_request_execution_seconds"),
          "mean_server_latency_s": mean("diffserve_request_latency_seconds"),
-         "images_generated": change("diffserve_images_generated_total"),
+         "images_generated": grew("diffserve_images_generated_total"),
          "requests_by_status": by_label("diffserve_requests_total", "status"),
          # Share of the run the executors spent computing: what the server loses to its own gaps.
          "executor_busy_fraction": None if busy is None or duration_s <= 0 else busy / duration_s / executors,
@@ -535,21 +556,63 @@ def metrics_delta(before: Samples | None, after: Samples | None, duration_s: flo
     return d
 
 
-# -- references ----------------------------------------------------------------------------------
+# -- in process ----------------------------------------------------------------------------------
 
 
 @functools.cache
-def reference(model: str, torch_threads: int = 0, task_pipelines: bool = False) -> SimpleNamespace:
-    """The model's plain diffusers pipeline called alone in this process (tests/reference.py),
-    loaded once: ``images(request, ...)``, its images alone, and ``diff(a, b)``, the largest
-    difference of a pixel value. ``task_pipelines``: each task's own pipeline, not the loaded one."""
-    sys.path.insert(0, str(HERE.parent / "tests"))
+def reference(model: str, torch_threads: int = 0) -> SimpleNamespace:
+    """The model's plain pipeline, loaded once in this process: ``images(request, ...)``, a request's
+    images from it alone (tests/reference.py), and ``diff(a, b)``, the largest pixel difference."""
     from reference import max_diff, solo
 
-    from diffserve.executor import loading
-    from diffserve.executor.families import family_for
+    from diffserve.executor.loading import load_model
 
-    loaded = loading.load_model(model, torch_threads=torch_threads)
-    pipelines = loading.task_pipelines(loaded.pipe, family_for(loaded.pipeline_class)) if task_pipelines else {}
-    return SimpleNamespace(loaded=loaded, pipelines=pipelines, images=functools.partial(solo, loaded, pipelines),
-                           diff=max_diff)
+    loaded = load_model(model, torch_threads=torch_threads)
+    return SimpleNamespace(loaded=loaded, images=functools.partial(solo, loaded, {}), diff=max_diff)
+
+
+def runtime(model: str, torch_threads: int = 0, **config):
+    """``model`` built as an executor builds it, in this process (``config``: ServerConfig's fields)."""
+    from diffserve.config import ServerConfig
+    from diffserve.executor.runtime import build_runtime
+
+    return build_runtime(ServerConfig(model=model, **config), torch_threads=torch_threads)
+
+
+def items(rt, n: int, tag: str = "r", steps: int | None = None, first: int = 0, **fields) -> list:
+    """``n`` one-image work items for ``rt``'s model: seeds from ``first``, prompts from
+    prompts.txt, the model's size, guidance and (without ``steps``) steps; ``fields`` over them."""
+    from diffserve.protocol import ImageRequest, WorkItem
+
+    info, pool = rt.info, prompts()
+    return [WorkItem(ImageRequest(**{
+        "request_id": f"{tag}-{first + i}", "model": info.name, "width": info.width, "height": info.height,
+        "num_inference_steps": steps or info.default_steps, "guidance_scale": info.default_guidance_scale,
+        "prompt": pool[i % len(pool)], "seed": first + i, "num_frames": info.num_frames, **fields}), 0, 1)
+        for i in range(n)]
+
+
+def stepped(engine, arrivals: dict[int, list], each=lambda out: None, inputs=lambda item: []) -> list:
+    """The outcomes of the work items ``arrivals`` admits before each step (by its index), stepped to
+    the end; ``each(out)`` after every step. Waits, as the executor's loop does, where only a stage works."""
+    outcomes, step, last = [], 0, max(arrivals, default=0)
+    while engine or step <= last:
+        if arriving := arrivals.get(step):
+            outcomes += engine.admit(arriving, [inputs(item) for item in arriving])
+        if not engine.steppable and engine.stage_pending:
+            select.select([engine.wakeup.read_fd], [], [], 600)
+            engine.wakeup.clear()
+        out = engine.step()
+        each(out)
+        outcomes += out.finished
+        step += 1
+    return outcomes
+
+
+def run(rt, its: list, mode: str = "step") -> list:
+    """The outcomes of work items ``its`` in ``rt``'s engine of ``mode`` (request: one pipeline call)."""
+    from diffserve.protocol import Work
+
+    if mode == "request":
+        return rt.request_runner().execute(Work(0, its), [[] for _ in its])
+    return stepped(rt.step_engine(), {0: its})

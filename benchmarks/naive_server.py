@@ -1,10 +1,8 @@
 """BASELINE ONLY - not part of diffserve: the server people commonly write around a diffusers
-pipeline (after the diffusers example server), for comparison.
-
-One pipeline call per request in the event loop's thread pool, a fresh scheduler per request
-(schedulers keep per-call state), no batching, no limit on concurrent calls. Like that example it
-shares the tokenizers between threads, which can fail a request now and then under concurrency
-("Sizes of tensors must match"). diffserve's API shape; PNG only; no /metrics.
+pipeline (after the diffusers example server), for comparison. One pipeline call per request in
+the event loop's thread pool, a fresh scheduler per request (schedulers keep per-call state), no
+batching, no limit on concurrent calls. Like that example it shares the tokenizers between
+threads, which can fail a request now and then ("Sizes of tensors must match"). PNG only; no /metrics.
 
     python benchmarks/naive_server.py --model tiny-sd --port 8001
 """
@@ -12,8 +10,6 @@ shares the tokenizers between threads, which can fail a request now and then und
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import sys
 
 import numpy as np
@@ -37,9 +33,9 @@ class Body(BaseModel):
 def create_app(model: str) -> FastAPI:
     import torch
     from diffusers import DiffusionPipeline
-    from PIL import Image
 
     from diffserve.executor.loading import quiet_libraries
+    from diffserve.frontend.encode import encode_image
     from diffserve.models.registry import resolve_model, serving_defaults
 
     state: dict = {}
@@ -59,20 +55,14 @@ def create_app(model: str) -> FastAPI:
         base, d = state["pipe"], state["defaults"]
         pipe = type(base).from_pipe(base, scheduler=base.scheduler.from_config(base.scheduler.config))
         pipe.set_progress_bar_config(disable=True)
-        kwargs = dict(d.get("pipeline_kwargs", {}))
         guidance = d.get("guidance_scale") if body.guidance_scale is None else body.guidance_scale
-        if guidance is not None:
-            kwargs["guidance_scale"] = guidance
+        kwargs = {**d.get("pipeline_kwargs", {}), **({} if guidance is None else {"guidance_scale": guidance})}
         images = pipe(prompt=[body.prompt] * body.n, height=height, width=width, output_type="np",
                       generator=[torch.Generator("cpu").manual_seed(body.seed + i) for i in range(body.n)],
                       num_inference_steps=body.num_inference_steps or d.get("num_inference_steps", 30),
                       **kwargs).images
-        encoded = []
-        for array in np.asarray(images):
-            out = io.BytesIO()
-            Image.fromarray((np.clip(array, 0, 1) * 255).round().astype(np.uint8)).save(out, format="PNG")
-            encoded.append(base64.b64encode(out.getvalue()).decode("ascii"))
-        return encoded
+        pixels = (np.clip(np.asarray(images), 0, 1) * 255).round().astype(np.uint8)
+        return [encode_image(image.tobytes(), width, height, "png") for image in pixels]  # as diffserve encodes
 
     @app.post("/v1/images/generations")
     async def generations(body: Body):
