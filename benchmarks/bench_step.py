@@ -1,7 +1,7 @@
 """One denoising step of the step engine, in process: what the accelerators change. ``compile``:
 eager against ``--compile`` per bucket; ``quantization``: weights, memory and step time, float
 against int8 weight-only; ``cache``: the step cache's ceiling (every row computes against every
-row reuses). Each figure: the median over ``--rounds`` of the median over ``--repeats`` steps.
+row reuses); ``offload``: each ``--offload`` mode's step time (on a CPU: what its hooks cost). Each figure: the median over ``--rounds`` of the median over ``--repeats`` steps.
 
     python benchmarks/bench_step.py compile --model sd-mid --batch-sizes 1,2,4,8
 """
@@ -84,6 +84,16 @@ def ceiling(args, batches: list[int]) -> list[dict]:
     return results
 
 
+def offloads(args, batches: list[int]) -> list[dict]:
+    modes = {mode: runtime(args, offload=mode) for mode in ("none", "layer", "model")}
+    results = []
+    for batch in batches:
+        times = {mode: [median_step(args, rt, batch, mode) for _ in range(args.rounds)] for mode, rt in modes.items()}
+        row = {"batch": batch, **{f"{m} step ms": 1000 * median(t) for m, t in times.items()}}
+        results.append({**row, **{f"{m} / none": median(t) / median(times["none"]) for m, t in times.items()}})
+    return results
+
+
 def resident_mb() -> float:
     with open("/proc/self/status") as status:
         return next((int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:")), 0.0)
@@ -92,7 +102,7 @@ def resident_mb() -> float:
 def main(argv: list[str] | None = None) -> int:
     p = kit.parser(__doc__, model="shapes", batch_sizes=[1, 8], repeats=10, rounds=3, torch_threads=0,
                    output_file=None)
-    p.add_argument("what", choices=("compile", "quantization", "cache"))
+    p.add_argument("what", choices=("compile", "quantization", "cache", "offload"))
     args = p.parse_args(argv)
 
     from diffserve.executor.process_setup import bound_openmp_spin
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     bound_openmp_spin()  # as the executor does, before torch loads
     import torch
 
-    run = {"compile": compiled, "quantization": quantized, "cache": ceiling}[args.what]
+    run = {"compile": compiled, "quantization": quantized, "cache": ceiling, "offload": offloads}[args.what]
     report = {"what": args.what, "model": args.model, "args": vars(args), "torch_threads": torch.get_num_threads(),
               **kit.machine(), "results": run(args, args.batch_sizes), "load_average_after": os.getloadavg()}
     print(json.dumps(report["results"], indent=1))

@@ -3,8 +3,10 @@ built in memory, served as an executor serves them, by section (``--only``; each
 on an H100): ``first-day`` (the start-up check's verdict, no non-finite output, a step timed with
 and without synchronisation, an out-of-memory split), ``exactness`` (step mode against the plain
 pipeline, bf16), ``throughput`` (images/s, peak memory), ``accelerators`` (``--compile``, fp8),
-``stages`` (encode and decode beside the loop, on and off: images/s, p99), ``parallel`` (2+
-GPUs). ``--tiny``: the embedded tiny models on the CPU, the same code in seconds.
+``stages`` (encode and decode beside the loop, on and off: images/s, p99), ``weights`` (the
+whole denoiser updated from disk and from shared memory, sleep and wake), ``memory`` (each
+``--offload`` mode: peak memory, step time), ``parallel`` (2+ GPUs). ``--tiny``: the embedded
+tiny models on the CPU, the same code in seconds.
 A section is a function under ``@section``. docs/benchmarks.md says what each figure is.
 
     python benchmarks/gpu_check.py --output-file gpu-check.json
@@ -17,6 +19,7 @@ import functools
 import gc
 import inspect
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -126,13 +129,13 @@ def skeleton(family: str, tiny: bool, size: tuple, device: str, steps: int | Non
         defaults["pipeline_kwargs"] = {"max_sequence_length": {"flux": 64, "wan": 32}[family] if tiny else 512}
     (directory / "diffserve.json").write_text(json.dumps(defaults))
 
-    def made(dtype, quantization: str = "none") -> dict:
-        built, default = {}, torch.get_default_dtype()
+    def made(dtype, quantization: str = "none", on: str | None = None) -> dict:
+        built, default, where = {}, torch.get_default_dtype(), on or device
         for name, (_, build) in modules.items():
             torch.set_default_dtype(dtype)
             try:
-                with torch.device(device):
-                    built[name] = module = build().to(device, dtype).eval()
+                with torch.device(where):
+                    built[name] = module = build().to(where, dtype).eval()
             finally:
                 torch.set_default_dtype(default)
             # What the libraries keep in float32 as they load in half precision: diffusers its list,
@@ -280,6 +283,47 @@ def stages(ctx, family: str) -> dict:
     return {**fig, "img/s, on / off": fig["img/s, stages on"] / fig["img/s, stages off"]}
 
 
+@section("weights", families=IMAGES)
+def weights(ctx, family: str) -> dict:
+    """The whole denoiser updated from disk and from shared memory, a sleep at level 1, its wake."""
+    from safetensors.torch import save_file
+
+    from diffserve import shared_tensors
+    from diffserve.control import PATH, SHARED, WeightSource
+
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-check-weights-"))
+    rt = ctx.runtime(family, skip_startup_check=True, enable_weight_updates=True, weights_dir=str(scratch))
+    state = {k: v.detach().cpu() for k, v in rt.family.denoisers[0].state_dict().items()}
+    (scratch / "transformer").mkdir()
+    save_file(state, str(scratch / "transformer" / "diffusion_pytorch_model.safetensors"))
+    shared = shared_tensors.SHARED_DIR / shared_tensors.write(state)
+    fig = {"denoiser GB": sum(v.numel() * v.element_size() for v in state.values()) / 1e9}
+    for name, source in (("disk", WeightSource(PATH, str(scratch))), ("shared memory", WeightSource(SHARED, str(shared)))):
+        fig[f"update from {name} s"] = ctx.timed(lambda s=source: (rt.weights.prepare(s), rt.weights.commit(name)))
+    fig.update({"sleep level 1 s": ctx.timed(lambda: rt.weights.sleep(1)), "wake s": ctx.timed(rt.weights.wake)})
+    shared.unlink(missing_ok=True)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return fig
+
+
+@section("memory", needs="cuda", families=IMAGES)
+def offloaded(ctx, family: str) -> dict:
+    """Each --offload mode: the device's peak memory (the weights it holds included) and a step's
+    time, at batch 1 and 8."""
+    fig, cuda = {}, ctx.torch.cuda
+    for mode in ("none", "layer", "model"):
+        rt = ctx.runtime(family, skip_startup_check=True, offload=mode)
+        for batch in (1, 8):
+            steps = []
+            cuda.reset_peak_memory_stats()
+            kit.stepped(rt.step_engine(), {0: kit.items(rt, batch, mode, 4)}, steps.append)
+            fig[f"{mode}: peak GB, batch {batch}"] = cuda.max_memory_allocated() / 1e9
+            fig[f"{mode}: step ms, batch {batch}"] = 1e3 * statistics.median(o.seconds for o in steps[1:-1])
+        del rt
+        ctx.free()
+    return fig
+
+
 @section("parallel", needs="gpus")
 def parallel(ctx, family: str) -> dict:
     ranks = max(g for g in (2, 4, 8) if g <= ctx.gpus)  # each divides 24 (FLUX.1, Qwen-Image) and 40 (Wan) heads
@@ -302,7 +346,9 @@ class Context:
     def runtime(self, family: str, **config):
         model, made = skeleton(family, self.args.tiny, self.sizes[family], self.device, self.args.steps)
         load = runtime.load_model  # given the modules made here (the scheme applied as they are)
-        runtime.load_model = lambda *a: load(*a[:5], "none", lambda path, dtype: made(dtype, a[5]))
+        # Offloaded components are built on the host, where the hooks keep them.
+        on = "cpu" if config.get("offload", "none") != "none" else None
+        runtime.load_model = lambda *a: load(*a[:5], "none", lambda path, dtype: made(dtype, a[5], on), *a[7:])
         try:
             return kit.runtime(model, self.args.torch_threads, device=self.device, **config)
         finally:
@@ -314,6 +360,14 @@ class Context:
         base = cuda and (cuda.reset_peak_memory_stats(), cuda.memory_allocated())[1]
         run()
         return cuda and (cuda.max_memory_allocated() - base) / 1e9
+
+    def timed(self, run) -> float:
+        """Seconds ``run()`` took, the device's queued work included."""
+        start = time.perf_counter()
+        run()
+        if self.cuda:
+            self.torch.cuda.synchronize()
+        return time.perf_counter() - start
 
     def free(self) -> None:
         gc.collect()

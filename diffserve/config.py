@@ -187,6 +187,37 @@ class ServerConfig:
         "none", "Quantize the denoiser's linear weights through diffusers' torchao config: "
         "int8-weight-only (CPU and GPU), fp8-weight-only (GPU). Needs the quantization extra "
         "(torchao).", choices=("none", "int8-weight-only", "fp8-weight-only"))
+    text_encoder_quantization: str = option(
+        "none", "Quantize the text encoders' linear weights through transformers' torchao config "
+        "(the denoiser's schemes): int8-weight-only (CPU and GPU), fp8-weight-only (GPU).",
+        choices=("none", "int8-weight-only", "fp8-weight-only"))
+    offload: str = option(
+        "none", "Keep components in host memory and bring them to the device for their use "
+        "(diffusers' group offloading): layer streams the denoiser's blocks onto the device one "
+        "block ahead of use; model brings each offloaded component whole for each use.",
+        choices=("none", "model", "layer"))
+    offload_components: tuple[str, ...] = option(
+        (), "--offload: which components, of dit (the denoisers), text_encoder, vae. Unset: dit "
+        "for layer, all three for model.")
+    text_encoder_device: str = option(
+        "", "Put the text encoders on this device (cpu, cuda:N), the same for every executor; "
+        "unset: the executor's own.")
+    vae_device: str = option(
+        "", "Put the VAE on this device (cpu, cuda:N), the same for every executor; unset: the "
+        "executor's own.")
+    vae_tiling: str = option(
+        "off", "Decode and encode in tiles: on always; auto from 2048x2048 pixels (times the "
+        "frames of a video) up; off keeps every image equal to plain diffusers.",
+        choices=("off", "on", "auto"))
+    vae_tile_size: int = option(
+        0, "--vae-tiling: a tile's side in pixels (0: the VAE's own).", ge=0, le=8192)
+    gpu_memory_utilization: float = option(
+        0.0, "The share of the device's memory the executor may use (weights, offload buffers, "
+        "step caches and the running sets' activations); running sets are admitted under it. "
+        "0: no memory budget.", ge=0, le=1)
+    device_memory_bytes: int = option(
+        0, "The same budget in bytes (works on a CPU too); 0: none. With both, the smaller.",
+        ge=0, le=1 << 50)
     lora_modules: tuple[str, ...] = option(
         (), "LoRA adapters to serve, each NAME=PATH: a .safetensors file or a directory as "
         "diffusers' save_lora_weights writes it (kohya/A1111 layouts too, where diffusers converts "
@@ -328,6 +359,14 @@ class ServerConfig:
         return keys
 
     @property
+    def offloaded(self) -> tuple[str, ...]:
+        """The components --offload keeps in host memory."""
+        if self.offload == "none":
+            return ()
+        return self.offload_components or (("dit",) if self.offload == "layer" else
+                                           ("dit", "text_encoder", "vae"))
+
+    @property
     def serves_adapters(self) -> bool:
         return bool(self.lora_modules or self.enable_lora_runtime_updates)
 
@@ -416,6 +455,7 @@ def check_parallel(config: ServerConfig) -> None:
     if config.tensor_parallel_size > 1 and config.enable_weight_updates:
         raise ConfigError("--tensor-parallel-size with --enable-weight-updates: an update holds "
                           "whole tensors, and each rank holds a shard of them")
+    check_memory(config)
     if config.group_size > 1 and config.stages == "on":
         raise ConfigError("--stages on with a parallel group: every rank must admit a request at "
                           "the same step, which encoding beside each rank's loop cannot promise")
@@ -457,3 +497,31 @@ def parse_value(f: dataclasses.Field, text: str) -> Any:
         return kind(text)
     except ValueError:
         raise ConfigError(f"{flag}={text!r} is not a valid {kind.__name__}") from None
+
+
+OFFLOADABLE = ("dit", "text_encoder", "vae")
+
+
+def check_memory(config: ServerConfig) -> None:
+    """The memory flags against each other and against what they cannot run beside."""
+    unknown = [c for c in config.offload_components if c not in OFFLOADABLE]
+    if unknown:
+        raise ConfigError(f"--offload-components {unknown[0]!r} is not one of "
+                          f"{', '.join(OFFLOADABLE)}")
+    if config.offload_components and config.offload == "none":
+        raise ConfigError("--offload-components needs --offload model or layer")
+    if config.offload == "none":
+        return
+    for flag, given, why in (
+            ("--compile", config.compile, "compiled blocks would be traced with the offloading "
+             "hooks' moves inside them"),
+            ("--quantization", config.quantization != "none", "torchao's quantized weights are "
+             "not moved by diffusers' group offloading"),
+            ("a parallel group", config.group_size > 1, "each rank would stream its own copy"),
+            ("--step-cache", config.step_cache != "off", "the step cache runs the denoiser's "
+             "blocks one by one, outside the hooks that bring them onto the device"),
+            ("LoRA adapters", config.serves_adapters and "dit" in config.offloaded,
+             "each step gathers the adapters' weights on the device, which offloading moves away")):
+        if given:
+            raise ConfigError(f"--offload {config.offload} with {flag}: {why}")
+

@@ -216,6 +216,13 @@ class EngineMetrics:
         self.prompt_cache_requests_total = Counter(
             "diffserve_prompt_cache_requests", "Prompt encodings looked up in the prompt cache: "
             "hit, or miss (encoded).", ex + ["outcome"])
+        self.memory_budget_bytes = Gauge(
+            "diffserve_memory_budget_bytes", "The executor's memory budget (--device-memory-bytes, "
+            "--gpu-memory-utilization); 0: none.", ex, multiprocess_mode="livesum")
+        self.memory_admitted_bytes = Gauge(
+            "diffserve_memory_admitted_bytes", "What the executor holds (weights, buffers) and what "
+            "the work it runs now takes, by the measured bytes per unit of cost.", ex,
+            multiprocess_mode="livesum")
         self.group_restarts_total = Counter(
             "diffserve_group_restarts", "Times a parallel group was restarted whole (a rank died "
             "or a collective timed out).", ex)

@@ -298,6 +298,12 @@ class ModelInfo:
     # Admission by cost (diffserve.costs): the bounds with their defaults resolved for this model.
     max_batch_cost: float = 0.0
     max_running_cost: float = 0.0
+    # Admission by memory (diffserve.executor.memory_budget), where a budget is set: the budget,
+    # the cost it allows, and what the executor holds and a unit of cost takes.
+    memory_budget_bytes: int = 0
+    memory_cost_bound: float = 0.0
+    memory_held_bytes: int = 0
+    memory_per_cost_bytes: float = 0.0
     # Videos (0 for image models): the native frame count, the VAE's temporal stride (a frame
     # count is stride x k + 1) and the frame rate a video is encoded at by default.
     num_frames: int = 0

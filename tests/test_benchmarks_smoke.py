@@ -69,7 +69,7 @@ IN_PROCESS = {
                                  "--steps", "1", "--warmup", "0", "--repeats", "1", "--torch-threads", "1")
        for mode in ("step", "request")},
     **{f"bench_step {what}": (what, "--model", "tiny-sd", "--batch-sizes", "1,2", "--repeats", "1", "--rounds", "1",
-                              "--torch-threads", "1") for what in ("quantization", "cache")},
+                              "--torch-threads", "1") for what in ("quantization", "cache", "offload")},
     "bench_step compile": ("compile", "--model", "tiny-sd", "--batch-sizes", "1", "--repeats", "1", "--rounds", "1",
                            "--torch-threads", "1"),
     "bench_priorities": ("--model", "tiny-sd", "--rounds", "1", "--interactive-steps", "1", "--batch-steps", "2",
@@ -84,9 +84,13 @@ IN_PROCESS = {
                             "--torch-threads", "1", "--startup-timeout", "120"),
     "bench_stages edits": ("edits", "--edit-model", "tiny-flux-kontext", "--count", "2", "--steps", "1", "--side", "32",
                            "--rounds", "1", "--startup-timeout", "120"),
+    "bench_weights apply": ("apply", "--model", "tiny-sd", "--updates", "1", "--rounds", "1", "--torch-threads", "1"),
+    "bench_weights rollouts": ("rollouts", "--count", "1", "--runs", "3", "--steps", "2", "--rounds", "1",
+                               "--torch-threads", "1"),
 }
 KIT_MAIN = {"bench_priorities": "priorities", "bench_edits": "edits",  # their --output-dir reports
-            **{f"bench_stages {s}": s for s in ("gaps", "prompt", "edits")}}
+            **{f"bench_stages {s}": s for s in ("gaps", "prompt", "edits")},
+            **{f"bench_weights {s}": s for s in ("apply", "rollouts")}}
 # --compile traced by dynamo's "eager" backend, as the default suite does (inductor's code
 # generation alone takes a minute and a half of CPU here); then each tool's main.
 IN_PROCESS_SCRIPT = """
@@ -218,6 +222,9 @@ def test_bench_step(in_process):
         assert r["step ms, batch 1"] > 0 and r["step ms, batch 2"] > 0
     assert quantization[1]["denoiser weights MB"] < quantization[0]["denoiser weights MB"]
     assert [r["batch"] for r in cache] == [1, 2] and all(r["ceiling (all hit)"] > 0 for r in cache)
+    offload = in_process["bench_step offload"]["results"]
+    assert [r["batch"] for r in offload] == [1, 2] and all(r["layer step ms"] > 0 and r["model / none"] > 0
+                                                        for r in offload)
     (bucket, counts) = compiled
     assert bucket["batch"] == 1 and bucket["eager step ms"] > 0 and bucket["compiled step ms"] > 0
     assert counts["graphs compiled while measuring"] == 0  # the buckets compiled before the timed steps
@@ -372,14 +379,22 @@ def test_bench_parallel_on_two_cpu_ranks(tmp_path):
     assert "| FLUX.1-dev 1024² | Ulysses-2 | 2 |" in done.stdout
 
 
+def test_bench_weights(in_process):
+    apply = in_process["bench_weights apply"]["summary"]["medians"]
+    assert apply["from disk s"] > 0 and apply["from memory s"] > 0 and apply["wake from level 2 s"] > 0
+    rollouts = in_process["bench_weights rollouts"]["summary"]["medians"]
+    assert rollouts["img/s steady"] > 0 and rollouts["img/s first after an update / steady"] > 0
+
+
 def test_gpu_check_tiny_runs_every_section(tmp_path):
     """gpu_check --tiny: every section's code on the embedded tiny models, built in memory as the
     real sizes are; what needs CUDA or two GPUs says so."""
     out = tmp_path / "gpu-check.json"
     done = run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out))
     sections = json.loads(out.read_text())["sections"]
-    assert list(sections) == ["first-day", "exactness", "throughput", "accelerators", "stages", "parallel"]
-    assert sections["accelerators"] == {"status": "skipped: needs CUDA"}
+    assert list(sections) == ["first-day", "exactness", "throughput", "accelerators", "stages", "weights",
+                              "memory", "parallel"]
+    assert sections["accelerators"] == sections["memory"] == {"status": "skipped: needs CUDA"}
     assert sections["parallel"] == {"status": "skipped: needs 2+ GPUs"}
     first, exact = sections["first-day"]["families"], sections["exactness"]["families"]
     assert set(first) == set(exact) == {"flux", "qwen-image", "wan"}
@@ -394,4 +409,6 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
     assert set(sections["throughput"]["families"]) == {"flux", "qwen-image"}
     for fig in sections["stages"]["families"].values():
         assert fig["img/s, stages on"] > 0 and fig["p99 s, stages off"] > 0
+    for fig in sections["weights"]["families"].values():
+        assert fig["update from disk s"] > 0 and fig["update from shared memory s"] > 0 and fig["wake s"] >= 0
     assert "accelerators: skipped: needs CUDA" in done.stdout and "| flux | float32 |" in done.stdout

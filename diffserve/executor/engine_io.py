@@ -150,6 +150,19 @@ class EngineIO:
             m.batches_interrupted_total.labels(executor=label).inc()
         self._count_compiles()
 
+    def set_memory(self, info) -> None:
+        """The budget and what a unit of cost takes (ModelInfo), for :meth:`count_memory`."""
+        self._memory = info if info.memory_budget_bytes else None
+        if self._memory is not None:
+            self.metrics.memory_budget_bytes.labels(executor=self.label).set(info.memory_budget_bytes)
+            self.count_memory(0.0)
+
+    def count_memory(self, running_cost: float) -> None:
+        memory = getattr(self, "_memory", None)
+        if memory is not None:
+            self.metrics.memory_admitted_bytes.labels(executor=self.label).set(
+                memory.memory_held_bytes + running_cost * memory.memory_per_cost_bytes)
+
     def count_admission(self, seconds: float, admitted: int) -> None:
         self.metrics.executor_busy_seconds.labels(executor=self.label).inc(seconds)
         self.metrics.step_admissions_total.labels(executor=self.label).inc(admitted)
@@ -163,6 +176,7 @@ class EngineIO:
             m.forward_cost.labels(executor=label).observe(out.cost)
             m.steps_total.labels(executor=label, size=self._size_label(out.batch_key)).inc()
         m.running_sets.labels(executor=label).set(out.sets)
+        self.count_memory(out.running_cost)
         m.executor_busy_seconds.labels(executor=label).inc(out.seconds)
         for o in out.finished:
             m.step_retirements_total.labels(executor=label, outcome=o.status).inc()

@@ -150,7 +150,8 @@ def run_follower(spec: FollowerSpec) -> None:
     from diffserve.executor.runtime import build_runtime
 
     bound_openmp_spin()
-    leave_out_unused_libraries(spec.config.serves_adapters, spec.config.quantization)
+    leave_out_unused_libraries(spec.config.serves_adapters, spec.config.quantization,
+                               spec.config.text_encoder_quantization)
     group = Group(spec.rank)
     rt = build_runtime(spec.config, device, spec.torch_threads, spec.rank.group, group=group)
     engine = rt.step_engine()

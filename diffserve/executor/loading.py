@@ -32,7 +32,8 @@ class UnsupportedMode(ConfigError):
     """--batching-mode step on a pipeline whose family the step engine does not know."""
 
 
-def leave_out_unused_libraries(serves_adapters: bool, quantization: str) -> None:
+def leave_out_unused_libraries(serves_adapters: bool, quantization: str,
+                               text_encoder_quantization: str = "none") -> None:
     """Keep PEFT and torchao unimported in an executor that will not use them. diffusers (and
     transformers) import both at start wherever they are installed: about 1 CPU-s of the 6
     an executor takes to become ready, and torchao's warnings about kernels this machine lacks
@@ -44,7 +45,7 @@ def leave_out_unused_libraries(serves_adapters: bool, quantization: str) -> None
         return
     if not serves_adapters:
         sys.modules.setdefault("peft", None)
-    if quantization == "none":
+    if quantization == "none" and text_encoder_quantization == "none":
         sys.modules.setdefault("torchao", None)
 
 
@@ -111,10 +112,13 @@ def auto_dtype(requested: str, device: str, path: str) -> str:
 
 
 def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_threads: int = 0,
-               index: int = 0, quantization: str = "none", components=None) -> LoadedModel:
-    """``quantization``: a scheme of :mod:`diffserve.executor.quantization` for the denoiser;
-    ``components(path, dtype)``: pipeline components loaded beforehand (a tensor-parallel
-    denoiser, sharded as it loads), by name."""
+               index: int = 0, quantization: str = "none", components=None, layout=None,
+               text_encoder_quantization: str = "none") -> LoadedModel:
+    """``quantization``: a scheme of :mod:`diffserve.executor.quantization` for the denoiser
+    (``text_encoder_quantization`` for the text encoders); ``components(path, dtype)``: pipeline
+    components loaded beforehand (a tensor-parallel denoiser, sharded as it loads), by name;
+    ``layout``: a :class:`~diffserve.executor.memory_layout.MemoryLayout` (offloading,
+    placement, tiling), applied instead of moving everything to ``device``."""
     quiet_imports()
     import torch
     from diffusers import DiffusionPipeline
@@ -131,12 +135,16 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
     dtype = auto_dtype(dtype, device, path)
     defaults = serving_defaults(path)
     allow_processors_without_torchvision()
-    quantized = quant.pipeline_config(quantization, path, device)
+    quantized = quant.pipeline_config(quantization, path, device, text_encoder_quantization)
     prebuilt = components(path, getattr(torch, dtype)) if components else {}
     pipe = DiffusionPipeline.from_pretrained(path, dtype=getattr(torch, dtype), **prebuilt,
                                              **({"quantization_config": quantized} if quantized
                                                 else {}))
-    pipe.to(device)
+    if layout is None or layout.plain:
+        pipe.to(device)
+    else:
+        layout.apply(pipe, device)
+        log.info("memory layout: %s", layout.describe())
     if quantized:
         quant.log_weights(quantization, [getattr(pipe, name) for name in quant.DENOISERS
                                          if getattr(pipe, name, None) is not None])

@@ -105,6 +105,7 @@ class RequestLoop:
     def execute(self, work: Work, frames: list[Any]) -> None:
         """One pipeline call over the work's items, answered."""
         self.running = {item.request.request_id for item in work.items}
+        self.io.count_memory(sum(item.samples * item.request.cost for item in work.items))
         start = time.perf_counter()
         try:
             outcomes = self.runner.execute(work, split_inputs(work.items, frames))
@@ -114,6 +115,7 @@ class RequestLoop:
         finally:
             self.cancelled -= self.running  # a request id is never reused
             self.running = set()
+            self.io.count_memory(0.0)
         self.io.count_call(time.perf_counter() - start,
                            bool(outcomes) and all(o.status == CANCELLED for o in outcomes))
         self.io.send_outcomes(outcomes)

@@ -22,6 +22,7 @@ from diffserve import metrics, processes
 from diffserve.config import ConfigError, ServerConfig
 from diffserve.executor.engine_io import EngineIO
 from diffserve.executor.loops import RequestLoop, StepLoop
+from diffserve.executor.memory_layout import kind_of
 from diffserve.executor.process_setup import bound_openmp_spin, freeze_heap
 from diffserve.protocol import Fatal, Kind, encode
 
@@ -81,7 +82,8 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
     from diffserve.executor.runtime import build_runtime
     from diffserve.protocol import REQUEST_MODE, STEP_MODE
 
-    leave_out_unused_libraries(spec.config.serves_adapters, spec.config.quantization)
+    leave_out_unused_libraries(spec.config.serves_adapters, spec.config.quantization,
+                               spec.config.text_encoder_quantization)
     group = link = None
     device = spec.device
     if spec.config.group_size > 1:  # a parallel group: this is its leader, rank 0
@@ -108,5 +110,10 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
     log.info("loaded %s (%s) on %s/%s, native %dx%d, %s mode%s, tasks: %s", spec.config.model,
              info.pipeline_class, info.device, info.dtype, info.width, info.height, rt.mode,
              stages, ", ".join(f"{task} ({mode})" for task, mode in info.task_modes.items()))
+    offloaded = {kind for kind in spec.config.offloaded}
+    log.info("components: %s", ", ".join(
+        f"{c.name} on {c.device}{' (offloaded)' if kind_of(c.name) in offloaded else ''} "
+        f"{c.dtype} {c.bytes / 1e6:.1f} MB" for c in info.components if c.rank == 0))
+    io.set_memory(info)
     io.sock.send_multipart(encode(Kind.READY, info))
     return loop

@@ -33,36 +33,58 @@ class QuantizationUnavailable(ConfigError):
     """The scheme cannot run here (torchao missing, no GPU for float8)."""
 
 
-def pipeline_config(scheme: str, model_dir: str, device: str):
-    """The ``quantization_config`` for ``from_pretrained``, or None for ``none``."""
-    if scheme == NONE:
+def pipeline_config(scheme: str, model_dir: str, device: str, text_encoders: str = NONE):
+    """The ``quantization_config`` for ``from_pretrained`` (the denoisers by ``scheme``, the text
+    encoders by ``text_encoders``), or None where both are ``none``."""
+    if scheme == NONE and text_encoders == NONE:
         return None
+    mapping = {}
+    found = _components(model_dir)
+    if scheme != NONE:
+        schemes = _schemes(scheme, device, "--quantization")
+        from diffusers import TorchAoConfig
+
+        components = [name for name in DENOISERS if name in found]
+        if not components:
+            raise ValueError(f"--quantization: {model_dir} has no denoiser component to quantize "
+                             f"(looked for {', '.join(DENOISERS)})")
+        mapping.update({name: TorchAoConfig(getattr(schemes, SCHEMES[scheme])())
+                        for name in components})
+    if text_encoders != NONE:
+        schemes = _schemes(text_encoders, device, "--text-encoder-quantization")
+        from transformers import TorchAoConfig as TransformersTorchAoConfig
+
+        encoders = sorted(name for name in found if name.startswith("text_encoder"))
+        if not encoders:
+            raise ValueError(f"--text-encoder-quantization: {model_dir} has no text encoder")
+        mapping.update({name: TransformersTorchAoConfig(getattr(schemes, SCHEMES[text_encoders])())
+                        for name in encoders})
+    from diffusers import PipelineQuantizationConfig
+
+    return PipelineQuantizationConfig(quant_mapping=mapping)
+
+
+def _schemes(scheme: str, device: str, flag: str):
+    """torchao's schemes, where ``scheme`` can run on ``device``."""
     if scheme not in SCHEMES:
-        raise ValueError(f"--quantization {scheme!r} is not one of {NONE}, {', '.join(SCHEMES)}")
+        raise ValueError(f"{flag} {scheme!r} is not one of {NONE}, {', '.join(SCHEMES)}")
     try:
         import torchao.quantization as schemes
     except ImportError:
         raise QuantizationUnavailable(
-            f"--quantization {scheme} needs torchao, which is not installed: "
+            f"{flag} {scheme} needs torchao, which is not installed: "
             "pip install 'diffserve[quantization]'") from None
     if scheme == "fp8-weight-only" and not device.startswith("cuda"):
-        raise QuantizationUnavailable(f"--quantization {scheme} needs a CUDA GPU (float8 "
+        raise QuantizationUnavailable(f"{flag} {scheme} needs a CUDA GPU (float8 "
                                       f"matmuls); this executor runs on {device}. On a CPU, "
                                       "int8-weight-only works")
-    from diffusers import PipelineQuantizationConfig, TorchAoConfig
-
-    components = [name for name in DENOISERS if name in _components(model_dir)]
-    if not components:
-        raise ValueError(f"--quantization: {model_dir} has no denoiser component to quantize "
-                         f"(looked for {', '.join(DENOISERS)})")
-    return PipelineQuantizationConfig(quant_mapping={
-        name: TorchAoConfig(getattr(schemes, SCHEMES[scheme])()) for name in components})
+    return schemes
 
 
 def _components(model_dir: str) -> set[str]:
     index = Path(model_dir) / "model_index.json"
     if not index.is_file():  # a hub id: diffusers reads its index itself
-        return set(DENOISERS)
+        return {*DENOISERS, "text_encoder"}
     return {k for k, v in json.loads(index.read_text()).items() if isinstance(v, list)}
 
 

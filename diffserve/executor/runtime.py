@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from diffserve.config import ServerConfig
-from diffserve.executor import check_verdicts, self_check
+from diffserve.executor import check_verdicts, memory_budget, self_check
 from diffserve.executor.accelerators import compiled_for, step_cache_for, warm_up
 from diffserve.executor.loading import (
     LoadedModel,
@@ -22,6 +22,7 @@ from diffserve.executor.loading import (
     task_pipelines,
     token_counter,
 )
+from diffserve.executor.memory_layout import MemoryLayout
 from diffserve.models.registry import resolve_model
 from diffserve.protocol import REQUEST_MODE, STEP_MODE, ModelInfo
 from diffserve.tasks import TASKS
@@ -106,7 +107,8 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
     loaded = load_model(config.model, device or config.device, config.dtype, torch_threads, index,
                         config.quantization,
                         (lambda path, dtype: parallel.tensor_parallel_denoisers(path, group, dtype))
-                        if tensor_parallel else None)
+                        if tensor_parallel else None, MemoryLayout.of(config),
+                        config.text_encoder_quantization)
     family_cls = family_for(loaded.pipeline_class)
     mode = resolve_mode(config.batching_mode, family_cls, loaded.pipeline_class)
     pipelines = task_pipelines(loaded.pipe, family_cls)
@@ -126,6 +128,7 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
     if not config.skip_startup_check:
         _check(rt, config)
     warm_up(rt)
+    memory_budget.bound(rt, config)
     return rt
 
 
@@ -139,6 +142,8 @@ def _check(rt: Runtime, config: ServerConfig) -> None:
         "mode": rt.mode, "requested": config.batching_mode, "tasks": sorted(rt.pipelines),
         "samplers": rt.info.schedulers, "compile": config.compile,
         "step_cache": config.step_cache, "quantization": config.quantization,
+        "text_encoder_quantization": config.text_encoder_quantization,
+        "layout": MemoryLayout.of(config).describe(),
         "adapters": sorted(config.lora_adapters.items())})
     verdict = check_verdicts.recall(key)
     if rt.group is not None:  # every rank runs the checks' forwards together, or none does

@@ -265,6 +265,7 @@ class StepEngine(StageWork):
         self._take_stages(out)  # inline, this step's decodes; on threads, what is done by now
         self._count_stages(out)
         out.sets = len(self.running_sets())
+        out.running_cost = sum(u.cost for u in self.units)
         if self.step_cache is not None:
             out.cache_bytes = self.cache_bytes()
         return out

@@ -99,6 +99,7 @@ class StepOutput:
     stage_busy: dict[str, float] = field(default_factory=dict)
     stage_depth: dict[str, int] = field(default_factory=dict)
     prompt_cache: tuple[int, int] | None = None  # (hits, misses), where a prompt cache is kept
+    running_cost: float = 0.0  # of every request running after the step
 
 
 def batch_key_of(item: WorkItem) -> tuple:

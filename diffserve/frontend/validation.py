@@ -163,6 +163,12 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
     cost = (video_cost(width, height, frames, info.width, info.height, info.num_frames,
                        info.frame_stride, cfg) if frames
             else image_cost(width, height, info.width, info.height, cfg))
+    if info.memory_cost_bound and cost > info.memory_cost_bound:
+        raise invalid_request(
+            f"size {width}x{height} costs {cost:g} per image, more than the {info.memory_cost_bound:.3g} "
+            f"the server's memory budget of {info.memory_budget_bytes / 1e6:.0f} MB holds beside "
+            "its weights (--device-memory-bytes, --gpu-memory-utilization)", "size",
+            "exceeds_memory_budget")
     if info.max_batch_cost and cost > info.max_batch_cost:
         raise invalid_request(
             f"size {width}x{height} costs {cost:g} per image ({'with' if cfg else 'without'} "

@@ -141,11 +141,12 @@ class Wan(Family):
     def decode_parts(self, latents, width, height, task):
         """:meth:`decode`, LATENT_FRAMES_PER_PART latent frames a part: the VAE's causal
         decoder run frame by frame as ``AutoencoderKLWan.decode`` runs it, with a cache of its
-        own (the VAE's is shared by every call). Where the VAE tiles, or hooks wrap its decode
-        (offloading), one part: its own decode."""
+        own (the VAE's is shared by every call). Where the VAE tiles, or hooks or a placement
+        wrap its decode, one part: its own decode."""
         vae, torch = self.pipe.vae, self.torch
         counts = getattr(vae, "_cached_conv_counts", None)
-        if vae.use_tiling or counts is None or getattr(vae, "_hf_hook", None) is not None:
+        if (vae.use_tiling or counts is None or getattr(vae, "_hf_hook", None) is not None
+                or "decode" in vars(vae)):  # an instance's own: tiling or placement decides per call
             return self.decode(latents, width, height, task)
         from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
