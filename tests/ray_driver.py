@@ -105,13 +105,19 @@ def stop_while_loading(logs: Path, env: dict) -> dict:
     started = time.monotonic()
     code = serve.stop()  # SIGINT; TimeoutExpired past its bound fails the run
     seconds = time.monotonic() - started
-    # How each replica's start ended, in the Serve controller's own log file (serve run's
-    # console may exit before Ray has forwarded it).
-    said = [path.read_text(errors="replace") for path in (logs / "ray").rglob("worker-*.err")]
-    return {"exit_code": code, "seconds": round(seconds, 2),
-            "stopped_while_loading": sum(text.count("StartupError: the replica was stopped while "
-                                                    "its model loaded") for text in said),
-            "loaded": serve.log.count("diffserve.scheduler.process: executor 0 is ready")}
+    # How each replica's start ended, in its worker's own log file (serve run's console may exit
+    # before Ray has forwarded it, and a worker may write its last lines after serve run exits:
+    # the files are read until both replicas are accounted for, or for a bounded while).
+    deadline, found = time.monotonic() + scaled(20), {}
+    while True:
+        said = [path.read_text(errors="replace") for path in (logs / "ray").rglob("worker-*.err")]
+        found = {"exit_code": code, "seconds": round(seconds, 2),
+                 "stopped_while_loading": sum(text.count("StartupError: the replica was stopped while "
+                                                         "its model loaded") for text in said),
+                 "loaded": serve.log.count("diffserve.scheduler.process: executor 0 is ready")}
+        if found["stopped_while_loading"] + found["loaded"] >= 2 or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 def main() -> None:

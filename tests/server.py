@@ -53,7 +53,7 @@ def session_members(sid: int) -> list[int]:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[4]) == sid and fields[0] != "Z":
+            if int(fields[3]) == sid and fields[0] != "Z":  # state, ppid, pgrp, session
                 found.append(int(entry.name))
     return found
 
