@@ -21,6 +21,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from diffserve.executor.device_stats import DeviceStats
+
 # Share of the free GPU memory a forward may use; the rest is headroom for fragmentation, the VAE
 # decode and whatever else the process allocates.
 MEMORY_MARGIN = 0.8
@@ -64,36 +66,6 @@ def suggest(samples: list[Sample], free_bytes: int | None, latent_bytes_per_unit
     else:
         out["max_running_cost"] = round(2 * out["max_batch_cost"], 1)
     return out
-
-
-class DeviceStats:
-    """The measured device's synchronisation and memory statistics, each call naming that device
-    (a CUDA call without one reads the current device, GPU 0 unless set). No-ops on the CPU."""
-
-    def __init__(self, torch, device: str) -> None:
-        self.torch, self.device = torch, torch.device(device)
-        self.cuda = self.device.type == "cuda"
-
-    def start(self) -> int | None:
-        """Wait for the device, reset its peak; the bytes allocated now."""
-        if not self.cuda:
-            return None
-        cuda = self.torch.cuda
-        cuda.synchronize(self.device)
-        cuda.reset_peak_memory_stats(self.device)
-        return cuda.memory_allocated(self.device)
-
-    def done(self) -> float:
-        """The clock, once the device has done what was queued."""
-        if self.cuda:
-            self.torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def peak(self, base: int | None) -> int | None:
-        return self.torch.cuda.max_memory_allocated(self.device) - base if self.cuda else None
-
-    def free(self) -> int | None:
-        return self.torch.cuda.mem_get_info(self.device)[0] if self.cuda else None
 
 
 def measure(model: str, device: str, dtype: str, sides: list[float], batches: list[int],

@@ -82,7 +82,7 @@ def measure(rt) -> Measured:
     """What the loaded model holds and what a generation takes (see the module's docstring)."""
     import torch
 
-    from diffserve.calibrate import DeviceStats
+    from diffserve.executor.device_stats import DeviceStats
     from diffserve.costs import image_cost, uses_cfg
     from diffserve.protocol import ImageRequest, Work, WorkItem
 
