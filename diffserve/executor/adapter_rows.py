@@ -42,7 +42,8 @@ Ways to add the deltas (``method=``):
   Conv layers, ``uniform()`` and adapters whose B has a bias use the loop.
 - ``"auto"`` (default): the loop when the batch has one distinct stack, else gathered.
 
-Measured with ``benchmarks/bench_lora_forward.py`` on sd-mid's UNet (attention LoRA), CPU (AMD
+Measured with ``bench_lora_forward.py`` (a recorded one-off: ``git show
+78808fc^:benchmarks/bench_lora_forward.py``) on sd-mid's UNet (attention LoRA), CPU (AMD
 EPYC, 2 threads), k adapters spread over the rows, mean of two runs' medians; cost over the same
 UNet without LoRA (rows/rank/k: loop, gathered, PEFT's adapter_names path):
 
