@@ -1,7 +1,5 @@
-"""Micro-benchmark of the scheduler's Batcher alone: scheduling decisions per second, with a fake
-clock, requests of four batch signatures and n of 1-4, a no-op executor. ``stream``: one arrival
-per cycle, then every ready batch taken (2% of cycles abort a request). ``backlog@D``: D requests
-waiting, one batch taken per cycle and added back. Target: 20,000 decisions/s.
+"""Micro-benchmark of the scheduler's Batcher alone, with a fake clock and a no-op executor:
+scheduling decisions per second, ``stream`` and ``backlog@D`` (target: 20,000/s).
 
     python benchmarks/bench_batcher.py --mode step --backlog-depth 100,10000
 """
@@ -19,18 +17,13 @@ from diffserve.scheduler.batcher import Batcher
 SIGNATURES = [(64, 64, 4, 5.0), (64, 64, 8, 5.0), (128, 128, 4, 5.0), (64, 64, 4, 7.5)]
 
 
-def requests(count: int, rng: random.Random, prefix: str) -> list[ImageRequest]:
-    sigs = rng.choices(SIGNATURES, [4, 2, 1, 1], k=count)  # a popular default, then the rest
-    return [ImageRequest(f"{prefix}{i}", "bench", w, h, num_inference_steps=s, guidance_scale=g,
-                         prompt=f"prompt {i}", seed=i, n=rng.choices([1, 2, 3, 4], [4, 1, 1, 1])[0])
-            for i, (w, h, s, g) in enumerate(sigs)]
-
-
 def run(args, depth: int | None, seed: int) -> float:
     """Decisions/s of one run: stream (``depth`` None) or backlog of ``depth``."""
     rng, delay = random.Random(seed), args.delay_ms / 1000
     batcher = Batcher(args.max_batch_size, delay, args.mode)
-    todo = requests(args.cycles if depth is None else depth, rng, "r")
+    sigs = rng.choices(SIGNATURES, [4, 2, 1, 1], k=args.cycles if depth is None else depth)  # a popular default
+    todo = [ImageRequest(f"r{i}", "bench", w, h, num_inference_steps=s, guidance_scale=g, prompt=f"prompt {i}",
+                         seed=i, n=rng.choices([1, 2, 3, 4], [4, 1, 1, 1])[0]) for i, (w, h, s, g) in enumerate(sigs)]
     gaps = [rng.expovariate(1000.0) for _ in todo]  # 1 ms apart on average
     aborts = [i >= 3 and rng.random() < 0.02 for i in range(len(todo))]
     now = 0.0 if depth is None else delay + 1.0  # a backlog is past its delay

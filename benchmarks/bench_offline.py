@@ -13,6 +13,8 @@ import time
 
 import kit
 from diffserve.config import DEFAULT_MODEL
+from diffserve.executor.loading import UnsupportedMode
+from diffserve.executor.process_setup import bound_openmp_spin
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,42 +23,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batching-mode", choices=("step", "request"), default="step")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N.")
     args = p.parse_args(argv)
-    sizes = sorted(set(args.batch_sizes))
-    from diffserve.executor.process_setup import bound_openmp_spin
-
     bound_openmp_spin()  # as the executor does, before torch loads
     import torch
-
-    from diffserve.executor.loading import UnsupportedMode
 
     try:
         rt = kit.runtime(args.model, args.torch_threads, device=args.device, batching_mode=args.batching_mode)
     except UnsupportedMode as error:
         p.error(str(error))
-    loaded, info = rt.loaded, rt.info
+    loaded, info, mode = rt.loaded, rt.info, args.batching_mode
     width, height = (int(v) for v in args.size.lower().split("x")) if args.size else (info.width, info.height)
-    steps = args.steps or info.default_steps
+    steps, sizes = args.steps or info.default_steps, sorted(set(args.batch_sizes))
 
     def run(batch: int, seed: int) -> float:
         """Seconds to ``batch`` requests' images (on the host, so the device is done with them)."""
         start = time.perf_counter()
-        outcomes = kit.run(rt, kit.items(rt, batch, "r", steps, seed, width=width, height=height), args.batching_mode)
+        outcomes = kit.run(rt, kit.items(rt, batch, "r", steps, seed, width=width, height=height), mode)
         seconds, failed = time.perf_counter() - start, [o.error for o in outcomes if o.error]
         if failed or len(outcomes) != batch:
             raise RuntimeError(f"B={batch}: {len(failed)} failed ({failed[:1]}), {len(outcomes)} outcomes")
         return seconds
 
-    report = {"model": args.model, "pipeline_class": loaded.pipeline_class, "batching_mode": args.batching_mode,
+    report = {"model": args.model, "pipeline_class": loaded.pipeline_class, "batching_mode": mode,
               "device": loaded.device, "dtype": loaded.dtype, "width": width, "height": height,
               "num_inference_steps": steps, "guidance_scale": info.default_guidance_scale,
               "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__, **kit.machine(),
               "results": []}
     print(f"{args.model} ({loaded.pipeline_class}) on {loaded.device}/{loaded.dtype}, {width}x{height}, "
-          f"{steps} steps, {args.batching_mode} mode, torch threads {torch.get_num_threads()}")
-    for batch in sizes:
-        for i in range(args.warmup):
-            run(batch, 1000 * i)
-        times = [run(batch, 1000 * i) for i in range(args.repeats)]
+          f"{steps} steps, {mode} mode, torch threads {torch.get_num_threads()}")
+    for batch in sizes:  # the warm-up runs first, untimed, with the seeds of the timed ones
+        times = [run(batch, 1000 * i) for i in [*range(args.warmup), *range(args.repeats)]][args.warmup:]
         median = statistics.median(times)
         report["results"].append({"batch_size": batch, "median_s": median, "images_per_s": batch / median,
                                   "times_s": times})

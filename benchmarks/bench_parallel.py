@@ -8,6 +8,7 @@ the shapes, time = FLOPs / (G x ``--tflops``) + bytes a rank sends / ``--link-gb
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import os
@@ -92,11 +93,9 @@ def capture(loaded, width: int, height: int, batch: int, g: int):
     handle = denoiser.register_forward_pre_hook(hook, with_kwargs=True)
     frames = {"num_frames": loaded.defaults["num_frames"]} if "num_frames" in loaded.defaults else {}
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), contextlib.suppress(StopIteration):
             pipe(prompt=kit.prompts()[:1] * batch, width=width, height=height, num_inference_steps=2,
                  output_type="latent", generator=torch.Generator("cpu").manual_seed(0), **loaded.call_kwargs, **frames)
-    except StopIteration:
-        pass
     finally:
         handle.remove()
     c, kw = denoiser.config, box["kwargs"]

@@ -1,7 +1,6 @@
 """Interactive and batch classes on one server, under ``--scheduling-policy fcfs`` and ``priority``:
-a saturating batch class (class 10) beside interactive Poisson arrivals (class 0) at
-``--interactive-load`` percent of their capacity alone; the interactive p99 against its latency
-alone, the batch class's images/s, and its images against the plain pipeline alone.
+interactive Poisson arrivals (class 0) beside a saturating batch class (class 10); the interactive
+p99 against its latency alone, the batch class's images/s, its images against the pipeline alone.
 
     python benchmarks/bench_priorities.py --model shapes --rounds 3 --output-file priorities.json
 """
@@ -32,8 +31,7 @@ async def generate(client, url, key, prompt, seed, steps) -> tuple[float, np.nda
 
 async def mixed(url, a, rate: float, seed: int) -> tuple[dict, dict[int, np.ndarray]]:
     """The batch class saturating, interactive arrivals at ``rate`` meanwhile: figures, batch images."""
-    images: dict[int, np.ndarray] = {}
-    stop = asyncio.Event()
+    images, stop = {}, asyncio.Event()
     async with kit.session() as client:
         async def batch_client(i):
             while not stop.is_set():

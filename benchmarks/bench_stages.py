@@ -1,9 +1,6 @@
-"""The encode and decode stages beside the step loop (--stages), on and off: how long the denoiser
-waits for text encoders and VAEs (docs/benchmarks.md, Encode and decode stages). ``gaps``: in this
-process, ``--count`` requests arriving one every ``--every`` steps; the longest gap between two
-forwards over the median gap before forwards as large, while requests are left running (target
-<= 1.5, stages on). ``prompt``: ``--count`` requests of one prompt at once; the prompt encodings
-the server ran (target 1). ``edits``: bench_edits.py's measurement (target >= 1.0, stages on).
+"""The encode and decode stages beside the step loop (--stages), on and off: ``gaps`` (in process,
+the denoiser's longest pause between forwards as requests join and finish), ``prompt`` (the prompt
+encodings of many requests of one prompt), ``edits`` (bench_edits.py's measurement).
 
     python benchmarks/bench_stages.py gaps --rounds 3
 """

@@ -40,8 +40,8 @@ def one_start(args) -> dict[str, float]:
     with server:
         found = {"ready_s": time.monotonic() - started}
         for title, pid in processes(server.proc.pid).items():
-            fields = stat_fields(pid)
-            found[f"{title} cpu_s"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # user + system
+            user, system = stat_fields(pid)[11:13]
+            found[f"{title} cpu_s"] = (int(user) + int(system)) / os.sysconf("SC_CLK_TCK")
     return found
 
 

@@ -1,9 +1,8 @@
-"""One denoising step of the step engine, in process: what the accelerators change. ``compile``:
-eager against ``--compile`` per bucket; ``quantization``: weights, memory and step time, float
-against int8 weight-only; ``cache``: the step cache's ceiling (every row computes against every
-row reuses); ``offload``: each ``--offload`` mode's step time (on a CPU: what its hooks cost). Each figure: the median over ``--rounds`` of the median over ``--repeats`` steps.
+"""One denoising step of the step engine, in process: what the accelerators change (``compile``,
+``quantization``, ``cache``: the step cache's ceiling, ``offload``); each figure the median over
+``--rounds`` of the median over ``--repeats`` steps.
 
-    python benchmarks/bench_step.py compile --model sd-mid --batch-sizes 1,2,4,8
+    python benchmarks/bench_step.py compile --model sd-mid --batch-sizes 1,8
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import time
 from statistics import median
 
 import kit
+from diffserve.executor.process_setup import bound_openmp_spin
 
 
 def runtime(args, **config):
@@ -35,19 +35,18 @@ def compiled(args, batches: list[int]) -> list[dict]:
     warm_up_s = time.perf_counter() - start
     for batch in batches:  # buckets the warm-up did not reach compile here, untimed
         kit.run(fast, kit.items(fast, batch, "warm", 3))
-    graphs, results = fast.compiled.take_new(), []
-    by_round = {batch: {"eager": [], "compiled": []} for batch in batches}
+    graphs, by_round = fast.compiled.take_new(), {batch: {"eager": [], "compiled": []} for batch in batches}
     for _ in range(args.rounds):  # the two alternate, so that drift hits both alike
         for name, rt in (("eager", eager), ("compiled", fast)):
             for batch in batches:
                 by_round[batch][name].append(median_step(args, rt, batch, name))
-    recompiled = fast.compiled.take_new()
-    for batch, times in by_round.items():
-        e, c = median(times["eager"]), median(times["compiled"])
-        results.append({"batch": batch, "eager step ms": 1000 * e, "compiled step ms": 1000 * c,
-                        "speed-up": e / c, "eager by round": times["eager"], "compiled by round": times["compiled"]})
-    return results + [{"start-up with --compile s": warm_up_s, "graphs compiled beyond the start-up's": graphs,
-                       "graphs compiled while measuring": recompiled}]
+    rows = []
+    for batch, t in by_round.items():
+        e, c = median(t["eager"]), median(t["compiled"])
+        rows.append({"batch": batch, "eager step ms": 1000 * e, "compiled step ms": 1000 * c, "speed-up": e / c,
+                     "eager by round": t["eager"], "compiled by round": t["compiled"]})
+    return rows + [{"start-up with --compile s": warm_up_s, "graphs compiled beyond the start-up's": graphs,
+                    "graphs compiled while measuring": fast.compiled.take_new()}]
 
 
 def quantized(args, batches: list[int]) -> list[dict]:
@@ -85,12 +84,11 @@ def ceiling(args, batches: list[int]) -> list[dict]:
 
 
 def offloads(args, batches: list[int]) -> list[dict]:
-    modes = {mode: runtime(args, offload=mode) for mode in ("none", "layer", "model")}
-    results = []
+    modes, results = {mode: runtime(args, offload=mode) for mode in ("none", "layer", "model")}, []
     for batch in batches:
         times = {mode: [median_step(args, rt, batch, mode) for _ in range(args.rounds)] for mode, rt in modes.items()}
-        row = {"batch": batch, **{f"{m} step ms": 1000 * median(t) for m, t in times.items()}}
-        results.append({**row, **{f"{m} / none": median(t) / median(times["none"]) for m, t in times.items()}})
+        results.append({"batch": batch, **{f"{m} step ms": 1000 * median(t) for m, t in times.items()},
+                        **{f"{m} / none": median(t) / median(times["none"]) for m, t in times.items()}})
     return results
 
 
@@ -99,20 +97,20 @@ def resident_mb() -> float:
         return next((int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:")), 0.0)
 
 
+WHAT = {"compile": compiled, "quantization": quantized, "cache": ceiling, "offload": offloads}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = kit.parser(__doc__, model="shapes", batch_sizes=[1, 8], repeats=10, rounds=3, torch_threads=0,
                    output_file=None)
-    p.add_argument("what", choices=("compile", "quantization", "cache", "offload"))
+    p.add_argument("what", choices=WHAT)
     args = p.parse_args(argv)
-
-    from diffserve.executor.process_setup import bound_openmp_spin
-
     bound_openmp_spin()  # as the executor does, before torch loads
     import torch
 
-    run = {"compile": compiled, "quantization": quantized, "cache": ceiling, "offload": offloads}[args.what]
     report = {"what": args.what, "model": args.model, "args": vars(args), "torch_threads": torch.get_num_threads(),
-              **kit.machine(), "results": run(args, args.batch_sizes), "load_average_after": os.getloadavg()}
+              **kit.machine(), "results": WHAT[args.what](args, args.batch_sizes),
+              "load_average_after": os.getloadavg()}
     print(json.dumps(report["results"], indent=1))
     kit.write_json(args.output_file, report)
     return 0

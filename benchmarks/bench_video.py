@@ -15,21 +15,26 @@ import time
 import warnings
 from pathlib import Path
 
+from openai import OpenAI
+
 import kit
+from diffserve.frontend.videos.encode import decode_mp4
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the SDK's Videos API
 
 
-def jobs(args) -> dict:
-    from openai import OpenAI
-
-    from diffserve.frontend.videos.encode import decode_mp4
-
+def main(argv=None) -> int:
+    p = kit.parser(__doc__, model="tiny-wan", size="32x32", steps=20, rounds=3, torch_threads=2, output_file=None)
+    p.add_argument("scenario", nargs="?", choices=("jobs",), default="jobs")
+    p.add_argument("--jobs", type=kit.count, default=4)
+    p.add_argument("--frames", type=int, default=9)
+    p.add_argument("--max-batch-cost", type=float, default=0, help="The server's (0: its default).")
+    args = p.parse_args(argv)
     rt = kit.runtime(args.model, args.torch_threads, skip_startup_check=True)  # the engine's own frames
     width, height = map(int, args.size.split("x"))
     its = kit.items(rt, args.jobs, "job", args.steps, 100, width=width, height=height, num_frames=args.frames)
-    bodies = [dict(prompt=r.prompt, size=args.size, extra_body={
-        "seed": r.seed, "num_frames": r.num_frames, "num_inference_steps": r.num_inference_steps})
+    bodies = [{"prompt": r.prompt, "size": args.size, "extra_body": {
+        "seed": r.seed, "num_frames": r.num_frames, "num_inference_steps": r.num_inference_steps}}
         for r in (item.request for item in its)]
     rounds: dict[str, list[float]] = {"concurrent": [], "sequential": []}
     bounds = ("--max-batch-cost", args.max_batch_cost) if args.max_batch_cost else ()
@@ -61,20 +66,10 @@ def jobs(args) -> dict:
     # Each job's frames: from the pipeline alone, the engine's (admitted together), the server's MP4.
     checked = [(ref.images(it.request), engine[it.request.request_id], mp4) for it, mp4 in zip(its, mp4s)]
     medians = {name: statistics.median(values) for name, values in rounds.items()}
-    return {"jobs_per_s": medians, "rounds": rounds, "ratio": medians["concurrent"] / medians["sequential"],
-            "worst_mp4_psnr_db": min(kit.psnr(decode_mp4(str(mp4)), alone[0]) for alone, _, mp4 in checked),
-            "worst_engine_diff": max(ref.diff(made, alone) for alone, made, _ in checked)}
-
-
-def main(argv=None) -> int:
-    p = kit.parser(__doc__, model="tiny-wan", size="32x32", steps=20, rounds=3, torch_threads=2, output_file=None)
-    p.add_argument("scenario", nargs="?", choices=("jobs",), default="jobs")
-    p.add_argument("--jobs", type=kit.count, default=4)
-    p.add_argument("--frames", type=int, default=9)
-    p.add_argument("--max-batch-cost", type=float, default=0, help="The server's (0: its default).")
-    args = p.parse_args(argv)
     result = {"scenario": args.scenario, "model": args.model, "size": args.size, "frames": args.frames,
-              **jobs(args), "machine": kit.machine()}
+              "jobs_per_s": medians, "rounds": rounds, "ratio": medians["concurrent"] / medians["sequential"],
+              "worst_mp4_psnr_db": min(kit.psnr(decode_mp4(str(mp4)), alone[0]) for alone, _, mp4 in checked),
+              "worst_engine_diff": max(ref.diff(made, alone) for alone, made, _ in checked), "machine": kit.machine()}
     print(json.dumps(result, indent=1))
     kit.write_json(args.output_file, result)
     return 0

@@ -1,17 +1,9 @@
-"""The online RL loop's control (--enable-weight-updates): how long a weight update and a wake take,
-and whether the rollouts right after an update are as fast as the steady ones.
-
-- ``apply``: a step-mode server of ``--model`` (sd-mid: a 36M-parameter UNet) takes the whole
-  denoiser, moved as a training step moves it, ``--updates`` times from disk (a directory in
-  diffusers' layout) and as many times from memory (the client's shared-memory transport, the
-  write included); then sleeps at level 2 and wakes (the weights read again from the model's
-  files, the current version applied). Figures: the median of each, seconds.
-- ``rollouts``: a step-mode server of ``--rollout-model`` answers ``--count`` rollout requests
-  (n=8) at once, several times; between two such runs an update from memory. Figure: the first
-  run after an update over the steady runs' median (images/s). Target: at least 0.9.
+"""The online RL loop's control (--enable-weight-updates) on step-mode servers: ``apply``, how long
+an update of the whole denoiser takes from disk and from memory, and a wake from level 2;
+``rollouts``, whether the rollouts right after an update are as fast as the steady ones
+(docs/benchmark-tools.md).
 
     python benchmarks/bench_weights.py apply --rounds 3
-    python benchmarks/bench_weights.py rollouts --rounds 3
 """
 
 from __future__ import annotations
@@ -22,6 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
 import kit
 from diffserve.client import Client
 
@@ -29,8 +24,7 @@ AFTER = "img/s first after an update / steady"
 
 
 def state_of(model: str, seed: int) -> dict:
-    import torch
-
+    """The model's denoiser state, moved as a training step moves it."""
     components = kit.reference(model).loaded.pipe.components
     denoiser = components.get("transformer") or components["unet"]
     g = torch.Generator().manual_seed(seed)
@@ -50,8 +44,8 @@ def timed(run) -> float:
 
 
 def apply(b: kit.Bench) -> dict[str, float | None]:
-    from safetensors.torch import save_file
-
+    """``--updates`` updates from disk (diffusers' layout) and as many from memory (the client's
+    shared-memory transport, the write included); then a sleep at level 2 and its wake."""
     a, figures = b.args, {"from disk s": [], "from memory s": []}
     with serve(b, "apply") as served, Client(served.urls[0]) as client:
         name = "unet" if "unet" in kit.reference(a.model).loaded.pipe.components else "transformer"
@@ -59,15 +53,17 @@ def apply(b: kit.Bench) -> dict[str, float | None]:
             folder = b.weights_dir / f"step-{i}" / name
             folder.mkdir(parents=True)
             save_file(state_of(a.model, i), str(folder / "diffusion_pytorch_model.safetensors"))
-            figures["from disk s"].append(timed(lambda: client.update_weights(path=f"step-{i}")))
+            figures["from disk s"].append(timed(lambda i=i: client.update_weights(path=f"step-{i}")))
             state = state_of(a.model, 100 + i)
-            figures["from memory s"].append(timed(lambda: client.update_weights(tensors=state)))
+            figures["from memory s"].append(timed(lambda s=state: client.update_weights(tensors=s)))
         client.sleep(level=2)
         wake = timed(client.wake_up)
     return {**{k: statistics.median(v) for k, v in figures.items()}, "wake from level 2 s": wake}
 
 
 def rollouts(b: kit.Bench) -> dict[str, float | None]:
+    """``--count`` rollout requests (n=8) at once, run after run, an update from memory before
+    every other run: the first run after an update over the steady runs' median (images/s)."""
     a, runs = b.args, []
     with serve(b, "rollouts", **{"--model": a.rollout_model, "--max-n": 8,
                                  "--dynamic-batch-max-size": 16}) as served, Client(served.urls[0]) as client:

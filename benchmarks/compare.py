@@ -17,6 +17,7 @@ import numpy as np
 
 import kit
 from kit import Bench, Scenario, ms, ratio
+from tools.loras import write_lora
 
 STEP_OVER_REQUEST = "step/request"
 QUALITY_DB = 30.0  # the cache scenario's bound on an image's PSNR against its uncached twin
@@ -40,19 +41,15 @@ def modes(b: Bench, full: bool = True) -> dict[str, float | None]:
                 half = 0.5 * rate * (a.steps or a.default_steps) / statistics.mean(a.mixed_steps)
                 mixed = b.load(served, f"{mode} mixed", request_rate=half, mixed_steps=a.mixed_steps)
                 f[f"short mean ms (mixed), {mode}"] = ms(mixed["latency_by_steps_s"][str(min(a.mixed_steps))]["mean"])
+            # Idle overhead: a lone request's latency beyond its time in the engine and the batching delay.
             idle = b.load(served, f"{mode} idle", max_concurrency=1, num_prompts=a.idle_requests)
-            f[f"idle overhead ms, {mode}"] = idle_overhead_ms(idle, a.batch_delay_ms)
+            lone = idle["latency_s"]["mean"], (idle["server_metrics"] or {}).get("mean_request_execution_s")
+            f[f"idle overhead ms, {mode}"] = None if None in lone else ms(lone[0] - lone[1]) - a.batch_delay_ms
     if full:
         for name in ["saturated img/s", "saturated p99 ms", "short mean ms (mixed)",
                      *(f"{p} ms @{load}%" for load in a.loads for p in ("p50", "p99"))]:
             f[f"{name}, {STEP_OVER_REQUEST}"] = ratio(f.get(f"{name}, step"), f.get(f"{name}, request"))
     return f
-
-
-def idle_overhead_ms(idle: dict, delay_ms: float) -> float | None:
-    """A lone request's latency beyond its time in the engine and the batching delay."""
-    execution, latency = (idle["server_metrics"] or {}).get("mean_request_execution_s"), idle["latency_s"]["mean"]
-    return None if execution is None or latency is None else ms(latency - execution) - delay_ms
 
 
 def closed_loop(b: Bench, systems: list[tuple[str, list[dict | None]]]) -> dict[str, float | None]:
@@ -104,8 +101,6 @@ def plot(summary: dict, args, out_dir: Path, title: str) -> None:
 def lora(b: Bench) -> dict[str, float | None]:
     """Requests over k random adapters of each of ``--lora-ranks``: step mode saturated for each k of
     ``--lora-counts`` and at ``--lora-load`` percent, request mode saturated with the most."""
-    from tools.loras import write_lora
-
     a, f, most = b.args, {}, max(b.args.lora_counts)
     names = [f"L{i}" for i in range(most)]
     for rank in a.lora_ranks:

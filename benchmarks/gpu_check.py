@@ -1,13 +1,8 @@
 """One command for a GPU machine: real-size FLUX.1-dev, Qwen-Image and Wan 2.1 14B, random weights
-built in memory, served as an executor serves them, by section (``--only``; each under 10 minutes
-on an H100): ``first-day`` (the start-up check's verdict, no non-finite output, a step timed with
-and without synchronisation, an out-of-memory split), ``exactness`` (step mode against the plain
-pipeline, bf16), ``throughput`` (images/s, peak memory), ``accelerators`` (``--compile``, fp8),
-``stages`` (encode and decode beside the loop, on and off: images/s, p99), ``weights`` (the
-whole denoiser updated from disk and from shared memory, sleep and wake), ``memory`` (each
-``--offload`` mode: peak memory, step time), ``parallel`` (2+ GPUs). ``--tiny``: the embedded
-tiny models on the CPU, the same code in seconds.
-A section is a function under ``@section``. docs/benchmarks.md says what each figure is.
+built in memory, served as an executor serves them, by section (``--only``): first-day, exactness,
+throughput, accelerators, stages, weights, memory, parallel (2+ GPUs); ``--tiny``: the embedded tiny
+models on the CPU, the same code in seconds. A section is a function under ``@section``;
+docs/benchmarks.md says what each figure is.
 
     python benchmarks/gpu_check.py --output-file gpu-check.json
     python benchmarks/gpu_check.py --only first-day,exactness --families flux
@@ -29,8 +24,12 @@ from importlib.metadata import version
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+
 import bench_parallel
 import kit
+from diffserve import shared_tensors
+from diffserve.control import PATH, SHARED, WeightSource
 from diffserve.executor import memory, runtime
 from diffserve.executor.loading import load_model
 
@@ -262,8 +261,6 @@ def accelerators(ctx, family: str) -> dict:
 def stages(ctx, family: str) -> dict:
     """Twice --batch requests, one arriving every other step, with the encode and decode stages
     on (their own CUDA streams) and off: images/s and p99 latency."""
-    import numpy as np
-
     rt, runs = ctx.runtime(family, skip_startup_check=True), {True: [], False: []}
     for on in (True, False) * (1 + ctx.args.repeats):  # the first of each warms up
         engine, its = rt.step_engine(stages=on), kit.items(rt, 2 * ctx.args.batch, f"stages-{on}")
@@ -288,9 +285,6 @@ def weights(ctx, family: str) -> dict:
     """The whole denoiser updated from disk and from shared memory, a sleep at level 1, its wake."""
     from safetensors.torch import save_file
 
-    from diffserve import shared_tensors
-    from diffserve.control import PATH, SHARED, WeightSource
-
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-weights-"))
     rt = ctx.runtime(family, skip_startup_check=True, enable_weight_updates=True, weights_dir=str(scratch))
     state = {k: v.detach().cpu() for k, v in rt.family.denoisers[0].state_dict().items()}
@@ -298,7 +292,8 @@ def weights(ctx, family: str) -> dict:
     save_file(state, str(scratch / "transformer" / "diffusion_pytorch_model.safetensors"))
     shared = shared_tensors.SHARED_DIR / shared_tensors.write(state)
     fig = {"denoiser GB": sum(v.numel() * v.element_size() for v in state.values()) / 1e9}
-    for name, source in (("disk", WeightSource(PATH, str(scratch))), ("shared memory", WeightSource(SHARED, str(shared)))):
+    for name, source in (("disk", WeightSource(PATH, str(scratch))),
+                         ("shared memory", WeightSource(SHARED, str(shared)))):
         fig[f"update from {name} s"] = ctx.timed(lambda s=source: (rt.weights.prepare(s), rt.weights.commit(name)))
     fig.update({"sleep level 1 s": ctx.timed(lambda: rt.weights.sleep(1)), "wake s": ctx.timed(rt.weights.wake)})
     shared.unlink(missing_ok=True)

@@ -1,18 +1,14 @@
 """What the tools in benchmarks/ share, so that each tool is only its scenario: arguments
-(:func:`parser`), servers (:func:`server`, :class:`Bench`), load on the OpenAI images API with
-latency percentiles and the /metrics delta (:func:`run_load`), medians over rounds and target
-verdicts (:func:`main`, :func:`report`), the plain pipeline alone (:func:`reference`) and the
-engines in this process (:func:`runtime`, :func:`items`, :func:`stepped`). A server-load scenario
-is a function of a :class:`Bench` returning its figures::
+(:func:`parser`), servers and load on the OpenAI images API with the /metrics delta (:class:`Bench`,
+:func:`run_load`), medians over rounds with target verdicts (:func:`main`, :func:`report`), the
+plain pipeline alone (:func:`reference`) and the engines in this process (:func:`runtime`,
+:func:`items`, :func:`stepped`). A server-load scenario is a function of a :class:`Bench`::
 
     def dp2(b: kit.Bench) -> dict:
         with b.servers("dp2", {"--data-parallel-size": 2}) as served:
-            run = b.load(served, "dp2 saturated", max_concurrency=b.args.concurrency)
-        return {"img/s, dp2": run["images_per_s"]}
+            return {"img/s, dp2": b.load(served, "dp2", max_concurrency=b.args.concurrency)["images_per_s"]}
 
-    if __name__ == "__main__":
-        sys.exit(kit.main(__doc__, {"dp2": kit.Scenario(dp2, [("img/s, dp2", ">=", 10.0)])}, num_requests=64,
-                          concurrency=16, warmup=2))
+    kit.main(__doc__, {"dp2": kit.Scenario(dp2, [("img/s, dp2", ">=", 10.0)])}, num_requests=64, concurrency=16)
 """
 
 from __future__ import annotations
@@ -43,9 +39,15 @@ from typing import Any, Callable, NamedTuple
 
 import aiohttp
 import numpy as np
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from diffserve.config import DEFAULT_MODEL, ServerConfig
+from diffserve.executor.loading import load_model
+from diffserve.executor.runtime import build_runtime
 from diffserve.launcher import LaunchError, ServerProcess, free_port
+from diffserve.models.registry import resolve_model, serving_defaults
+from diffserve.protocol import ImageRequest, Work, WorkItem
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(1, str(HERE.parent))  # tools/ (random LoRA adapters)
@@ -188,8 +190,7 @@ def table(rows: list[dict]) -> str:
 
 
 def report(name: str, rounds: list[dict], args: argparse.Namespace, targets: list[Target] = ()) -> dict:
-    """The summary of ``rounds`` (each with its ``figures``), printed as a table and written to
-    the tool's ``--output-file``."""
+    """The summary of ``rounds`` (each with its ``figures``), printed as a table and written to --output-file."""
     summary = summarize([{k: v for k, v in r["figures"].items() if k != "error"} for r in rounds], targets)
     result = {"scenario": name, "config": vars(args), "machine": machine(), "summary": summary,
               "targets": [{"figure": f, "op": op, "bound": bound, "met": summary["verdicts"][f]}
@@ -281,9 +282,6 @@ def main(doc: str, scenarios: dict[str, Scenario], argv: list[str] | None = None
          arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None, **shared) -> int:
     """A server-load tool: its scenario (named first where it has several) over --rounds rounds of
     fresh servers, to <scenario>.json and .md in --output-dir; ``arguments`` adds the tool's own."""
-    from diffserve.config import DEFAULT_MODEL
-    from diffserve.models.registry import resolve_model, serving_defaults
-
     p = parser(doc, **{"model": DEFAULT_MODEL, "rounds": 1, "startup_timeout": 600.0, "output_dir": None,
                        "output_file": None, **shared})
     if len(scenarios) > 1:
@@ -412,8 +410,7 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 async def run_load(cfg: Load) -> dict[str, Any]:
-    """A warm-up, then ``cfg``: throughput, latency (overall, per step count and per size) and
-    the servers' /metrics delta."""
+    """A warm-up, then ``cfg``: throughput, latency (overall, per step count, per size), the /metrics delta."""
     if cfg.num_prompts < 1 or (cfg.max_concurrency or 1) < 1 or not cfg.request_rate > 0:
         raise ValueError("num_prompts and max_concurrency must be >= 1 and request_rate > 0")
     urls, rng = [u.rstrip("/") for u in cfg.base_urls], random.Random(cfg.seed)
@@ -447,8 +444,6 @@ async def run_load(cfg: Load) -> dict[str, Any]:
 
 def decode(b64: str) -> np.ndarray:
     """An answer's image (``b64_json``) as RGB pixels."""
-    from PIL import Image
-
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
@@ -497,8 +492,7 @@ def change(before: Samples, after: Samples, name: str, **match: str) -> float | 
 
 
 def metrics(*urls: str) -> Samples | None:
-    """diffserve's metrics now, summed over ``urls`` (each counted once); None where a server has
-    none (the naive baseline)."""
+    """diffserve's metrics now, summed over ``urls`` (each counted once); None where one has none (naive)."""
     samples: Samples = {}
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy the environment names
     for url in dict.fromkeys(u.rstrip("/") for u in urls):
@@ -565,25 +559,18 @@ def reference(model: str, torch_threads: int = 0) -> SimpleNamespace:
     images from it alone (tests/reference.py), and ``diff(a, b)``, the largest pixel difference."""
     from reference import max_diff, solo
 
-    from diffserve.executor.loading import load_model
-
     loaded = load_model(model, torch_threads=torch_threads)
     return SimpleNamespace(loaded=loaded, images=functools.partial(solo, loaded, {}), diff=max_diff)
 
 
 def runtime(model: str, torch_threads: int = 0, **config):
     """``model`` built as an executor builds it, in this process (``config``: ServerConfig's fields)."""
-    from diffserve.config import ServerConfig
-    from diffserve.executor.runtime import build_runtime
-
     return build_runtime(ServerConfig(model=model, **config), torch_threads=torch_threads)
 
 
 def items(rt, n: int, tag: str = "r", steps: int | None = None, first: int = 0, **fields) -> list:
     """``n`` one-image work items for ``rt``'s model: seeds from ``first``, prompts from
     prompts.txt, the model's size, guidance and (without ``steps``) steps; ``fields`` over them."""
-    from diffserve.protocol import ImageRequest, WorkItem
-
     info, pool = rt.info, prompts()
     return [WorkItem(ImageRequest(**{
         "request_id": f"{tag}-{first + i}", "model": info.name, "width": info.width, "height": info.height,
@@ -611,8 +598,6 @@ def stepped(engine, arrivals: dict[int, list], each=lambda out: None, inputs=lam
 
 def run(rt, its: list, mode: str = "step") -> list:
     """The outcomes of work items ``its`` in ``rt``'s engine of ``mode`` (request: one pipeline call)."""
-    from diffserve.protocol import Work
-
     if mode == "request":
         return rt.request_runner().execute(Work(0, its), [[] for _ in its])
     return stepped(rt.step_engine(), {0: its})

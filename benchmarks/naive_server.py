@@ -1,8 +1,6 @@
 """BASELINE ONLY - not part of diffserve: the server people commonly write around a diffusers
-pipeline (after the diffusers example server), for comparison. One pipeline call per request in
-the event loop's thread pool, a fresh scheduler per request (schedulers keep per-call state), no
-batching, no limit on concurrent calls. Like that example it shares the tokenizers between
-threads, which can fail a request now and then ("Sizes of tensors must match"). PNG only; no /metrics.
+pipeline (after the diffusers example server), for comparison: one pipeline call per request in a
+thread pool, a fresh scheduler per request, tokenizers shared (docs/benchmark-tools.md).
 
     python benchmarks/naive_server.py --model tiny-sd --port 8001
 """
@@ -13,12 +11,16 @@ import asyncio
 import sys
 
 import numpy as np
+import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 import kit
 from diffserve.config import DEFAULT_MODEL
+from diffserve.executor.loading import quiet_libraries
+from diffserve.frontend.encode import encode_image
+from diffserve.models.registry import resolve_model, serving_defaults
 
 
 class Body(BaseModel):
@@ -33,10 +35,6 @@ class Body(BaseModel):
 def create_app(model: str) -> FastAPI:
     import torch
     from diffusers import DiffusionPipeline
-
-    from diffserve.executor.loading import quiet_libraries
-    from diffserve.frontend.encode import encode_image
-    from diffserve.models.registry import resolve_model, serving_defaults
 
     state: dict = {}
 
@@ -88,8 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     args = p.parse_args(argv)
-    import uvicorn
-
     uvicorn.run(create_app(args.model), host=args.host, port=args.port, log_level="warning")
     return 0
 
