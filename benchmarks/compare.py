@@ -176,6 +176,30 @@ def sizes(b: Bench) -> dict[str, float | None]:
     return f
 
 
+def rules(b: Bench) -> dict[str, float | None]:
+    """Two ``--sizes`` in turn at ``--sizes-load`` percent of request mode's saturation on the
+    first size alone (one rate and the same arrivals for every server), request mode against step
+    mode under each of ``--set-policies``: each size's p50 and p99, and step ÷ request."""
+    a, f, rate = b.args, {}, None
+    body = {"extra_body": {"guidance_scale": a.guidance_scale}} if a.guidance_scale is not None else {}
+    for name in ("request", *a.set_policies):  # request first: its saturation sets the rate
+        flags = {"--batching-mode": "request"} if name == "request" else {"--batching-mode": "step",
+                                                                           "--set-policy": name}
+        with b.servers(name, flags) as served:
+            if rate is None:
+                sat = b.load(served, f"request saturated {a.sizes[0]}", max_concurrency=a.concurrency,
+                             sizes=a.sizes[:1], **body)
+                rate = f["rate req/s"] = sat["requests_per_s"] * a.sizes_load / 100
+            mixed = b.load(served, f"{name} mixed", request_rate=rate, sizes=a.sizes, **body)["latency_by_size_s"]
+            for i, size in enumerate(a.sizes, 1):
+                for p in ("p50", "p99"):
+                    f[f"{p} ms size {i}, {name}"] = ms(mixed[size][p])
+                if name != "request":
+                    f[f"p50 size {i}, {name} / request"] = ratio(f[f"p50 ms size {i}, {name}"],
+                                                                  f[f"p50 ms size {i}, request"])
+    return f
+
+
 def rollout(b: Bench) -> dict[str, float | None]:
     """``/v1/rollouts``: ``--rollout-prompts`` x ``--rollout-n`` samples at once, a request per prompt
     (both modes) against a request per sample (step mode): samples/s and a group's last sample."""
@@ -275,7 +299,9 @@ def arguments(p) -> None:
     p.add_argument("--lora-ranks", type=kit.ints, default=[8, 64], help="lora: adapter ranks.")
     p.add_argument("--lora-load", type=int, default=70, help="lora: %% of saturation for the p99.")
     p.add_argument("--sizes", type=kit.names, help='sizes: the two sizes to mix, e.g. "32x32,48x48" (required).')
-    p.add_argument("--sizes-load", type=int, default=60, help="sizes: %% of request mode's saturation.")
+    p.add_argument("--sizes-load", type=int, default=60, help="sizes, rules: %% of request mode's saturation.")
+    p.add_argument("--set-policies", type=kit.names, default=["fair", "srpt", "oldest"], help="rules: step mode's.")
+    p.add_argument("--guidance-scale", type=float, help="rules: the requests' guidance_scale (None: the model's).")
     p.add_argument("--rollout-prompts", type=int, default=4, help="rollout: prompts (groups).")
     p.add_argument("--rollout-n", type=int, default=16, help="rollout: samples per prompt (the servers' --max-n).")
     p.add_argument("--rollout-repeats", type=int, default=3, help="rollout: timed repeats per layout.")
@@ -300,6 +326,8 @@ SCENARIOS = {
                               ("images per forward, mixed / uniform", ">=", 0.8),
                               ("p99 rare size (90/10), mixed / alone", "<=", 2.0),
                               ("saturated img/s mixed, step / request", ">=", 0.95)]),
+    "rules": Scenario(rules, [(f"p50 size {i}, {p} / request", "<=", 1.0) for p in ("fair", "srpt", "oldest")
+                              for i in (1, 2)]),
     "rollout": Scenario(rollout, [("samples/s, groups / singles, step", ">=", 1.3),
                                   ("samples/s, groups, step / request", ">=", 1.0)]),
     "cache": Scenario(cache, [(BEST, ">=", 1.4)]),

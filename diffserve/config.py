@@ -71,11 +71,15 @@ class ServerConfig:
         "requests of class q that arrive within (p - q) x this after it). 0 = strict priority.",
         ge=0, le=86_400)
     set_policy: str = option(
-        "fair", "Step mode: which running set (one per size) the next denoising step advances. "
-        "fair: every request loses about the same time to the others (processor sharing). srpt: "
-        "the set whose nearest completion comes soonest, unless a request has lost more than its "
-        "own processing time (then its set): a lower mean, a bounded tail.",
-        choices=tuple(SET_POLICIES))
+        "auto", "Step mode: which running set (one per size) the next denoising step advances. "
+        "oldest: the set holding the request that arrived first (request mode's order, with "
+        "joins; the lowest p50 and p99 measured on mixed sizes). fair: every request loses about "
+        "the same time to the others (processor sharing; a new size starts at the next step). "
+        "srpt: the set whose nearest completion comes soonest, unless a request has lost more "
+        "than its own processing time (then its set). auto: oldest, or fair with "
+        "--scheduling-policy priority (so that a better class's new size does not wait for "
+        "older requests of a worse one).",
+        choices=("auto", *SET_POLICIES))
     batching_mode: str = option(
         "auto", "How requests share the model. request: one batched pipeline call per batch, for "
         "any diffusers text-to-image or video pipeline. step: requests join and leave a running "
@@ -365,6 +369,13 @@ class ServerConfig:
             return ()
         return self.offload_components or (("dit",) if self.offload == "layer" else
                                            ("dit", "text_encoder", "vae"))
+
+    @property
+    def set_policy_name(self) -> str:
+        """--set-policy, ``auto`` resolved."""
+        if self.set_policy != "auto":
+            return self.set_policy
+        return "fair" if self.scheduling_policy == "priority" else "oldest"
 
     @property
     def serves_adapters(self) -> bool:

@@ -131,6 +131,8 @@ RUNS = {
     "compare scale": (20, compare("scale")),
     "compare baseline": (15, compare("baseline")),
     "compare sizes": (15, compare("sizes", "--sizes", "64x64,32x32", "--sizes-load", "50")),
+    "compare rules": (10, compare("rules", "--sizes", "64x64,32x32", "--set-policies", "oldest",
+                                 "--guidance-scale", "5")),
     "compare lora": (14, compare("lora", "--lora-counts", "0,2", "--lora-ranks", "4", "--lora-load", "50")),
     "compare rollout": (12, compare("rollout", "--model", "tiny-flux", "--rollout-prompts", "2", "--rollout-n", "3",
                                    "--rollout-repeats", "1")),
@@ -322,6 +324,18 @@ def test_compare_sizes():
         assert medians[figure] > 0, figure
     labels = [run["label"] for run in result["rounds"][0]["runs"]]
     assert labels[:2] == ["request saturated mixed", "request mixed @50%"] and "step 90/10" in labels
+
+
+@pytest.mark.early("bench:compare rules")
+def test_compare_rules():
+    result = ran("compare rules")
+    medians = result["summary"]["medians"]
+    for figure in ("rate req/s", "p50 ms size 1, request", "p99 ms size 2, oldest", "p50 size 2, oldest / request"):
+        assert medians[figure] > 0, figure
+    runs = result["rounds"][0]["runs"]
+    assert [run["label"] for run in runs] == ["request saturated 64x64", "request mixed", "oldest mixed"]
+    assert runs[0]["config"]["sizes"] == ["64x64"] and runs[1]["config"]["sizes"] == ["64x64", "32x32"]
+    assert all(run["config"]["extra_body"] == {"guidance_scale": 5.0} for run in runs)
 
 
 @pytest.mark.early("bench:compare rollout")

@@ -79,7 +79,7 @@ class Runtime:
         from diffserve.executor.step_engine import StepEngine
         from diffserve.policies import set_policy
 
-        kwargs.setdefault("policy", set_policy(self.config.set_policy))
+        kwargs.setdefault("policy", set_policy(self.config.set_policy_name))
         kwargs.setdefault("prompt_cache", self.prompt_cache)
         return StepEngine(self.family, self.count_tokens, adapters=self.adapters,
                           step_cache=self.step_cache, cache_threshold=self.config.cache_threshold,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from diffserve.policies.base import Member, QueuePolicy, SetPolicy
 from diffserve.policies.fair import TimeFair
 from diffserve.policies.fcfs import FirstCome
+from diffserve.policies.oldest import OldestFirst
 from diffserve.policies.priority import PriorityOrder
 from diffserve.policies.sjf import ShortestJobFirst
 from diffserve.policies.srpt import SoonestFirst
@@ -28,6 +29,7 @@ QUEUE_POLICIES: dict[str, type[QueuePolicy]] = {
 SET_POLICIES: dict[str, type[SetPolicy]] = {
     TimeFair.name: TimeFair,
     SoonestFirst.name: SoonestFirst,
+    OldestFirst.name: OldestFirst,
 }
 
 __all__ = ["Member", "QueuePolicy", "SetPolicy", "QUEUE_POLICIES", "SET_POLICIES",
