@@ -15,38 +15,35 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-# Seconds each file took in one pytest process on a 2-core machine (files not listed: DEFAULT_S).
+# Seconds each file's tests took (setup, call and teardown, as --durations=0 reports them) in a
+# two-worker run on a 2-core machine (files not listed: DEFAULT_S).
 # Only the balance of the shares depends on these; a stale figure costs time, never a test.
 SECONDS = {
-    "tests/test_reliability.py": 56, "tests/test_parallel_groups.py": 53,
-    "tests/test_adapters.py": 40, "tests/frontend/test_videos.py": 28,
-    "tests/frontend/test_edits_and_streaming.py": 28, "tests/executor/test_adapter_families.py": 28,
-    "tests/test_step_mode.py": 23, "tests/test_rollouts.py": 23,
-    "tests/executor/test_qwen_image_edit.py": 21, "tests/test_soak.py": 19,
-    "tests/test_benchmarks_smoke.py": 19, "tests/test_weight_updates.py": 19,
-    "tests/frontend/test_fuzz.py": 16, "tests/test_data_parallel.py": 14,
-    "tests/executor/test_adapter_rows.py": 14, "tests/executor/test_flux2.py": 13,
-    "tests/executor/test_step_engine.py": 12, "tests/test_prometheus.py": 11,
-    "tests/executor/test_adapters.py": 11, "tests/frontend/test_playground.py": 10,
-    "tests/test_non_finite.py": 10, "tests/test_server_e2e.py": 9,
-    "tests/frontend/test_video_playground.py": 9, "tests/test_task_checks.py": 9,
-    "tests/test_priorities.py": 8, "tests/models/test_embedded.py": 8,
-    "tests/executor/test_self_check.py": 8, "tests/executor/test_half_precision.py": 8,
-    "tests/test_instruction_edits.py": 7, "tests/test_calibrate.py": 7,
-    "tests/models/test_shapes.py": 7, "tests/executor/test_step_cache.py": 7,
-    "tests/executor/test_request_runner.py": 7, "tests/executor/test_process.py": 7,
-    "tests/executor/test_compiled.py": 7, "tests/executor/test_weights.py": 7,
-    "tests/executor/test_stages.py": 6, "tests/executor/test_quantization.py": 6,
-    "tests/executor/test_samplers.py": 6, "tests/test_config.py": 6,
-    "tests/test_accelerators_server.py": 6, "tests/scheduler/test_process.py": 5,
-    "tests/models/test_shapes_serving.py": 5, "tests/executor/test_wan.py": 5,
-    "tests/executor/test_loops.py": 5, "tests/executor/test_pause.py": 5,
-    "tests/executor/test_flux_kontext.py": 5, "tests/test_client.py": 4,
-    "tests/executor/test_z_image_chroma.py": 4, "tests/executor/test_dit_families.py": 3,
-    "tests/frontend/test_video_jobs.py": 2, "tests/executor/test_step_timer.py": 2,
-    # Their tests wait on background runs (the Ray application, compare.py's scenarios) that
-    # keep a core busy for minutes from the session's start.
-    "tests/test_ray.py": 40,
+    "tests/test_benchmarks_smoke.py": 127, "tests/test_reliability.py": 75,
+    "tests/test_parallel_groups.py": 48, "tests/frontend/test_videos.py": 45,
+    "tests/test_adapters.py": 43, "tests/test_data_parallel.py": 37, "tests/test_step_mode.py": 32,
+    "tests/executor/test_flux2.py": 27, "tests/executor/test_process.py": 27,
+    "tests/executor/test_compiled.py": 23, "tests/test_rollouts.py": 23,
+    "tests/executor/test_adapters.py": 21, "tests/frontend/test_edits_and_streaming.py": 20,
+    "tests/executor/test_adapter_families.py": 19, "tests/executor/test_qwen_image_edit.py": 19,
+    "tests/test_soak.py": 19, "tests/executor/test_step_engine.py": 17,
+    "tests/executor/test_adapter_rows.py": 16, "tests/executor/test_memory.py": 16,
+    "tests/test_weight_updates.py": 14, "tests/test_server_e2e.py": 13,
+    "tests/models/test_shapes_serving.py": 12, "tests/executor/test_half_precision.py": 10,
+    "tests/frontend/test_video_playground.py": 10, "tests/test_prometheus.py": 10,
+    "tests/frontend/test_fuzz.py": 9, "tests/executor/test_self_check.py": 8,
+    "tests/executor/test_step_cache.py": 8, "tests/models/test_embedded.py": 8,
+    "tests/models/test_shapes.py": 8, "tests/test_non_finite.py": 7,
+    "tests/executor/test_dit_families.py": 6, "tests/scheduler/test_process.py": 6,
+    "tests/test_accelerators_server.py": 6, "tests/test_calibrate.py": 6,
+    "tests/frontend/test_playground.py": 5, "tests/test_task_checks.py": 5,
+    "tests/executor/test_quantization.py": 4, "tests/executor/test_request_runner.py": 4,
+    "tests/executor/test_stages.py": 4, "tests/executor/test_z_image_chroma.py": 4,
+    "tests/test_client.py": 4, "tests/test_config.py": 4, "tests/test_instruction_edits.py": 4,
+    "tests/test_memory_server.py": 3, "tests/test_priorities.py": 2,
+    # Its tests take their results from the Ray application's background run, which has ended
+    # by the time they come (it keeps both cores' share busy from the session's start instead).
+    "tests/test_ray.py": 2,
 }
 DEFAULT_S = 1.0
 
