@@ -168,15 +168,15 @@ class StepLoop:
 
     def run(self) -> None:
         while not self.stopping:
-            work = []
+            work, cancels = [], []
             # An engine with nothing to step sleeps until work comes (or a stage finishes a job).
             message = self._receive(block=not self.engine.steppable)
             while message is not None:
                 kind, msg, frames = message
                 if kind is Kind.SHUTDOWN:
                     self.stopping = True
-                elif kind is Kind.CANCEL:
-                    self.engine.cancel(msg.request_ids)
+                elif kind is Kind.CANCEL:  # after the admissions: it may be for work just read
+                    cancels += msg.request_ids
                 elif kind is Kind.PAUSE:  # before the work it makes room for, which follows it
                     work = self._admit(work)
                     self.engine.pause(msg.items)
@@ -199,6 +199,8 @@ class StepLoop:
                 self.engine.close()  # the stages' threads (the scheduler drained their work)
                 break
             self._admit(work)
+            if cancels:
+                self.engine.cancel(cancels)
             if self.engine:
                 try:
                     out = self.engine.step()

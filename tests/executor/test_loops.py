@@ -146,3 +146,24 @@ def test_a_step_that_raises_outside_any_request_fails_what_it_held_and_the_loop_
     StepLoop(engine, io).run()
     assert io.sent == [("a", "failed"), ("b", "failed"), ("c", "finished")]
     assert not engine
+
+
+def test_a_cancel_read_with_its_work_in_one_drain_still_cancels_it(runner_parts):
+    """The work and its cancel arrive between two steps (a caller that hung up at once, or a busy
+    executor): the cancel is applied after the work is admitted, not dropped as unknown."""
+    from diffserve.executor.step_engine import StepEngine
+
+    loaded, pipelines, family = runner_parts
+    engine = StepEngine(family)
+    io = StepIO([work(1, "a", "b"), cancel("a")])
+    real_step = engine.step
+
+    def step():
+        out = real_step()
+        if not engine:
+            io.inbox.append(SHUTDOWN)
+        return out
+
+    engine.step = step
+    StepLoop(engine, io).run()
+    assert sorted(io.sent) == [("a", "cancelled"), ("b", "finished")]
