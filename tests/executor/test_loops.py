@@ -121,6 +121,16 @@ class StepIO(MemoryIO):
         pass
 
 
+def shut_down_when_done(engine, io: MemoryIO, step) -> None:
+    """The engine steps with ``step``; once it holds nothing, the loop is told to shut down."""
+    def stepped():
+        out = step()
+        if not engine:
+            io.inbox.append(SHUTDOWN)
+        return out
+    engine.step = stepped
+
+
 def test_a_step_that_raises_outside_any_request_fails_what_it_held_and_the_loop_serves_on(
         runner_parts):
     """A bug in the engine itself (not a request's stage, which the engine isolates) costs what
@@ -137,12 +147,9 @@ def test_a_step_that_raises_outside_any_request_fails_what_it_held_and_the_loop_
         if len(steps) == 1:
             io.inbox.append(work(2, "c"))  # arrives while the broken step runs
             raise AssertionError("an engine bug")
-        out = real_step()
-        if not engine:
-            io.inbox.append(SHUTDOWN)
-        return out
+        return real_step()
 
-    engine.step = step
+    shut_down_when_done(engine, io, step)
     StepLoop(engine, io).run()
     assert io.sent == [("a", "failed"), ("b", "failed"), ("c", "finished")]
     assert not engine
@@ -156,14 +163,6 @@ def test_a_cancel_read_with_its_work_in_one_drain_still_cancels_it(runner_parts)
     loaded, pipelines, family = runner_parts
     engine = StepEngine(family)
     io = StepIO([work(1, "a", "b"), cancel("a")])
-    real_step = engine.step
-
-    def step():
-        out = real_step()
-        if not engine:
-            io.inbox.append(SHUTDOWN)
-        return out
-
-    engine.step = step
+    shut_down_when_done(engine, io, engine.step)
     StepLoop(engine, io).run()
     assert sorted(io.sent) == [("a", "cancelled"), ("b", "finished")]
