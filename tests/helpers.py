@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 from diffserve.protocol import FAILED, FINISHED, ImageRequest, ItemResult, ItemsDone
 
@@ -86,3 +87,14 @@ def scheduler_failing_at_dispatch(spec) -> None:
 
     process.SchedulerProc._dispatch = fail
     process.run_scheduler(spec)
+
+
+def sde_log_prob(x, v, nxt, sigmas, step: int, a: float) -> float:
+    """A trainer's log-probability of the recorded next latent ``nxt`` (float64 tensors) under
+    Flow-GRPO's SDE step from ``x`` with velocity ``v`` at noise level ``a``, per element."""
+    s_t, s_n = sigmas[step], sigmas[step + 1]
+    d = s_n - s_t
+    s = a * math.sqrt(s_t / (1 - (sigmas[1] if s_t >= 1 else s_t)))
+    mean = x.double() * (1 + s * s * d / (2 * s_t)) + v * (1 + s * s * (1 - s_t) / (2 * s_t)) * d
+    std = s * math.sqrt(-d)
+    return (-((nxt - mean) ** 2) / (2 * std * std) - math.log(std) - 0.5 * math.log(2 * math.pi)).mean().item()

@@ -7,7 +7,6 @@ generations endpoint; one request of n equals n single requests; the client; and
 from __future__ import annotations
 
 import json
-import math
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -18,6 +17,7 @@ from safetensors.numpy import load
 
 from diffserve.client import Client, RolloutError
 from diffserve.models.registry import resolve_model, serving_defaults
+from helpers import sde_log_prob
 from server import LAUNCHES, assert_openai_error, decode, serves, spec
 
 ROLLOUTS = "/v1/rollouts"
@@ -131,14 +131,8 @@ def test_log_probs_recomputed_from_the_trajectory_with_the_model_alone_agree(ser
         for step in range(4):
             x = torch.from_numpy(t["latents"][i, step].copy())
             v = transformer_velocity(served, x, float(t["timesteps"][step]), guidance).double()
-            s_t, s_n = sigmas[step], sigmas[step + 1]
-            d = s_n - s_t
-            s = a * math.sqrt(s_t / (1 - (sigmas[1] if s_t >= 1 else s_t)))
-            mean = x.double() * (1 + s * s * d / (2 * s_t)) + v * (1 + s * s * (1 - s_t) / (2 * s_t)) * d
-            std = s * math.sqrt(-d)
             nxt = torch.from_numpy(t["latents"][i, step + 1].copy()).double()
-            lp = (-((nxt - mean) ** 2) / (2 * std * std) - math.log(std)
-                  - 0.5 * math.log(2 * math.pi)).mean().item()
+            lp = sde_log_prob(x, v, nxt, sigmas, step, a)
             assert abs(lp - float(t["log_probs"][i, step])) <= 1e-3, (i, step, lp)
 
 

@@ -14,7 +14,7 @@ from diffserve.config import ServerConfig
 from diffserve.executor import check_verdicts, float32_reference, self_check
 from diffserve.executor.runtime import build_runtime
 from diffserve.protocol import Work, WorkItem
-from helpers import make_request, run_plan
+from helpers import make_request, run_plan, sde_log_prob
 from reference import sample_image
 
 
@@ -57,7 +57,6 @@ def test_bfloat16_rollouts_log_probs_are_what_a_trainer_recomputes():
     the recorded latents with the model alone in bfloat16: they agree within 1e-4 (Flow-GRPO
     clips the importance ratio at about that)."""
     import dataclasses
-    import math
     from types import SimpleNamespace
 
     from test_rollouts import transformer_velocity
@@ -83,15 +82,9 @@ def test_bfloat16_rollouts_log_probs_are_what_a_trainer_recomputes():
             x = torch.from_numpy(t["latents"][i, step].copy())
             v = transformer_velocity(trainer, x.to(torch.bfloat16), float(t["timesteps"][step]),
                                      3.5).double()
-            s_t, s_n = sigmas[step], sigmas[step + 1]
-            d = s_n - s_t
-            s = a * math.sqrt(s_t / (1 - (sigmas[1] if s_t >= 1 else s_t)))
-            mean = x.double() * (1 + s * s * d / (2 * s_t)) + v * (1 + s * s * (1 - s_t) / (2 * s_t)) * d
-            std = s * math.sqrt(-d)
             nxt = torch.from_numpy(t["latents"][i, step + 1].copy()).double()
             assert torch.equal(nxt.to(torch.bfloat16).double(), nxt)  # a bfloat16 value
-            lp = (-((nxt - mean) ** 2) / (2 * std * std) - math.log(std)
-                  - 0.5 * math.log(2 * math.pi)).mean().item()
+            lp = sde_log_prob(x, v, nxt, sigmas, step, a)
             worst = max(worst, abs(lp - float(t["log_probs"][i, step])))
     assert worst <= 1e-4, worst  # 7e-8 measured; 2.4e-4 when the float32 sample was recorded
 
