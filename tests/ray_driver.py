@@ -60,6 +60,9 @@ def start_cluster() -> tuple[Path, dict]:
     pin_authentication()
     logs = Path(tempfile.mkdtemp(prefix="diffserve-ray-"))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           # Every line of every replica: the driver counts lines that two replicas write at once,
+           # which Ray's log deduplication would fold into one.
+           "RAY_DEDUP_LOGS": "0",
            # Serve gives a new proxy 5 s to answer its first ready check, then kills it and
            # `serve run` fails; on a busy 2-core machine the proxy's process alone can take
            # longer to start (docs/operations.md, "Ray Serve on a busy node").
@@ -71,6 +74,25 @@ def start_cluster() -> tuple[Path, dict]:
                    check=True, env=env, capture_output=True, timeout=scaled(180))
     env["RAY_ADDRESS"] = os.environ["RAY_ADDRESS"] = f"127.0.0.1:{GCS_PORT}"
     return logs, env
+
+
+# Starts Serve's controller and HTTP proxy on the running cluster, as `serve run` does.
+START_SERVE = "import ray; from ray import serve; ray.init(); serve.start()"
+
+
+def start_serve(env: dict) -> None:
+    """Serve's controller and HTTP proxy, up before ``serve run`` asks for them. ``serve run``
+    waits 60 s for the proxy (a constant in Ray), which a busy one-core machine can exceed; the
+    proxy comes up in the end, and a later start finds it ready. So the start is asked again,
+    within a bound scaled to the machine; ``serve run`` then finds both running."""
+    deadline = time.monotonic() + scaled(600)
+    while True:
+        done = subprocess.run([sys.executable, "-c", START_SERVE], env=env, capture_output=True, text=True,
+                              timeout=scaled(600))
+        if done.returncode == 0:
+            return
+        if "HTTP proxies not available" not in done.stderr or time.monotonic() > deadline:
+            raise RuntimeError("Serve did not start:\n" + done.stderr[-3000:])
 
 
 def wait_for_replicas(serve: ServerProcess, count: int = 2) -> None:
@@ -92,15 +114,17 @@ def stop_cluster(env: dict) -> None:
 
 def stop_while_loading(logs: Path, env: dict) -> dict:
     """``serve run`` stopped (Ctrl-C) while its replicas load their model: how it went."""
+    start_serve(env)
     serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-sd",
                            "num_replicas=2", "torch_threads=1"], RAY_PORT,
                           logs / "serve-stopped.log", env=env, name="serve run",
                           stop_timeout_s=scaled(30)).launch()
     # Both replicas' engines have started their executors, which now load the model (seconds:
     # they import torch first). The log is the only event there is.
+    deadline = time.monotonic() + scaled(180)
     while serve.log.count("diffserve.scheduler.supervisor: started executor 0") < 2:
-        if serve.proc.poll() is not None:
-            raise RuntimeError(serve.log[-3000:])
+        if serve.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the replicas' executors did not both start:\n" + serve.log[-3000:])
         time.sleep(0.05)
     started = time.monotonic()
     code = serve.stop()  # SIGINT; TimeoutExpired past its bound fails the run
@@ -131,6 +155,7 @@ def main() -> None:
     result = {"images": found}
     try:
         logs, env = start_cluster()
+        start_serve(env)
         serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-sd",
                                "num_replicas=2", "torch_threads=1"], RAY_PORT, logs / "serve.log",
                               env=env, name="serve run", startup_timeout_s=scaled(300),

@@ -15,7 +15,7 @@ import httpx
 
 from diffserve.launcher import ServerProcess
 from pace import scaled
-from ray_driver import RAY_PORT, replicas_running, wait_for_replicas
+from ray_driver import RAY_PORT, replicas_running, start_serve, wait_for_replicas
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 JOBS = 8
@@ -54,6 +54,7 @@ def videos(logs, env: dict) -> dict:
 
     videos = tempfile.mkdtemp(prefix="diffserve-ray-videos-")
     found: dict = {}
+    start_serve(env)
     serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-wan", "num_replicas=2",
                            "torch_threads=1", f"video_dir={videos}"], RAY_PORT,
                           logs / "serve-videos.log", env=env, name="serve run (videos)",
