@@ -126,22 +126,35 @@ def stop_while_loading(logs: Path, env: dict) -> dict:
         if serve.proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError("the replicas' executors did not both start:\n" + serve.log[-3000:])
         time.sleep(0.05)
+    loading = 2 - serve.log.count("diffserve.scheduler.process: executor 0 is ready")
     started = time.monotonic()
     code = serve.stop()  # SIGINT; TimeoutExpired past its bound fails the run
     seconds = time.monotonic() - started
-    # How each replica's start ended, in its worker's own log file (serve run's console may exit
-    # before Ray has forwarded it, and a worker may write its last lines after serve run exits:
-    # the files are read until both replicas are accounted for, or for a bounded while).
-    deadline, found = time.monotonic() + scaled(20), {}
-    while True:
-        said = [path.read_text(errors="replace") for path in (logs / "ray").rglob("worker-*.err")]
-        found = {"exit_code": code, "seconds": round(seconds, 2),
-                 "stopped_while_loading": sum(text.count("StartupError: the replica was stopped while "
-                                                         "its model loaded") for text in said),
-                 "loaded": serve.log.count("diffserve.scheduler.process: executor 0 is ready")}
-        if found["stopped_while_loading"] + found["loaded"] >= 2 or time.monotonic() > deadline:
-            return found
-        time.sleep(0.2)
+    # A stopped replica kills its engine (scheduler and executor) whether it had loaded or not:
+    # once `serve run` has exited, none may be left in this namespace (the plain server is gone).
+    deadline = time.monotonic() + scaled(30)
+    while (left := engines()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # How each replica's start ended, in its worker's log file, where Ray wrote it in time (a
+    # replica killed at once by Serve's shutdown may write nothing): for the record.
+    said = [path.read_text(errors="replace") for path in (logs / "ray").rglob("worker-*.err")]
+    return {"exit_code": code, "seconds": round(seconds, 2), "loading_at_stop": loading,
+            "engines_left": left, "engines_gone_s": round(time.monotonic() - started, 2),
+            "stopped_while_loading": sum(text.count("StartupError: the replica was stopped while "
+                                                    "its model loaded") for text in said)}
+
+
+def engines() -> list[str]:
+    """The diffserve schedulers and executors running in this PID namespace."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if entry.name.isdigit() and title.startswith("diffserve::"):
+            found.append(title)
+    return found
 
 
 def main() -> None:
