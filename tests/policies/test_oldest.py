@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.test_srpt import Executor
+from policies.test_srpt import Executor, rare_beside_a_busy_size
 
 
 def test_sizes_run_in_arrival_order_one_after_the_other():
@@ -35,17 +35,7 @@ def test_a_request_of_the_running_size_joins_and_a_later_size_waits_its_turn():
 
 
 def test_a_busy_size_does_not_starve_an_older_request_of_another():
-    ex = Executor("oldest", {"common": 0.04, "rare": 0.02})
-    for _ in range(4):
-        ex.admit("common", 10)
-    ex.step()
-    rare = ex.admit("rare", 10)
-    for _ in range(200):
-        ex.step()
-        while len(ex.sets["common"]) < 4:
-            ex.admit("common", 10)
-        if not rare.remaining:
-            break
+    ex, rare = rare_beside_a_busy_size("oldest", steps=200)
     assert not rare.remaining
     # It waited for the 4 requests before it (9 steps left at 0.04 s), then ran alone.
     assert ex.done[id(rare)] == pytest.approx(9 * 0.04 + 10 * 0.02)

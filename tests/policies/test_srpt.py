@@ -41,6 +41,21 @@ class Executor:
             self.step()
 
 
+def rare_beside_a_busy_size(policy: str, steps: int = 300) -> tuple[Executor, Member]:
+    """Four requests of a common size (0.04 s a step) run a step; a rare size's request (0.02 s)
+    arrives; then ``steps`` steps, the common set kept at four by newcomers that never let up."""
+    ex = Executor(policy, {"common": 0.04, "rare": 0.02})
+    for _ in range(4):
+        ex.admit("common", 10)
+    ex.step()
+    rare = ex.admit("rare", 10)
+    for _ in range(steps):
+        ex.step()
+        while len(ex.sets["common"]) < 4:
+            ex.admit("common", 10)
+    return ex, rare
+
+
 def test_two_sets_of_equal_work_finish_one_after_the_other_not_both_late():
     latencies = {}
     for policy in ("fair", "srpt"):
@@ -69,15 +84,7 @@ def test_no_request_loses_more_than_its_processing_time_at_the_pace_it_was_judge
     """A rare size beside a common one whose newcomers never let up: it still starts, and it
     loses at most patience x its steps x its set's pace (a set that has not stepped yet is
     judged at the running sets' pace: here the common one's), plus one step of the other set."""
-    ex = Executor("srpt", {"common": 0.04, "rare": 0.02})
-    for _ in range(4):
-        ex.admit("common", 10)
-    ex.step()
-    rare = ex.admit("rare", 10)
-    for _ in range(300):
-        ex.step()
-        while len(ex.sets["common"]) < 4:
-            ex.admit("common", 10)
+    ex, rare = rare_beside_a_busy_size("srpt")
     alone, judged = 10 * 0.02, 10 * 0.04
     assert id(rare) in ex.done
     assert ex.done[id(rare)] <= alone + judged + 0.04 + 1e-9
