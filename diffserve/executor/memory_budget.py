@@ -83,7 +83,6 @@ def measure(rt) -> Measured:
     import torch
 
     from diffserve.executor.device_stats import DeviceStats
-    from diffserve.costs import image_cost, uses_cfg
     from diffserve.protocol import ImageRequest, Work, WorkItem
 
     info, pipe = rt.info, rt.loaded.pipe
@@ -92,59 +91,65 @@ def measure(rt) -> Measured:
     cuda = stats.cuda
     held = (torch.cuda.memory_allocated(stats.device) if cuda else
             sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers())))
-    unit = image_cost(1, 1, 1, 1, uses_cfg(info.guidance_rule, info.default_guidance_scale, ""))
     runner, taken = rt.request_runner(), {}
-    for images in (1, 2):
-        request = ImageRequest(f"memory-{images}", info.name, info.width, info.height,
-                               num_inference_steps=1, guidance_scale=info.default_guidance_scale,
-                               prompt="a measure of memory", n=images, num_frames=info.num_frames)
-        counter = None if cuda else OutputBytes(modules)
-        base = stats.start()
-        try:
-            runner.execute(Work(0, [WorkItem(request, 0, images)]), [[]])
-        finally:
-            if counter is not None:
-                counter.close()
-        taken[images] = stats.peak(base) if cuda else counter.total
+    row = RowBytes(rt.family.denoisers[0]) if rt.step_cache is not None else None
+    try:
+        for images in (1, 2):
+            request = ImageRequest(f"memory-{images}", info.name, info.width, info.height,
+                                   num_inference_steps=1, guidance_scale=info.default_guidance_scale,
+                                   prompt="a measure of memory", n=images, num_frames=info.num_frames)
+            counter = None if cuda else OutputBytes(modules)
+            base = stats.start()
+            try:
+                runner.execute(Work(0, [WorkItem(request, 0, images)]), [[]])
+            finally:
+                if counter is not None:
+                    counter.close()
+            taken[images] = stats.peak(base) if cuda else counter.total
+    finally:
+        if row is not None:
+            row.close()
+    unit = unit_cost(info)
     per_cost = max(taken[2] - taken[1], 1) / unit
     fixed = max(taken[1] - int(per_cost * unit), 0)
-    if rt.step_cache is not None:  # a row's cost is 1 at the native size
-        per_cost += _cached_bytes_per_row(rt)
+    if row is not None:  # what the step cache keeps per row (a row's cost is 1 at the native size)
+        per_cost += row.bytes
     return Measured(held, fixed, per_cost)
 
 
-def _cached_bytes_per_row(rt) -> int:
-    """What the step cache keeps per row: the size of the first block's output for one row."""
-    import torch
+def unit_cost(info) -> float:
+    """The cost of one image at the native size and the model's default guidance."""
+    from diffserve.costs import image_cost, uses_cfg
 
-    from diffserve.protocol import ImageRequest, Work, WorkItem
+    return image_cost(1, 1, 1, 1, uses_cfg(info.guidance_rule, info.default_guidance_scale, ""))
 
-    info, found = rt.info, {}
-    lists = [m for m in rt.family.denoisers[0].children() if isinstance(m, torch.nn.ModuleList)]
-    if not lists or not len(lists[0]):
-        return 0
-    first = lists[0][0]
 
-    def hook(module, args, output):
+class RowBytes:
+    """The bytes of one row of the denoiser's first block output (what the step cache keeps per
+    row), read by a forward hook on that block during the measuring calls."""
+
+    def __init__(self, denoiser) -> None:
+        import torch
+
+        self.bytes, self.handle = 0, None
+        lists = [m for m in denoiser.children() if isinstance(m, torch.nn.ModuleList)]
+        if lists and len(lists[0]):
+            self.handle = lists[0][0].register_forward_hook(self._read)
+
+    def _read(self, module, args, output) -> None:
+        import torch
+
         out = output[0] if isinstance(output, (tuple, list)) else output
-        if isinstance(out, torch.Tensor):
-            found.setdefault("bytes", out.numel() * out.element_size() // max(out.shape[0], 1))
+        if isinstance(out, torch.Tensor) and not self.bytes:
+            self.bytes = out.numel() * out.element_size() // max(out.shape[0], 1)
 
-    handle = first.register_forward_hook(hook)
-    try:
-        request = ImageRequest("memory-cache", info.name, info.width, info.height,
-                               num_inference_steps=1, guidance_scale=info.default_guidance_scale,
-                               prompt="a measure of memory", num_frames=info.num_frames)
-        rt.request_runner().execute(Work(0, [WorkItem(request, 0, 1)]), [[]])
-    finally:
-        handle.remove()
-    return found.get("bytes", 0)
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
 
 
 def bound(rt, config) -> None:
     """Measure, and cap the cost bounds of ``rt.info`` by the budget (where there is one)."""
-    from diffserve.costs import image_cost, uses_cfg
-
     budget = budget_of(config, rt.loaded.device)
     if not budget:
         return
@@ -152,7 +157,7 @@ def bound(rt, config) -> None:
     info = rt.info
     left = budget - m.held - m.fixed
     allowed = left / m.per_cost if left > 0 else 0.0
-    one = image_cost(1, 1, 1, 1, uses_cfg(info.guidance_rule, info.default_guidance_scale, ""))
+    one = unit_cost(info)
     if allowed < one:
         raise ConfigError(f"the memory budget of {budget / 1e6:.1f} MB does not hold one image "
                           f"at the native size: the model holds {m.held / 1e6:.1f} MB, a call "
