@@ -23,6 +23,7 @@ from PIL import Image
 
 from diffserve.launcher import ServerProcess
 from pace import scaled
+from server import pids_titled, process_title
 
 RAY_PORT = 8000  # Ray Serve's HTTP proxy, its default address inside the namespace
 GCS_PORT = 6379  # the cluster's head
@@ -133,28 +134,16 @@ def stop_while_loading(logs: Path, env: dict) -> dict:
     # A stopped replica kills its engine (scheduler and executor) whether it had loaded or not:
     # once `serve run` has exited, none may be left in this namespace (the plain server is gone).
     deadline = time.monotonic() + scaled(30)
-    while (left := engines()) and time.monotonic() < deadline:
+    while (left := pids_titled(1, "diffserve::")) and time.monotonic() < deadline:  # 1: its first
         time.sleep(0.1)
     # How each replica's start ended, in its worker's log file, where Ray wrote it in time (a
     # replica killed at once by Serve's shutdown may write nothing): for the record.
     said = [path.read_text(errors="replace") for path in (logs / "ray").rglob("worker-*.err")]
     return {"exit_code": code, "seconds": round(seconds, 2), "loading_at_stop": loading,
-            "engines_left": left, "engines_gone_s": round(time.monotonic() - started, 2),
+            "engines_left": [process_title(p) for p in left],
+            "engines_gone_s": round(time.monotonic() - started, 2),
             "stopped_while_loading": sum(text.count("StartupError: the replica was stopped while "
                                                     "its model loaded") for text in said)}
-
-
-def engines() -> list[str]:
-    """The diffserve schedulers and executors running in this PID namespace."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode()
-        except (OSError, UnicodeDecodeError):
-            continue
-        if entry.name.isdigit() and title.startswith("diffserve::"):
-            found.append(title)
-    return found
 
 
 def main() -> None:
