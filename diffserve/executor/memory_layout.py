@@ -18,12 +18,13 @@ offloading (``--offload``, ``--offload-components``), placement on other devices
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
 import threading
 from dataclasses import dataclass
+
+from diffserve.executor.moving import moved
 
 log = logging.getLogger(__name__)
 
@@ -117,27 +118,6 @@ def offload(module, device: str, mode: str, kind: str) -> None:
 
 
 # -- placement -------------------------------------------------------------------------------
-
-
-def moved(value, device):
-    """``value`` with every tensor in it on ``device`` (tuples, lists, dicts, model outputs and
-    diffusers' Gaussian distributions looked into)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(moved(v, device) for v in value)
-    if isinstance(value, dict):  # transformers' and diffusers' outputs are dicts too
-        for key in list(value.keys()):
-            value[key] = moved(value[key], device)
-        return value
-    if type(value).__name__ == "DiagonalGaussianDistribution":
-        return type(value)(value.parameters.to(device), value.deterministic)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: moved(getattr(value, f.name), device)
-                                             for f in dataclasses.fields(value) if f.init})
-    return value
 
 
 def _inputs_to(device):

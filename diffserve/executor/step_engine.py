@@ -43,13 +43,9 @@ from typing import Any, Callable
 
 from diffserve.executor import memory
 from diffserve.executor.adapters import AdapterStore
-from diffserve.executor.families.base import (
-    Family,
-    moved,
-    park_state,
-    restore_state,
-)
+from diffserve.executor.families.base import Family, park_state, restore_state
 from diffserve.executor.families.conditioning import Encoded
+from diffserve.executor.moving import moved
 from diffserve.executor.planner import Entry, Planner, StepPlan
 from diffserve.executor.results import Outcome, describe
 from diffserve.executor.row_index import put, selection, take

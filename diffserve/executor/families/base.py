@@ -49,24 +49,6 @@ def scheduler_swapped(pipe, scheduler):
             object.__setattr__(pipe, "scheduler", saved)
 
 
-def moved(value, device):
-    """``value`` with every tensor in it on ``device``: tensors, dataclasses (a Conditioning, a
-    Prepared), lists, tuples and dicts, and an object's attributes (a scheduler's state: its
-    sigmas, a multistep solver's past outputs). Anything else is left as it is."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: moved(getattr(value, f.name), device)
-                                             for f in dataclasses.fields(value) if f.init})
-    if isinstance(value, (list, tuple)):
-        return type(value)(moved(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: moved(v, device) for k, v in value.items()}
-    return value
-
-
 def park_state(scheduler) -> dict[str, object]:
     """A scheduler's tensors (and lists of them) moved to the host in place; returns where each
     attribute that held tensors was, for :func:`restore_state` (a scheduler keeps some on the
