@@ -32,8 +32,8 @@ def replica_actors() -> list[dict]:
             if "diffserve" in a["name"] and "SERVE_REPLICA" in a["name"]]
 
 
-def kill_one_replica() -> None:
-    """Kill a replica and return once Ray has it dead (its name is free again)."""
+def kill_one_replica() -> str:
+    """Kill a replica and return its actor's name once Ray has it dead (the name is free again)."""
     import ray
 
     victim = replica_actors()[0]
@@ -42,6 +42,21 @@ def kill_one_replica() -> None:
     while any(a["name"] == victim["name"] for a in replica_actors()):
         assert time.monotonic() < deadline, f"{victim['name']} still alive after ray.kill"
         time.sleep(0.2)
+    return victim["name"]
+
+
+def wait_for_replacement(victim: str) -> int:
+    """Running replicas once Serve has replaced ``victim``. Serve notices a dead replica only at
+    a later health check, and until the new one is up the application reads UNHEALTHY: a count
+    taken before the replacement (the victim's name gone, a new one in its place) or while the
+    application recovers would be a snapshot of that lag, not of the outcome."""
+    deadline = time.monotonic() + scaled(180)
+    while True:
+        names = {a["name"] for a in replica_actors()}
+        running = replicas_running()
+        if (len(names) == 2 and victim not in names and running == 2) or time.monotonic() > deadline:
+            return running
+        time.sleep(0.5)
 
 
 def holder(video_id: str) -> str:
@@ -95,8 +110,7 @@ def videos(logs, env: dict) -> dict:
             found["deleted"] = [c.delete(f"/v1/videos/{v}").status_code for v in gone]
             found["after_delete"] = sorted({c.get(f"/v1/videos/{v}").status_code
                                             for v in gone for _ in range(ROUNDS)})
-            kill_one_replica()
-            wait_for_replicas(serve)
+            replicas = wait_for_replacement(kill_one_replica())
             kept = made[2:]
             deadline = time.monotonic() + scaled(120)
             while True:
@@ -105,5 +119,5 @@ def videos(logs, env: dict) -> dict:
                     break
                 time.sleep(1)
             found["after_replacement"] = sorted(set(codes))
-            found["replicas"] = replicas_running()
+            found["replicas"] = replicas
     return found
