@@ -56,9 +56,8 @@ def modelled(tflops: float, link_gbs: float) -> list[dict]:
             compute, comm = m["flops"] / g / rate, sent / link
             rows.append({"model": name, "plan": " x ".join([f"CFG-{cfg}"] * (cfg > 1) + [f"Ulysses-{g}"] * (g > 1)),
                          "GPUs": cfg * g, "TFLOP/step": one * rate / 1e12, "GB sent/rank": sent / 1e9,
-                         "collectives": m["calls"] + (cfg > 1),
-                         "compute ms": 1e3 * compute, "comm ms": 1e3 * comm, "1 GPU ms": 1e3 * one,
-                         "speed-up": one / (compute + comm)})
+                         "collectives": m["calls"] + (cfg > 1), "compute ms": 1e3 * compute, "comm ms": 1e3 * comm,
+                         "1 GPU ms": 1e3 * one, "speed-up": one / (compute + comm)})
     return rows
 
 
@@ -111,11 +110,8 @@ def timed(torch, denoiser, args, kwargs, n: int, barrier=lambda: None) -> tuple[
     with torch.inference_mode():
         for _ in range(n):
             barrier()
-            start = time.perf_counter()
-            out = denoiser(*args, **kwargs)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+            seconds, out = kit.timed(lambda: denoiser(*args, **kwargs), torch.cuda.is_available())
+            times.append(seconds)
     return times, (out[0] if isinstance(out, tuple) else out.sample).float().cpu().numpy()
 
 
@@ -186,8 +182,7 @@ def measure(build, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = kit.parser(__doc__, model="tiny-flux", size="256x256", repeats=5, warmup=1, torch_threads=0,
-                   output_file=None)
+    p = kit.parser(__doc__, model="tiny-flux", size="256x256", repeats=5, warmup=1, torch_threads=0, output_file=None)
     p.add_argument("--ranks", type=kit.count, default=2, help="G, the Ulysses degree measured.")
     p.add_argument("--batch", type=kit.count, default=1, help="Rows (images) of the forward.")
     p.add_argument("--tflops", type=float, default=400.0, help="A GPU's effective bf16 TFLOP/s (the model).")

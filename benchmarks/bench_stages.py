@@ -28,9 +28,8 @@ def gap_run(a, model: str, stages: bool) -> dict:
     rt = RUNTIME(model, a.torch_threads, skip_startup_check=True)
     engine, info = rt.step_engine(stages=stages), rt.info
     forwards: list[list] = []  # per forward: [when, requests in it, requests running after its step]
-    predict = engine._predict
 
-    def timed(units):
+    def timed(units, predict=engine._predict):
         forwards.append([time.perf_counter(), len(engine.units), 0])
         return predict(units)
 
@@ -44,10 +43,8 @@ def gap_run(a, model: str, stages: bool) -> dict:
     its = kit.items(rt, a.count, "r", a.steps or 8, guidance_scale=4.0, negative_prompt="blurry",
                     **({"task": "edit", "references": 1} if edits else {}),
                     **({"num_frames": 5} if info.num_frames else {}))
-    start = time.perf_counter()
-    outcomes = kit.stepped(engine, {a.every * i: [item] for i, item in enumerate(its)}, each,
-                           lambda item: [image] if edits else [])
-    total = time.perf_counter() - start
+    total, outcomes = kit.timed(lambda: kit.stepped(engine, {a.every * i: [item] for i, item in enumerate(its)}, each,
+                                                    lambda item: [image] if edits else []))
     engine.close()
     assert all(o.status == "finished" for o in outcomes), [o.error for o in outcomes]
     # Against the median gap before forwards of as many requests: a forward of more rows is longer.

@@ -54,9 +54,8 @@ def main(argv=None) -> int:
         runs["concurrent"]()  # warm-up
         for _ in range(args.rounds):
             for name, run in runs.items():
-                start = time.perf_counter()
-                made = run()
-                rounds[name].append(args.jobs / (time.perf_counter() - start))
+                seconds, made = kit.timed(run)
+                rounds[name].append(args.jobs / seconds)
         folder = Path(tempfile.mkdtemp(prefix="bench-video-"))  # the last round's MP4s
         mp4s = [folder / f"{video.id}.mp4" for video in made]
         for video, path in zip(made, mp4s):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -37,12 +36,6 @@ def serve(b: kit.Bench, name: str, **flags):
                             "--weights-dir": str(b.weights_dir), **flags})
 
 
-def timed(run) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
-
-
 def apply(b: kit.Bench) -> dict[str, float | None]:
     """``--updates`` updates from disk (diffusers' layout) and as many from memory (the client's
     shared-memory transport, the write included); then a sleep at level 2 and its wake."""
@@ -53,11 +46,11 @@ def apply(b: kit.Bench) -> dict[str, float | None]:
             folder = b.weights_dir / f"step-{i}" / name
             folder.mkdir(parents=True)
             save_file(state_of(a.model, i), str(folder / "diffusion_pytorch_model.safetensors"))
-            figures["from disk s"].append(timed(lambda i=i: client.update_weights(path=f"step-{i}")))
+            figures["from disk s"].append(kit.timed(lambda i=i: client.update_weights(path=f"step-{i}"))[0])
             state = state_of(a.model, 100 + i)
-            figures["from memory s"].append(timed(lambda s=state: client.update_weights(tensors=s)))
+            figures["from memory s"].append(kit.timed(lambda s=state: client.update_weights(tensors=s))[0])
         client.sleep(level=2)
-        wake = timed(client.wake_up)
+        wake = kit.timed(client.wake_up)[0]
     return {**{k: statistics.median(v) for k, v in figures.items()}, "wake from level 2 s": wake}
 
 
@@ -73,7 +66,7 @@ def rollouts(b: kit.Bench) -> dict[str, float | None]:
         for i in range(a.runs):
             if i and i % 2 == 0:
                 client.update_weights(tensors=state_of(a.rollout_model, i))
-            runs.append((i and i % 2 == 0, 8 * a.count / timed(go)))
+            runs.append((i and i % 2 == 0, 8 * a.count / kit.timed(go)[0]))
     steady = statistics.median(r for after, r in runs if not after)
     return {"img/s steady": steady, AFTER: statistics.median(r for after, r in runs if after) / steady}
 

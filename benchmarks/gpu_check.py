@@ -230,13 +230,11 @@ def exactness(ctx, family: str) -> dict:
 def throughput(ctx, family: str) -> dict:
     rt, b = ctx.runtime(family, skip_startup_check=True), ctx.args.batch
     fig = {"weights GB": ctx.torch.cuda.memory_allocated() / 1e9} if ctx.cuda else {}
-    for mode in ("request", "step"):
-        times = []
-        for _ in range(1 + ctx.args.repeats):  # the first warms up
-            start = time.perf_counter()
-            peak = ctx.peak(lambda m=mode: kit.run(rt, kit.items(rt, b, m), m))
-            times.append(time.perf_counter() - start)
-        fig.update({f"img/s, {mode}": b / statistics.median(times[1:]), f"peak GB above, {mode}": peak})
+    for mode in ("request", "step"):  # the first run of each warms up
+        runs = [kit.timed(lambda m=mode: ctx.peak(lambda: kit.run(rt, kit.items(rt, b, m), m)))
+                for _ in range(1 + ctx.args.repeats)]
+        fig.update({f"img/s, {mode}": b / statistics.median(t for t, _ in runs[1:]),
+                    f"peak GB above, {mode}": runs[-1][1]})
     return {**fig, "step / request": fig["img/s, step"] / fig["img/s, request"]}
 
 
@@ -245,9 +243,8 @@ def accelerators(ctx, family: str) -> dict:
     fig = {}
     for name, config in (("eager", {}), ("compile", {"compile": True, "dynamic_batch_max_size": ctx.args.batch}),
                          ("fp8", {"quantization": "fp8-weight-only"})):
-        start, steps = time.perf_counter(), []
-        rt = ctx.runtime(family, skip_startup_check=True, **config)
-        fig[f"{name}: start s"] = time.perf_counter() - start
+        steps = []
+        fig[f"{name}: start s"], rt = kit.timed(lambda c=config: ctx.runtime(family, skip_startup_check=True, **c))
         kit.stepped(rt.step_engine(), {0: kit.items(rt, ctx.args.batch, name)},
                     lambda out, s=steps: out.samples and s.append(out.seconds))
         fig[f"{name}: step ms"] = 1e3 * statistics.median(steps[1:-1])
@@ -273,10 +270,8 @@ def stages(ctx, family: str) -> dict:
         engine.close()
         runs[on].append((len(its) / (ends[-1] - ends[0]), float(np.percentile(
             [left[item.request.request_id] - ends[2 * i] for i, item in enumerate(its)], 99))))
-    fig = {}
-    for on, key in ((True, "on"), (False, "off")):
-        fig[f"img/s, stages {key}"] = statistics.median(r[0] for r in runs[on][1:])
-        fig[f"p99 s, stages {key}"] = statistics.median(r[1] for r in runs[on][1:])
+    fig = {f"{what}, stages {'on' if on else 'off'}": statistics.median(r[i] for r in runs[on][1:])
+           for on in (True, False) for i, what in enumerate(("img/s", "p99 s"))}
     return {**fig, "img/s, on / off": fig["img/s, stages on"] / fig["img/s, stages off"]}
 
 
@@ -358,11 +353,7 @@ class Context:
 
     def timed(self, run) -> float:
         """Seconds ``run()`` took, the device's queued work included."""
-        start = time.perf_counter()
-        run()
-        if self.cuda:
-            self.torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return kit.timed(run, self.cuda)[0]
 
     def free(self) -> None:
         gc.collect()

@@ -596,6 +596,17 @@ def stepped(engine, arrivals: dict[int, list], each=lambda out: None, inputs=lam
     return outcomes
 
 
+def timed(run: Callable[[], Any], sync: bool = False) -> tuple[float, Any]:
+    """(seconds, result) of ``run()``; ``sync``: the CUDA device's queued work included."""
+    start = time.perf_counter()
+    result = run()
+    if sync:
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, result
+
+
 def run(rt, its: list, mode: str = "step") -> list:
     """The outcomes of work items ``its`` in ``rt``'s engine of ``mode`` (request: one pipeline call)."""
     if mode == "request":
