@@ -12,7 +12,7 @@ import io
 import sys
 import time
 
-import httpx
+import aiohttp
 import numpy as np
 from PIL import Image
 
@@ -23,14 +23,12 @@ SPEED_UP = "speed-up, at once / one at a time"
 EXPECTED: dict[int, np.ndarray] = {}  # edit i's image from the pipeline alone, made once
 
 
-async def edit(client: httpx.AsyncClient, url: str, image: np.ndarray, i: int, a) -> np.ndarray:
-    png = io.BytesIO()
+async def edit(client: aiohttp.ClientSession, url: str, image: np.ndarray, i: int, a) -> np.ndarray:
+    png, form = io.BytesIO(), aiohttp.FormData({"prompt": f"edit number {i}", "seed": str(100 + i),
+                                                "size": f"{a.side}x{a.side}", "num_inference_steps": str(a.steps)})
     Image.fromarray(image).save(png, format="PNG")
-    r = await client.post(f"{url}/v1/images/edits", files={"image": ("in.png", png.getvalue(), "image/png")},
-                          data={"prompt": f"edit number {i}", "seed": str(100 + i), "size": f"{a.side}x{a.side}",
-                                "num_inference_steps": str(a.steps)})
-    r.raise_for_status()
-    return kit.decode(r.json()["data"][0]["b64_json"])
+    form.add_field("image", png.getvalue(), filename="in.png", content_type="image/png")
+    return await kit.image(client, url, None, "/v1/images/edits", data=form)
 
 
 async def timed(url: str, a) -> tuple[float, float, list[np.ndarray], list[np.ndarray]]:
@@ -39,7 +37,7 @@ async def timed(url: str, a) -> tuple[float, float, list[np.ndarray], list[np.nd
     from reference import sample_image
 
     images = [sample_image(a.side, seed=i)[0] for i in range(a.count)]
-    async with httpx.AsyncClient(timeout=3600) as client:
+    async with kit.session() as client:
         await edit(client, url, images[0], 999, a)
         start = time.perf_counter()
         for i, image in enumerate(images):

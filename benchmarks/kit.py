@@ -442,15 +442,11 @@ async def run_load(cfg: Load) -> dict[str, Any]:
             "server_metrics": metrics_delta(before, after, duration, latency["mean"])}
 
 
-def decode(b64: str) -> np.ndarray:
-    """An answer's image (``b64_json``) as RGB pixels."""
+async def image(client: aiohttp.ClientSession, url: str, body: dict | None, endpoint=ENDPOINT, **kwargs) -> np.ndarray:
+    """The first image of one answer, as RGB pixels (an error status raises)."""
+    async with client.post(url + endpoint, json=body, raise_for_status=True, **kwargs) as response:
+        b64 = (await response.json())["data"][0]["b64_json"]
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
-
-
-async def image(client: aiohttp.ClientSession, url: str, body: dict, **kwargs) -> np.ndarray:
-    """The first image of one generation (an error status raises)."""
-    async with client.post(url + ENDPOINT, json=body, raise_for_status=True, **kwargs) as response:
-        return decode((await response.json())["data"][0]["b64_json"])
 
 
 def session() -> aiohttp.ClientSession:
