@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from statistics import median
 
 import kit
@@ -30,9 +29,8 @@ def median_step(args, rt, batch: int, tag: str, hits: bool = False, **fields) ->
 
 
 def compiled(args, batches: list[int]) -> list[dict]:
-    eager, start = runtime(args), time.perf_counter()
-    fast = runtime(args, compile=True)  # warms the native buckets up
-    warm_up_s = time.perf_counter() - start
+    eager = runtime(args)
+    warm_up_s, fast = kit.timed(lambda: runtime(args, compile=True))  # warms the native buckets up
     for batch in batches:  # buckets the warm-up did not reach compile here, untimed
         kit.run(fast, kit.items(fast, batch, "warm", 3))
     graphs, by_round = fast.compiled.take_new(), {batch: {"eager": [], "compiled": []} for batch in batches}
@@ -40,11 +38,9 @@ def compiled(args, batches: list[int]) -> list[dict]:
         for name, rt in (("eager", eager), ("compiled", fast)):
             for batch in batches:
                 by_round[batch][name].append(median_step(args, rt, batch, name))
-    rows = []
-    for batch, t in by_round.items():
-        e, c = median(t["eager"]), median(t["compiled"])
-        rows.append({"batch": batch, "eager step ms": 1000 * e, "compiled step ms": 1000 * c, "speed-up": e / c,
-                     "eager by round": t["eager"], "compiled by round": t["compiled"]})
+    rows = [{"batch": batch, **{f"{name} step ms": 1000 * median(t[name]) for name in t},
+             "speed-up": median(t["eager"]) / median(t["compiled"]), **{f"{name} by round": t[name] for name in t}}
+            for batch, t in by_round.items()]
     return rows + [{"start-up with --compile s": warm_up_s, "graphs compiled beyond the start-up's": graphs,
                     "graphs compiled while measuring": fast.compiled.take_new()}]
 
@@ -71,12 +67,10 @@ def quantized(args, batches: list[int]) -> list[dict]:
 
 def ceiling(args, batches: list[int]) -> list[dict]:
     rt, results = runtime(args, step_cache="first-block"), []
-    for batch in batches:
-        computing, hitting = [], []
-        for _ in range(args.rounds):
-            computing.append(median_step(args, rt, batch, "all", cache_threshold=0.0))
-            # A threshold no change reaches: every step past the first hits (the last computes).
-            hitting.append(median_step(args, rt, batch, "hit", hits=True, cache_threshold=1e9))
+    for batch in batches:  # 1e9: a threshold no change reaches, every step past the first hits (the last computes)
+        computing, hitting = zip(*[(median_step(args, rt, batch, "all", cache_threshold=0.0),
+                                    median_step(args, rt, batch, "hit", hits=True, cache_threshold=1e9))
+                                   for _ in range(args.rounds)])
         c, h = median(computing), median(hitting)
         results.append({"batch": batch, "step ms, every row computes": 1000 * c, "step ms, every row hits": 1000 * h,
                         "ceiling (all hit)": c / h, "by round": {"computes": computing, "hits": hitting}})
@@ -101,8 +95,7 @@ WHAT = {"compile": compiled, "quantization": quantized, "cache": ceiling, "offlo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = kit.parser(__doc__, model="shapes", batch_sizes=[1, 8], repeats=10, rounds=3, torch_threads=0,
-                   output_file=None)
+    p = kit.parser(__doc__, model="shapes", batch_sizes=[1, 8], repeats=10, rounds=3, torch_threads=0, output_file=None)
     p.add_argument("what", choices=WHAT)
     args = p.parse_args(argv)
     bound_openmp_spin()  # as the executor does, before torch loads

@@ -125,8 +125,7 @@ def lora(b: Bench) -> dict[str, float | None]:
             f[f"saturated img/s, {most} adapters, request, {tag}"] = sat["images_per_s"]
         with_most, without = (f.get(f"saturated img/s, {k} adapters, step, {tag}") for k in (most, 0))
         f[f"saturated img/s, {most} adapters / none, {tag}"] = ratio(with_most, without)
-        f[f"saturated img/s, {most} adapters, step/request, {tag}"] = ratio(
-            with_most, f[f"saturated img/s, {most} adapters, request, {tag}"])
+        f[f"saturated img/s, {most} adapters, step/request, {tag}"] = ratio(with_most, sat["images_per_s"])
         f[f"p99 @{a.lora_load}%, {most} adapters / none, {tag}"] = ratio(
             *(f.get(f"p99 ms @{a.lora_load}%, {k} adapters, {tag}") for k in (most, 0)))
     return f
@@ -146,9 +145,8 @@ def sizes(b: Bench) -> dict[str, float | None]:
             f[f"saturated img/s mixed, {name}"] = sat["images_per_s"]
             rate = rate or sat["requests_per_s"] * a.sizes_load / 100
             mixed = b.load(served, f"{name} mixed @{a.sizes_load}%", request_rate=rate, sizes=both)
-            for i, size in enumerate(both, 1):
-                for p in ("p50", "p99"):
-                    f[f"{p} ms size {i} ({size}), {name}"] = ms(mixed["latency_by_size_s"][size][p])
+            f.update({f"{p} ms size {i} ({size}), {name}": ms(mixed["latency_by_size_s"][size][p])
+                      for i, size in enumerate(both, 1) for p in ("p50", "p99")})
             f[f"images per forward mixed, {name}"] = per_image(mixed)
             if name == "request":
                 continue
@@ -215,9 +213,8 @@ def rollout(b: Bench) -> dict[str, float | None]:
 
 def rollout_layout(b: Bench, url: str, name: str, per_request: int) -> dict[str, float | None]:
     """``per_request`` samples a request: a warm-up, then ``--rollout-repeats`` timed repeats."""
-    a, n = b.args, b.args.rollout_n
+    a, n, prompts = b.args, b.args.rollout_n, kit.prompts()[:b.args.rollout_prompts]
     common = {**({"num_inference_steps": a.steps} if a.steps else {}), **({"size": a.size} if a.size else {})}
-    prompts = kit.prompts()[:a.rollout_prompts]
     samples = len(prompts) * n
 
     async def send_all(bodies: list[dict]) -> tuple[list[float | None], float]:
@@ -253,15 +250,13 @@ def rollout_layout(b: Bench, url: str, name: str, per_request: int) -> dict[str,
 def cache(b: Bench) -> dict[str, float | None]:
     """``--step-cache first-block`` at 0 and each of ``--cache-thresholds``: saturated img/s, rows that
     hit (warm-up included), and the PSNR of ``--cache-images`` against their uncached twins."""
-    a, f = b.args, {}
+    a, f, twins = b.args, {}, None
     thresholds = sorted(set([0.0, *a.cache_thresholds]))
-    twins: list[np.ndarray] | None = None
     for threshold in thresholds:
         name = f"threshold {threshold:g}"
         config = {"--batching-mode": "step", "--step-cache": "first-block", "--cache-threshold": threshold}
         with b.servers(name, config) as served:
-            url = served.urls[0]
-            before = kit.metrics(url)
+            before = kit.metrics(url := served.urls[0])
             result = b.load(served, name, max_concurrency=a.concurrency)
             after = kit.metrics(url)
             images = asyncio.run(sample(url, a.cache_images, a.steps, a.size))
@@ -273,13 +268,11 @@ def cache(b: Bench) -> dict[str, float | None]:
             twins = images
             continue
         scores = [kit.psnr(x, y) for x, y in zip(images, twins)]
-        f[f"PSNR min dB, {name}"] = min(scores)
-        f[f"PSNR median dB, {name}"] = float(np.median(scores))
+        f[f"PSNR min dB, {name}"], f[f"PSNR median dB, {name}"] = min(scores), float(np.median(scores))
         f[f"img/s, {name} / uncached"] = ratio(result["images_per_s"], f["img/s, threshold 0"])
-    kept = [f[f"img/s, threshold {t:g} / uncached"] for t in thresholds[1:]
-            if f.get(f"PSNR min dB, threshold {t:g}", 0) >= QUALITY_DB
-            and f.get(f"img/s, threshold {t:g} / uncached") is not None]
-    f[BEST] = max(kept) if kept else None
+    f[BEST] = max((f[f"img/s, threshold {t:g} / uncached"] for t in thresholds[1:]
+                   if f.get(f"PSNR min dB, threshold {t:g}", 0) >= QUALITY_DB
+                   and f.get(f"img/s, threshold {t:g} / uncached") is not None), default=None)
     return f
 
 

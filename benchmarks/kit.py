@@ -176,8 +176,7 @@ def format_table(summary: dict, targets: list[Target] = ()) -> str:
     rows += [f"| {name} | {num(value)} | {', '.join(num(v) for v in summary['by_round'][name])} | "
              f"{bounds.get(name, '')} | {word[summary['verdicts'][name]] if name in bounds else ''} |"
              for name, value in summary["medians"].items()]
-    rows += [f"| {name} | n/a | | {bounds[name]} | not measured |" for name in bounds
-             if name not in summary["medians"]]
+    rows += [f"| {name} | n/a | | {bounds[name]} | not measured |" for name in bounds if name not in summary["medians"]]
     return "\n".join(rows)
 
 
@@ -305,10 +304,9 @@ def main(doc: str, scenarios: dict[str, Scenario], argv: list[str] | None = None
         failed |= bench.failed
         rounds.append({"figures": figures, "runs": bench.runs})
     result = report(name, rounds, args, scenario.targets)
-    title = ", ".join(part for part in (
+    title = ", ".join(filter(None, (
         f"{name}: {args.model}", hasattr(args, "steps") and f"steps {args.steps or args.default_steps}",
-        hasattr(args, "num_requests") and f"{args.num_requests} requests/measurement", f"{args.rounds} round(s)")
-        if part)
+        hasattr(args, "num_requests") and f"{args.num_requests} requests/measurement", f"{args.rounds} round(s)")))
     write_json(out_dir / f"{name}.json", result)
     (out_dir / f"{name}.md").write_text(f"# {title}\n\n{format_table(result['summary'], scenario.targets)}\n")
     scenario.after(result["summary"], args, out_dir, title)
@@ -525,11 +523,9 @@ def metrics_delta(before: Samples | None, after: Samples | None, duration_s: flo
                                           if n == "diffserve_batching_mode" and v)),
          "executors": executors, "dispatches": grew("diffserve_batch_size_count"),
          "dispatches_by_reason": by_label("diffserve_dispatches_total", "reason"),
-         "mean_batch_size": mean("diffserve_batch_size"),
-         "mean_step_running_images": mean("diffserve_step_running_images"),
-         "mean_queue_time_s": mean("diffserve_queue_time_seconds"),
-         "mean_batch_execution_s": mean("diffserve_batch_execution_seconds"),
-         "mean_request_execution_s": mean("diffserve_request_execution_seconds"),
+         **{"mean_" + m.replace("_seconds", "_s"): mean("diffserve_" + m) for m in (
+             "batch_size", "step_running_images", "queue_time_seconds", "batch_execution_seconds",
+             "request_execution_seconds")},
          "mean_server_latency_s": mean("diffserve_request_latency_seconds"),
          "images_generated": grew("diffserve_images_generated_total"),
          "requests_by_status": by_label("diffserve_requests_total", "status"),

@@ -41,8 +41,7 @@ def create_app(model: str) -> FastAPI:
     async def lifespan(app: FastAPI):  # /health answers once this has loaded the model
         quiet_libraries()
         path = resolve_model(model)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = torch.float16 if device == "cuda" else torch.float32
+        device, dtype = ("cuda", torch.float16) if torch.cuda.is_available() else ("cpu", torch.float32)
         state.update(pipe=DiffusionPipeline.from_pretrained(path, dtype=dtype).to(device),
                      defaults=serving_defaults(path))
         yield
@@ -55,10 +54,9 @@ def create_app(model: str) -> FastAPI:
         pipe.set_progress_bar_config(disable=True)
         guidance = d.get("guidance_scale") if body.guidance_scale is None else body.guidance_scale
         kwargs = {**d.get("pipeline_kwargs", {}), **({} if guidance is None else {"guidance_scale": guidance})}
-        images = pipe(prompt=[body.prompt] * body.n, height=height, width=width, output_type="np",
+        images = pipe(prompt=[body.prompt] * body.n, height=height, width=width, output_type="np", **kwargs,
                       generator=[torch.Generator("cpu").manual_seed(body.seed + i) for i in range(body.n)],
-                      num_inference_steps=body.num_inference_steps or d.get("num_inference_steps", 30),
-                      **kwargs).images
+                      num_inference_steps=body.num_inference_steps or d.get("num_inference_steps", 30)).images
         pixels = (np.clip(np.asarray(images), 0, 1) * 255).round().astype(np.uint8)
         return [encode_image(image.tobytes(), width, height, "png") for image in pixels]  # as diffserve encodes
 
