@@ -8,6 +8,7 @@ server's output goes to a log file, whose end is quoted when it fails to start.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,11 +19,34 @@ import urllib.request
 from pathlib import Path
 
 
+FIRST_PORT = 20000
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port nobody listens on right now, chosen below the kernel's ephemeral range. The
+    kernel gives ports from that range to every outgoing connection (a client's, a gloo rank's),
+    and one could take a port chosen there in the seconds before the server given it binds it
+    (a server binds once its model has loaded). From 20000 up: Ray's workers take ports up to
+    19999 by default."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(FIRST_PORT, low) if low > FIRST_PORT + 1024 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # taken: another draw
+                continue
+            return sock.getsockname()[1]
+    raise OSError("no free TCP port below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def diffserve_command(*args: str) -> list[str]:

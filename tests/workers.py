@@ -69,7 +69,8 @@ IN_PROCESS = {
         "tests/scheduler/test_core.py", "tests/scheduler/test_preemption.py",
         "tests/scheduler/test_supervisor.py", "tests/scheduler/test_weights.py",
         "tests/test_compare_rounds.py", "tests/test_docs.py", "tests/test_imports.py",
-        "tests/test_protocol.py", "tests/test_server_metrics.py", "tests/test_workers.py"], 1),
+        "tests/test_launcher.py", "tests/test_protocol.py", "tests/test_server_metrics.py",
+        "tests/test_workers.py"], 1),
 }
 DEFAULT_S = 1.0
 
