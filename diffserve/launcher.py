@@ -19,15 +19,16 @@ import urllib.request
 from pathlib import Path
 
 
-FIRST_PORT = 20000
+FIRST_PORT = 10000
 
 
 def free_port() -> int:
     """A TCP port nobody listens on right now, chosen below the kernel's ephemeral range. The
     kernel gives ports from that range to every outgoing connection (a client's, a gloo rank's),
     and one could take a port chosen there in the seconds before the server given it binds it
-    (a server binds once its model has loaded). From 20000 up: Ray's workers take ports up to
-    19999 by default."""
+    (a server binds once its model has loaded). Drawn at random from the 22,000-odd ports
+    between 10000 and that range, so that two launches at once rarely draw the same one; a port
+    something holds (a Ray worker's, say) fails the bind and is drawn again."""
     low = _ephemeral_low()
     rng = random.SystemRandom()
     for _ in range(64):
