@@ -6,10 +6,12 @@ application of tests/ray_video_driver.py. Prints one JSON line of findings, by p
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -104,6 +106,35 @@ def wait_for_replicas(serve: ServerProcess, count: int = 2) -> None:
         time.sleep(1)
 
 
+def ctrl_c(serve: ServerProcess) -> dict:
+    """Stop a ``serve run`` whose replicas serve, as an operator stops it: SIGINT, and SIGINT
+    again if it has not exited within half its bound (once, `serve run` logged nothing at all
+    after the first, not even Ray's "Got KeyboardInterrupt", and waited out the whole bound);
+    killed past the bound. How it went: its exit code (None if killed) and the signals it took."""
+    started, code, signals = time.monotonic(), None, 0
+    while code is None and signals < 2:
+        serve.send_signal(signal.SIGINT)
+        signals += 1
+        try:
+            code = serve.proc.wait(serve.stop_timeout_s / 2)
+        except subprocess.TimeoutExpired:
+            pass
+    if code is None:
+        serve.proc.kill()
+        serve.proc.wait(10)
+    return {"exit_code": code, "signals": signals, "seconds": round(time.monotonic() - started, 2)}
+
+
+@contextlib.contextmanager
+def serving(serve: ServerProcess, found: dict):
+    """``with serve:``, but stopped by :func:`ctrl_c`, with how it went in ``found["stop"]``."""
+    serve.start()
+    try:
+        yield serve
+    finally:
+        found["stop"] = ctrl_c(serve)
+
+
 def stop_cluster(env: dict) -> None:
     import ray
 
@@ -162,7 +193,7 @@ def main() -> None:
                                "num_replicas=2", "torch_threads=1"], RAY_PORT, logs / "serve.log",
                               env=env, name="serve run", startup_timeout_s=scaled(300),
                               stop_timeout_s=scaled(30))
-        with serve:
+        with serving(serve, found):
             single.wait_ready()
             wait_for_replicas(serve)
             bodies = [{"prompt": f"request {i} of {COUNT}", "seed": 40 + 7 * i, "n": 1 + i % 2}

@@ -15,7 +15,7 @@ import httpx
 
 from diffserve.launcher import ServerProcess
 from pace import scaled
-from ray_driver import RAY_PORT, replicas_running, start_serve, wait_for_replicas
+from ray_driver import RAY_PORT, replicas_running, serving, start_serve, wait_for_replicas
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 JOBS = 8
@@ -74,7 +74,7 @@ def videos(logs, env: dict) -> dict:
                            "torch_threads=1", f"video_dir={videos}"], RAY_PORT,
                           logs / "serve-videos.log", env=env, name="serve run (videos)",
                           startup_timeout_s=scaled(300), stop_timeout_s=scaled(30))
-    with serve:
+    with serving(serve, found):
         wait_for_replicas(serve)
         client = OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
         made: list[str] = []

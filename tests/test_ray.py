@@ -86,6 +86,7 @@ def test_two_replicas_serve_the_same_api_and_images_as_one_server(found):
     assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
     assert found["stream_events"] == ["image_generation.partial_image", "image_generation.completed"]
     assert found["models"]["data"][0]["id"] == "tiny-sd" and found["health"] == 200
+    assert found["stop"]["exit_code"] is not None, found["stop"]  # Ctrl-C stopped `serve run`
 
 
 @pytest.mark.early("ray")
@@ -113,6 +114,7 @@ def test_video_jobs_answer_through_whichever_replica_the_proxy_picks(found):
     assert found["listed_all"] and found["paged"]
     assert found["deleted"] == [200, 200] and found["after_delete"] == [404]
     assert found["after_replacement"] == [200] and found["replicas"] == 2
+    assert found["stop"]["exit_code"] is not None, found["stop"]
 
 
 def test_the_application_builder_reads_serve_run_arguments():
