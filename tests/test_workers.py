@@ -45,6 +45,10 @@ class Worker:
     def shutdown(self) -> None:
         self.finishing = True
 
+    @property
+    def shutting_down(self) -> bool:
+        return self.finishing
+
     def runnable(self) -> bool:
         return len(self.queue) >= 2 or (self.finishing and bool(self.queue))
 
@@ -79,3 +83,20 @@ def test_the_pool_goes_whole_files_at_a_time_to_whoever_runs_out_first(monkeypat
         node.ran += node.queue
     assert sorted(slow.ran + fast.ran) == list(range(len(nodeids)))
     assert fast.ran == [4, 2, 3, 5, 6, 7] and slow.ran == [0, 1, 8]  # whole files, in pool order
+
+
+def test_a_worker_told_to_finish_gets_no_more_of_the_pool(monkeypatch):
+    """After -x stops the session at a failure, say: the pool stays where it is."""
+    monkeypatch.setattr(workers, "SECONDS", {"s.py": 10})
+    monkeypatch.setattr(workers, "IN_PROCESS", {"p.py": 5})
+    nodeids = ["s.py::a", "s.py::b", "p.py::a"]
+    config = SimpleNamespace(getvalue=lambda name: ["1*popen"] if name == "tx" else None)
+    sched = workers.shares_scheduler()(config)
+    node = Worker("gw0")
+    sched.add_node(node)
+    sched.add_node_collection(node, nodeids)
+    sched.schedule()
+    assert node.queue == [0, 1]
+    node.shutdown()  # as the session does when it stops early
+    sched.mark_test_complete(node, node.queue.pop(0))
+    assert node.queue == [1] and sched.pool == [[2]]

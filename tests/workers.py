@@ -175,7 +175,9 @@ def shares_scheduler() -> type:
 
         def feed(self, node) -> None:
             pending = self.node2pending.get(node)
-            if pending is not None and len(pending) < 2 and self.pool:
+            # Not to one told to finish already (-x after a failure, Ctrl-C): it would not run them.
+            told = node in self.finishing or node.shutting_down
+            if pending is not None and len(pending) < 2 and self.pool and not told:
                 more = self.pool.pop(0)
                 pending += more
                 node.send_runtest_some(more)
