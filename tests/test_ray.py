@@ -26,6 +26,10 @@ from background import early
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install '.[ray]'")
 
 DRIVER = Path(__file__).with_name("ray_driver.py")
+DRIVER_S = 900  # the driver's bound, scaled
+# The first test here waits for the Ray run, which started with the session and may take the
+# driver's whole bound on a slow machine (one core): pytest-timeout's 600 s must not cut it short.
+pytestmark = pytest.mark.timeout(scaled(DRIVER_S + 60))
 
 
 def namespace_command(*command: str) -> list[str]:
@@ -70,7 +74,7 @@ def run_driver(driver: Path) -> dict:
     bin_dir = str(Path(sys.executable).parent)  # `ray` and `serve` of this environment
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     done = subprocess.run(namespace_command(sys.executable, str(driver)), capture_output=True,
-                          text=True, env=env, timeout=scaled(900))
+                          text=True, env=env, timeout=scaled(DRIVER_S))
     assert done.returncode == 0, done.stderr[-5000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     return json.loads(line.removeprefix("RESULT "))
