@@ -107,15 +107,13 @@ def wait_for_replicas(serve: ServerProcess, count: int = 2) -> None:
 
 
 def ctrl_c(serve: ServerProcess) -> dict:
-    """Stop a ``serve run`` whose replicas serve, as an operator stops it (SIGINT), killed past
-    its bound: its exit code (None if killed) and how long it took."""
-    started, code = time.monotonic(), None
-    serve.send_signal(signal.SIGINT)
+    """Stop a ``serve run`` as an operator stops it (SIGINT; killed past its bound): its exit
+    code (None if it had to be killed) and how long it took."""
+    started = time.monotonic()
     try:
-        code = serve.proc.wait(serve.stop_timeout_s)
-    except subprocess.TimeoutExpired:
-        serve.proc.kill()
-        serve.proc.wait(10)
+        code = serve.stop()
+    except subprocess.TimeoutExpired:  # stop() has killed it
+        code = None
     return {"exit_code": code, "seconds": round(time.monotonic() - started, 2)}
 
 
@@ -154,8 +152,7 @@ def stop_while_loading(logs: Path, env: dict) -> dict:
         time.sleep(0.05)
     loading = 2 - serve.log.count("diffserve.scheduler.process: executor 0 is ready")
     started = time.monotonic()
-    code = serve.stop()  # SIGINT; TimeoutExpired past its bound fails the run
-    seconds = time.monotonic() - started
+    stopped = ctrl_c(serve)
     # A stopped replica kills its engine (scheduler and executor) whether it had loaded or not:
     # once `serve run` has exited, none may be left in this namespace (the plain server is gone).
     deadline = time.monotonic() + scaled(30)
@@ -164,7 +161,7 @@ def stop_while_loading(logs: Path, env: dict) -> dict:
     # How each replica's start ended, in its worker's log file, where Ray wrote it in time (a
     # replica killed at once by Serve's shutdown may write nothing): for the record.
     said = [path.read_text(errors="replace") for path in (logs / "ray").rglob("worker-*.err")]
-    return {"exit_code": code, "seconds": round(seconds, 2), "loading_at_stop": loading,
+    return {**stopped, "loading_at_stop": loading,
             "engines_left": [process_title(p) for p in left],
             "engines_gone_s": round(time.monotonic() - started, 2),
             "stopped_while_loading": sum(text.count("StartupError: the replica was stopped while "

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import inspect
 import io
+import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import tempfile
@@ -152,6 +155,17 @@ def wait_for_metric(server: "Server", name: str, predicate, timeout_s: float = 6
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name} stayed at {value}")
             time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def hanging_up(server: "Server", body: dict, path: str = "/v1/images/generations"):
+    """A caller that POSTs ``body`` and hangs up (closes its connection) when the block ends:
+    what a client that gives up does, at a moment the test chooses."""
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        yield
 
 
 def assert_openai_error(response, status: int, param=None, code=None) -> dict:

@@ -3,10 +3,8 @@ shutdown. Each test drives the real server: real processes, real signals, real s
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +16,7 @@ from server import (
     Server,
     assert_openai_error,
     descendants,
+    hanging_up,
     metric,
     pids_titled,
     serves,
@@ -82,10 +81,7 @@ def test_queued_request_of_a_departed_client_never_runs(serial_server):
         wait_running(serial_server)
         # The client hangs up once its request is queued (a client timeout instead could fire
         # before a busy server had even queued it).
-        body = json.dumps({**FAST, "prompt": "abandoned"}).encode()
-        with socket.create_connection(("127.0.0.1", serial_server.port)) as client:
-            client.sendall(f"POST {GENERATE} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                           f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        with hanging_up(serial_server, {**FAST, "prompt": "abandoned"}):
             wait_for_metric(serial_server, "diffserve_num_requests_waiting", lambda v: v >= 1)
         wait_for_metric(serial_server, "diffserve_requests_cancelled_total",
                         lambda v: v > metric(before, "diffserve_requests_cancelled_total"))

@@ -3,13 +3,10 @@ caller's slot reused at once, and a crash mid-run that answers everyone."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -22,6 +19,7 @@ from server import (
     Server,
     assert_openai_error,
     decode,
+    hanging_up,
     metric,
     pids_titled,
     serves,
@@ -103,17 +101,6 @@ def test_a_departed_caller_frees_its_slot_and_the_others_are_unchanged(server):
         response = kept.result()
     expected = solo(loaded, {}, make_request(prompt="stays", seed=3, steps=300, guidance=3.0))[0]
     assert max_diff(decode(response.json()["data"][0]["b64_json"]), expected) <= 2
-
-
-@contextmanager
-def hanging_up(server: Server, body: dict):
-    """A caller that sends ``body`` and hangs up (closes its connection) when the block ends."""
-    payload = json.dumps(body).encode()
-    with socket.create_connection(("127.0.0.1", server.port)) as conn:
-        conn.sendall(b"POST " + GENERATE.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: "
-                     + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-        yield
 
 
 # Four guided 64x64 images cost 8: the running set fills the executor's cost budget.
