@@ -147,7 +147,6 @@ def shares_scheduler() -> type:
         def __init__(self, config, log=None) -> None:
             super().__init__(config, log)
             self.pool: list[list[int]] | None = None
-            self.finishing: set = set()
 
         @property
         def tests_finished(self) -> bool:
@@ -175,16 +174,14 @@ def shares_scheduler() -> type:
 
         def feed(self, node) -> None:
             pending = self.node2pending.get(node)
-            # Not to one told to finish already (-x after a failure, Ctrl-C): it would not run them.
-            told = node in self.finishing or node.shutting_down
-            if pending is not None and len(pending) < 2 and self.pool and not told:
+            # Not to one told to finish already (here, or at -x or Ctrl-C): it would not run them.
+            if pending is not None and len(pending) < 2 and self.pool and not node.shutting_down:
                 more = self.pool.pop(0)
                 pending += more
                 node.send_runtest_some(more)
             if not self.pool:
                 for other in self._started:
-                    if other not in self.finishing and other in self.node2pending:
-                        self.finishing.add(other)
+                    if other in self.node2pending and not other.shutting_down:
                         other.shutdown()
 
     return Shares
