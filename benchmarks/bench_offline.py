@@ -7,9 +7,7 @@ step: admitted at once, stepped to the end): the median of ``--repeats`` runs as
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import kit
 from diffserve.config import DEFAULT_MODEL
@@ -36,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(batch: int, seed: int) -> float:
         """Seconds to ``batch`` requests' images (on the host, so the device is done with them)."""
-        start = time.perf_counter()
-        outcomes = kit.run(rt, kit.items(rt, batch, "r", steps, seed, width=width, height=height), mode)
-        seconds, failed = time.perf_counter() - start, [o.error for o in outcomes if o.error]
+        seconds, outcomes = kit.timed(
+            lambda: kit.run(rt, kit.items(rt, batch, "r", steps, seed, width=width, height=height), mode))
+        failed = [o.error for o in outcomes if o.error]
         if failed or len(outcomes) != batch:
             raise RuntimeError(f"B={batch}: {len(failed)} failed ({failed[:1]}), {len(outcomes)} outcomes")
         return seconds
@@ -52,14 +50,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{steps} steps, {mode} mode, torch threads {torch.get_num_threads()}")
     for batch in sizes:  # the warm-up runs first, untimed, with the seeds of the timed ones
         times = [run(batch, 1000 * i) for i in [*range(args.warmup), *range(args.repeats)]][args.warmup:]
-        median = statistics.median(times)
+        median = kit.median(times)
         report["results"].append({"batch_size": batch, "median_s": median, "images_per_s": batch / median,
                                   "times_s": times})
         gain = batch / median / report["results"][0]["images_per_s"]
         print(f"  B={batch:<4d} {batch / median:8.2f} img/s {gain:6.2f}x B={sizes[0]}  median {1000 * median:.1f} ms "
               f"(min {1000 * min(times):.1f})", flush=True)
-    kit.write_json(args.output_file, report)
-    return 0
+    return kit.done(args, report)
 
 
 if __name__ == "__main__":

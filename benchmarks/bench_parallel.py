@@ -12,7 +12,6 @@ import contextlib
 import functools
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -171,7 +170,7 @@ def measure(build, args) -> dict:
     if errors := [r["error"] for r in ranks.values() if "error" in r]:
         raise RuntimeError(f"a rank failed:\n{errors[0]}")
     r = ranks[0]
-    t1, tg = statistics.median(r.pop("times_1")), statistics.median(r.pop("times_g"))
+    t1, tg = kit.median(r.pop("times_1")), kit.median(r.pop("times_g"))
     a2a = {f: sum(e[f] for k, e in r["collectives"].items() if "to_all" in k) for f in ("bytes", "sent")}
     return {"figures": {"forward ms, 1 rank": 1e3 * t1, f"forward ms, {args.ranks} ranks": 1e3 * tg,
                         "speed-up": t1 / tg, "max abs diff": float(abs(r.pop("out_1") - r.pop("out_g")).max()),

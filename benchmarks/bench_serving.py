@@ -78,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as error:
         print(f"bench_serving.py: error: {error}", file=sys.stderr)
         return 1
-    print(format_report(result))
-    kit.write_json(args.output_file, result)
-    return 0 if result["completed"] else 1
+    return kit.done(args, result, format_report(result), code=0 if result["completed"] else 1)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import statistics
 import sys
 import time
 
@@ -49,7 +48,7 @@ def gap_run(a, model: str, stages: bool) -> dict:
     assert all(o.status == "finished" for o in outcomes), [o.error for o in outcomes]
     # Against the median gap before forwards of as many requests: a forward of more rows is longer.
     gaps = [(t1 - t0, size) for (t0, _, left), (t1, size, _) in zip(forwards, forwards[1:]) if left]
-    by_size = {n: statistics.median(g for g, m in gaps if m == n) for _, n in gaps}
+    by_size = {n: kit.median([g for g, m in gaps if m == n]) for _, n in gaps}
     worst = max(gaps, key=lambda gap: gap[0] / by_size[gap[1]])
     return {"ratio": worst[0] / by_size[worst[1]], "max_ms": worst[0] * 1e3,
             "median_ms": by_size[worst[1]] * 1e3, "total_s": total}

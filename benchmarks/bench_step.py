@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from statistics import median
@@ -104,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"what": args.what, "model": args.model, "args": vars(args), "torch_threads": torch.get_num_threads(),
               **kit.machine(), "results": WHAT[args.what](args, args.batch_sizes),
               "load_average_after": os.getloadavg()}
-    print(json.dumps(report["results"], indent=1))
-    kit.write_json(args.output_file, report)
-    return 0
+    return kit.done(args, report, report["results"])
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ step engine's frames for the same requests in this process, against the plain pi
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
 import tempfile
 import time
@@ -64,14 +62,12 @@ def main(argv=None) -> int:
     engine = {o.item.request.request_id: o.images for o in kit.stepped(rt.step_engine(), {0: its})}
     # Each job's frames: from the pipeline alone, the engine's (admitted together), the server's MP4.
     checked = [(ref.images(it.request), engine[it.request.request_id], mp4) for it, mp4 in zip(its, mp4s)]
-    medians = {name: statistics.median(values) for name, values in rounds.items()}
+    medians = {name: kit.median(values) for name, values in rounds.items()}
     result = {"scenario": args.scenario, "model": args.model, "size": args.size, "frames": args.frames,
               "jobs_per_s": medians, "rounds": rounds, "ratio": medians["concurrent"] / medians["sequential"],
               "worst_mp4_psnr_db": min(kit.psnr(decode_mp4(str(mp4)), alone[0]) for alone, _, mp4 in checked),
               "worst_engine_diff": max(ref.diff(made, alone) for alone, made, _ in checked), "machine": kit.machine()}
-    print(json.dumps(result, indent=1))
-    kit.write_json(args.output_file, result)
-    return 0
+    return kit.done(args, result, result)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ an update of the whole denoiser takes from disk and from memory, and a wake from
 
 from __future__ import annotations
 
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -51,7 +50,7 @@ def apply(b: kit.Bench) -> dict[str, float | None]:
             figures["from memory s"].append(kit.timed(lambda s=state: client.update_weights(tensors=s))[0])
         client.sleep(level=2)
         wake = kit.timed(client.wake_up)[0]
-    return {**{k: statistics.median(v) for k, v in figures.items()}, "wake from level 2 s": wake}
+    return {**{k: kit.median(v) for k, v in figures.items()}, "wake from level 2 s": wake}
 
 
 def rollouts(b: kit.Bench) -> dict[str, float | None]:
@@ -67,8 +66,8 @@ def rollouts(b: kit.Bench) -> dict[str, float | None]:
             if i and i % 2 == 0:
                 client.update_weights(tensors=state_of(a.rollout_model, i))
             runs.append((i and i % 2 == 0, 8 * a.count / kit.timed(go)[0]))
-    steady = statistics.median(r for after, r in runs if not after)
-    return {"img/s steady": steady, AFTER: statistics.median(r for after, r in runs if after) / steady}
+    steady = kit.median([r for after, r in runs if not after])
+    return {"img/s steady": steady, AFTER: kit.median([r for after, r in runs if after]) / steady}
 
 
 def arguments(p) -> None:

@@ -241,8 +241,7 @@ def rollout_layout(b: Bench, url: str, name: str, per_request: int) -> dict[str,
     b.runs.append({"label": name, "round": b.round, "completed": len(walls) * samples, "failed": failed,
                    "walls_s": walls, "last_sample_s": lasts, "config": {"num_prompts": len(walls) * samples + failed}})
     b.failed |= failed > 0
-    rate = samples / statistics.median(walls) if walls else None
-    last = ms(statistics.median(lasts)) if lasts else None
+    rate, last = ratio(samples, kit.median(walls)), ms(kit.median(lasts))
     print(f"[{name}] {rate or 0:.2f} samples/s, last sample of a group {last or 0:.0f} ms, failed {failed}", flush=True)
     return {f"samples/s, {name}": rate, f"last sample of a group ms, {name}": last}
 

@@ -399,12 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": ctx.torch.cuda.get_device_name(0) if ctx.cuda else "cpu", "gpus": ctx.gpus,
               **{name: version(name) for name in ("torch", "diffusers", "transformers")}, "config": vars(args),
               **kit.machine(), "sections": {name: run_section(ctx, name) for name in args.only}}
-    kit.write_json(args.output_file, report)
-    print(f"\n{report['device']}, torch {report['torch']}, diffusers {report['diffusers']}")
-    for name, result in report["sections"].items():
-        print(f"\n{name}: {result['status']}" + (f", {result['seconds']:.0f} s\n\n{result['table']}"
-                                                 if "table" in result else ""))
-    return int(any("error" in fig for r in report["sections"].values() for fig in r.get("families", {}).values()))
+    shown = f"\n{report['device']}, torch {report['torch']}, diffusers {report['diffusers']}" + "".join(
+        f"\n\n{name}: {r['status']}" + (f", {r['seconds']:.0f} s\n\n{r['table']}" if "table" in r else "")
+        for name, r in report["sections"].items())
+    failed = any("error" in fig for r in report["sections"].values() for fig in r.get("families", {}).values())
+    return kit.done(args, report, shown, int(failed))
 
 
 if __name__ == "__main__":

@@ -116,6 +116,14 @@ def write_json(path: str | Path | None, data: Any) -> None:
         Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
+def done(args: argparse.Namespace, result: dict, shown: Any = None, code: int = 0) -> int:
+    """A standalone tool's end: ``shown`` printed (as JSON unless text), ``result`` to --output-file."""
+    if shown is not None:
+        print(shown if isinstance(shown, str) else json.dumps(shown, indent=1))
+    write_json(args.output_file, result)
+    return code
+
+
 def machine() -> dict:
     """What a figure was measured on (the load average says how busy the machine was)."""
     return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()}
@@ -194,8 +202,7 @@ def report(name: str, rounds: list[dict], args: argparse.Namespace, targets: lis
     result = {"scenario": name, "config": vars(args), "machine": machine(), "summary": summary,
               "targets": [{"figure": f, "op": op, "bound": bound, "met": summary["verdicts"][f]}
                           for f, op, bound in targets], "rounds": rounds}
-    print("\n" + format_table(summary, targets))
-    write_json(getattr(args, "output_file", None), result)
+    done(args, result, "\n" + format_table(summary, targets))
     return result
 
 
