@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     base = pooled(lambda arrivals: request_mode(arrivals, curve, a))
-    print(f"request mode, p50 / p99 ms: " + ", ".join(
+    print("request mode, p50 / p99 ms: " + ", ".join(
         f"{s} {1000 * quantile(base[s], .5):.0f} / {1000 * quantile(base[s], .99):.0f}" for s in sizes))
     for rule in a.rules.split(","):
         name, _, option = rule.partition(":")
