@@ -58,7 +58,7 @@ IN_PROCESS = {
         "tests/executor/test_pause.py", "tests/executor/test_samplers.py", "tests/executor/test_wan.py"], 2),
     **dict.fromkeys([
         "tests/executor/test_blocks.py", "tests/executor/test_devices.py",
-        "tests/executor/test_flux_kontext.py", "tests/executor/test_loops.py",
+        "tests/executor/test_flux_kontext.py", "tests/executor/test_loops.py", "tests/executor/test_parallel.py",
         "tests/executor/test_planner.py", "tests/executor/test_step_timer.py",
         "tests/executor/test_weights.py", "tests/frontend/test_edit_rules.py",
         "tests/frontend/test_encode.py", "tests/frontend/test_engine_client.py",
