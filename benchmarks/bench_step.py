@@ -66,10 +66,12 @@ def quantized(args, batches: list[int]) -> list[dict]:
 
 def ceiling(args, batches: list[int]) -> list[dict]:
     rt, results = runtime(args, step_cache="first-block"), []
-    for batch in batches:  # 1e9: a threshold no change reaches, every step past the first hits (the last computes)
-        computing, hitting = zip(*[(median_step(args, rt, batch, "all", cache_threshold=0.0),
-                                    median_step(args, rt, batch, "hit", hits=True, cache_threshold=1e9))
-                                   for _ in range(args.rounds)])
+    for batch in batches:
+        computing, hitting = [], []
+        for _ in range(args.rounds):
+            computing.append(median_step(args, rt, batch, "all", cache_threshold=0.0))
+            # A threshold no change reaches: every step past the first hits (the last computes).
+            hitting.append(median_step(args, rt, batch, "hit", hits=True, cache_threshold=1e9))
         c, h = median(computing), median(hitting)
         results.append({"batch": batch, "step ms, every row computes": 1000 * c, "step ms, every row hits": 1000 * h,
                         "ceiling (all hit)": c / h, "by round": {"computes": computing, "hits": hitting}})

@@ -255,7 +255,8 @@ def cache(b: Bench) -> dict[str, float | None]:
         name = f"threshold {threshold:g}"
         config = {"--batching-mode": "step", "--step-cache": "first-block", "--cache-threshold": threshold}
         with b.servers(name, config) as served:
-            before = kit.metrics(url := served.urls[0])
+            url = served.urls[0]
+            before = kit.metrics(url)
             result = b.load(served, name, max_concurrency=a.concurrency)
             after = kit.metrics(url)
             images = asyncio.run(sample(url, a.cache_images, a.steps, a.size))
