@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 import kit
-from diffserve.protocol import ImageRequest
+from diffserve.work import ImageRequest
 
 SPEED_UP = "speed-up, at once / one at a time"
 EXPECTED: dict[int, np.ndarray] = {}  # edit i's image from the pipeline alone, made once

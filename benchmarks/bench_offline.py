@@ -11,8 +11,8 @@ import sys
 
 import kit
 from diffserve.config import DEFAULT_MODEL
-from diffserve.executor.loading import UnsupportedMode
-from diffserve.executor.process_setup import bound_openmp_spin
+from diffserve.executor.families import UnsupportedMode
+from diffserve.processes import bound_openmp_spin
 
 
 def main(argv: list[str] | None = None) -> int:

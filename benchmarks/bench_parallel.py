@@ -19,9 +19,11 @@ from queue import Empty
 from types import SimpleNamespace
 
 import kit
-from diffserve.executor.loading import leave_out_unused_libraries, load_model
-from diffserve.executor.parallel import Degrees, Group, RankSpec, parallelize
-from diffserve.executor.process_setup import bound_openmp_spin
+from diffserve.executor.model.loading import leave_out_unused_libraries, load_model
+from diffserve.executor.parallel.model import parallelize
+from diffserve.executor.parallel.topology import Group, RankSpec
+from diffserve.topology import Degrees
+from diffserve.processes import bound_openmp_spin
 from diffserve.launcher import free_port
 
 # name: blocks, hidden, heads, MLP width, image (video) tokens, text tokens, joint (the text in

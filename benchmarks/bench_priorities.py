@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 import kit
-from diffserve.protocol import ImageRequest
+from diffserve.work import ImageRequest
 
 PRODUCT, TRAINER = "product-key", "trainer-key"
 BEARER = {key: {"Authorization": f"Bearer {key}"} for key in (PRODUCT, TRAINER)}

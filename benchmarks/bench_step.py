@@ -12,7 +12,7 @@ import sys
 from statistics import median
 
 import kit
-from diffserve.executor.process_setup import bound_openmp_spin
+from diffserve.processes import bound_openmp_spin
 
 
 def runtime(args, **config):
@@ -45,13 +45,13 @@ def compiled(args, batches: list[int]) -> list[dict]:
 
 
 def quantized(args, batches: list[int]) -> list[dict]:
-    from diffserve.executor.quantization import weight_bytes
+    from diffserve.executor.tensors import module_bytes
 
     results = []
     for scheme in ("none", "int8-weight-only"):
         before = resident_mb()
         rt = runtime(args, quantization=scheme)
-        logical, stored = (sum(x) for x in zip(*(weight_bytes(d) for d in rt.family.denoisers)))
+        logical, stored = (sum(x) for x in zip(*(module_bytes(d) for d in rt.family.denoisers)))
         row = {"quantization": scheme, "denoiser weights MB": stored / 1e6,
                "denoiser weights MB unquantized": logical / 1e6, "process resident MB after loading": resident_mb(),
                "resident MB added by loading": resident_mb() - before}

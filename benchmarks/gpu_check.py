@@ -30,7 +30,8 @@ import kit
 from tools.real_size import loaded_family, skeleton
 from diffserve import shared_tensors
 from diffserve.control import PATH, SHARED, WeightSource
-from diffserve.executor import memory, runtime
+from diffserve.executor.memory import oom as memory
+from diffserve.executor import runtime
 
 FAMILIES, IMAGES = ("flux", "qwen-image", "wan"), ("flux", "qwen-image")
 SECTIONS: dict[str, SimpleNamespace] = {}

@@ -43,11 +43,11 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from diffserve.config import DEFAULT_MODEL, ServerConfig
-from diffserve.executor.loading import load_model
+from diffserve.executor.model.loading import load_model
 from diffserve.executor.runtime import build_runtime
 from diffserve.launcher import LaunchError, ServerProcess, free_port
 from diffserve.models.registry import resolve_model, serving_defaults
-from diffserve.protocol import ImageRequest, Work, WorkItem
+from diffserve.work import ImageRequest, Work, WorkItem
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(1, str(HERE.parent))  # tools/ (random LoRA adapters)

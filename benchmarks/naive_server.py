@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 import kit
 from diffserve.config import DEFAULT_MODEL
-from diffserve.executor.loading import quiet_libraries
+from diffserve.executor.model.loading import quiet_libraries
 from diffserve.frontend.encode import encode_image
 from diffserve.models.registry import resolve_model, serving_defaults
 

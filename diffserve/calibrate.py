@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from diffserve.executor.device_stats import DeviceStats
+from diffserve.executor.model.device_stats import DeviceStats
 
 # Share of the free GPU memory a forward may use; the rest is headroom for fragmentation, the VAE
 # decode and whatever else the process allocates.
@@ -72,9 +72,9 @@ def measure(model: str, device: str, dtype: str, sides: list[float], batches: li
             steps: int, threads: int) -> tuple[list[Sample], dict]:
     from diffserve.config import ServerConfig
     from diffserve.costs import image_cost, uses_cfg
-    from diffserve.executor.loading import UnsupportedMode
+    from diffserve.executor.families import UnsupportedMode
     from diffserve.executor.runtime import build_runtime
-    from diffserve.protocol import ImageRequest, WorkItem
+    from diffserve.work import ImageRequest, WorkItem
 
     try:
         rt = build_runtime(ServerConfig(model=model, device=device, dtype=dtype,

@@ -12,7 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffserve import config_rules, topology
 from diffserve.policies import QUEUE_POLICIES, SET_POLICIES
+from diffserve.topology import Degrees
 
 DEFAULT_MODEL = "shapes"
 NO_ADAPTER = "none"  # how the metrics name requests without an adapter
@@ -272,52 +274,9 @@ class ServerConfig:
                 raise ConfigError(f"{flag}={value!r} is above the maximum {meta['le']}")
             if meta.get("choices") and value not in meta["choices"]:
                 raise ConfigError(f"{flag}={value!r} is not one of {', '.join(meta['choices'])}")
-        check_parallel(self)
-        listed = self.device_list
-        if listed and self.data_parallel_size and len(listed) != self.data_parallel_size * self.group_size:
-            raise ConfigError(f"--devices={self.devices!r} names {len(listed)} devices but "
-                              f"--data-parallel-size={self.data_parallel_size}"
-                              + (f" groups of {self.group_size} ranks need "
-                                 f"{self.data_parallel_size * self.group_size}"
-                                 if self.group_size > 1 else ""))
-        if listed and len(listed) % self.group_size:
-            raise ConfigError(f"--devices={self.devices!r} names {len(listed)} devices, not a "
-                              f"multiple of the group size {self.group_size}")
-        if listed and not all(listed):
-            raise ConfigError(f"--devices={self.devices!r} has an empty entry")
-        adapters = self.lora_adapters  # checks each NAME=PATH
-        if self.model_name in adapters:
-            raise ConfigError(f"--lora-modules names an adapter {self.model_name!r}, the served "
-                              "model's own name")
-        if self.max_loras < self.max_loras_per_request:
-            raise ConfigError(f"--max-loras={self.max_loras} is below --max-loras-per-request="
-                              f"{self.max_loras_per_request}: a request's adapters must fit at once")
-        keys = self.api_keys  # checks each KEY[:PRIORITY]
-        uses_priority = QUEUE_POLICIES[self.scheduling_policy].uses_priority
-        if any(p is not None for p in keys.values()) and not uses_priority:
-            raise ConfigError("--api-key gives a priority, which only --scheduling-policy "
-                              f"priority uses (it is {self.scheduling_policy!r})")
-        if self.step_cache != "off" and self.batching_mode == "request":
-            raise ConfigError(f"--step-cache={self.step_cache} decides per request between "
-                              "denoising steps, which only step mode has; not with "
-                              "--batching-mode request")
-        if self.compile and self.serves_adapters:
-            raise ConfigError("--compile does not take LoRA adapters (--lora-modules, "
-                              "--enable-lora-runtime-updates): each forward's per-row adapter "
-                              "plan would recompile the blocks")
-        if self.cache_threshold and self.step_cache == "off":
-            raise ConfigError(f"--cache-threshold={self.cache_threshold!r} needs --step-cache "
-                              "first-block")
-        if self.enable_lora_runtime_updates and not self.lora_dir:
-            raise ConfigError("--enable-lora-runtime-updates needs --lora-dir, the one directory "
-                              "runtime-loaded adapters may come from")
-        if self.enable_weight_updates and not self.weights_dir:
-            raise ConfigError("--enable-weight-updates needs --weights-dir, the one directory "
-                              "weight updates from disk may come from")
-        if self.enable_weight_updates and self.quantization != "none":
-            raise ConfigError(f"--enable-weight-updates with --quantization {self.quantization}: "
-                              "an update would have to be quantized again as it is applied, "
-                              "which is not done; serve the trained model unquantized")
+        problem = next(config_rules.problems(self), None)
+        if problem is not None:
+            raise ConfigError(problem)
 
     def __repr__(self) -> str:  # keep the API key out of logs
         shown = dataclasses.replace(self, api_key=("***",)) if self.api_key else self
@@ -382,47 +341,24 @@ class ServerConfig:
         return bool(self.lora_modules or self.enable_lora_runtime_updates)
 
     @property
-    def device_list(self) -> list[str]:
-        return [d.strip() for d in self.devices.split(",")] if self.devices else []
-
-    @property
-    def group_size(self) -> int:
-        """Ranks per executor: 1, or a parallel group's size."""
-        model_ranks = (self.tensor_parallel_size if self.tensor_parallel_size > 1
-                       else self.ulysses_degree * self.ring_degree)
-        return self.cfg_parallel_size * model_ranks
+    def degrees(self) -> Degrees:
+        """The parallel group's shape (its ``size``: ranks per executor, 1 without a group)."""
+        return Degrees.of(self)
 
     @property
     def num_executors(self) -> int:
         """Executors fed by the queue: single devices, or parallel groups."""
-        if self.data_parallel_size:
-            return self.data_parallel_size
-        if self.device_list:
-            return len(self.device_list) // self.group_size
-        if self.group_size > 1 and self.device in ("auto", "cuda"):
-            from diffserve.executor.devices import visible_gpus
-
-            return max(1, visible_gpus() // self.group_size)
-        return 1
+        try:
+            return topology.num_executors(self)
+        except topology.TopologyError as error:
+            raise ConfigError(str(error)) from None
 
     def executor_devices(self) -> list[str]:
-        """Each executor's device (``auto`` is resolved by each executor from its index), or a
-        group's devices, comma-separated, one per rank."""
-        size = self.group_size
-        listed = self.device_list
-        if not listed:
-            if size == 1:
-                return [self.device] * self.num_executors
-            listed = group_devices(self.device, self.num_executors * size)
-        return [",".join(listed[g * size:(g + 1) * size]) for g in range(len(listed) // size)]
-
-    def executor_threads(self, cpu_count: int) -> int:
-        """Intra-op threads per executor process (each rank of a group is one): the flag, else
-        the cores shared out between them (0 keeps torch's own default where there is one)."""
-        processes = self.num_executors * self.group_size
-        if self.torch_threads or processes == 1:
-            return self.torch_threads
-        return max(1, cpu_count // processes)
+        """Each executor's device, or a group's devices (:func:`diffserve.topology.executor_devices`)."""
+        try:
+            return topology.executor_devices(self)
+        except topology.TopologyError as error:
+            raise ConfigError(str(error)) from None
 
     @property
     def dynamic_batch_delay_s(self) -> float:
@@ -442,56 +378,6 @@ class ServerConfig:
         return cls(**merged)
 
 
-def check_parallel(config: ServerConfig) -> None:
-    """The parallel flags together: one refusal naming the flag and the reason."""
-    cp = config.ulysses_degree * config.ring_degree
-    if config.tensor_parallel_size > 1 and cp > 1:
-        raise ConfigError(f"--tensor-parallel-size={config.tensor_parallel_size} with "
-                          f"--ulysses-degree={config.ulysses_degree} --ring-degree="
-                          f"{config.ring_degree}: diffusers shards a model either by tensor or "
-                          "by context, not both")
-    if config.group_size > 1 and config.batching_mode == "request":
-        raise ConfigError("--batching-mode request with a parallel group "
-                          f"({config.group_size} ranks): a group runs the step engine, whose "
-                          "every step its leader plans for all ranks")
-    if config.group_size > 1 and config.compile:
-        raise ConfigError("--compile with a parallel group: compiled blocks have not been "
-                          "verified under diffusers' parallel hooks")
-    if config.tensor_parallel_size > 1:
-        for flag, given in (("--lora-modules", config.serves_adapters),
-                            ("--quantization", config.quantization != "none")):
-            if given:
-                raise ConfigError(f"--tensor-parallel-size with {flag}: diffusers' tensor "
-                                  "parallelism refuses PEFT layers and quantized weights")
-    if config.tensor_parallel_size > 1 and config.enable_weight_updates:
-        raise ConfigError("--tensor-parallel-size with --enable-weight-updates: an update holds "
-                          "whole tensors, and each rank holds a shard of them")
-    check_memory(config)
-    if config.group_size > 1 and config.stages == "on":
-        raise ConfigError("--stages on with a parallel group: every rank must admit a request at "
-                          "the same step, which encoding beside each rank's loop cannot promise")
-    if config.cfg_parallel_size > 1 and config.step_cache != "off":
-        raise ConfigError("--cfg-parallel-size 2 with --step-cache: a forward's rows are split "
-                          "between ranks, each image's cache decision needs all of its rows")
-
-
-def group_devices(device: str, count: int) -> list[str]:
-    """``count`` ranks' devices from --device: one visible GPU each (``auto``, ``cuda``), else
-    ``device`` for all of them (the CPU)."""
-    if device in ("auto", "cuda"):
-        from diffserve.executor.devices import visible_gpus
-
-        gpus = visible_gpus()
-        if gpus:
-            if gpus < count:
-                raise ConfigError(f"{count} ranks need {count} GPUs; {gpus} are visible")
-            return [f"cuda:{i}" for i in range(count)]
-        if device == "cuda":
-            raise ConfigError("--device cuda: no CUDA GPU is visible")
-        return ["cpu"] * count
-    return [device] * count
-
-
 def parse_value(f: dataclasses.Field, text: str) -> Any:
     """Convert a string to the field's type (the type of its default): a switch from
     true/false, several values from a whitespace- or comma-separated list."""
@@ -508,31 +394,3 @@ def parse_value(f: dataclasses.Field, text: str) -> Any:
         return kind(text)
     except ValueError:
         raise ConfigError(f"{flag}={text!r} is not a valid {kind.__name__}") from None
-
-
-OFFLOADABLE = ("dit", "text_encoder", "vae")
-
-
-def check_memory(config: ServerConfig) -> None:
-    """The memory flags against each other and against what they cannot run beside."""
-    unknown = [c for c in config.offload_components if c not in OFFLOADABLE]
-    if unknown:
-        raise ConfigError(f"--offload-components {unknown[0]!r} is not one of "
-                          f"{', '.join(OFFLOADABLE)}")
-    if config.offload_components and config.offload == "none":
-        raise ConfigError("--offload-components needs --offload model or layer")
-    if config.offload == "none":
-        return
-    for flag, given, why in (
-            ("--compile", config.compile, "compiled blocks would be traced with the offloading "
-             "hooks' moves inside them"),
-            ("--quantization", config.quantization != "none", "torchao's quantized weights are "
-             "not moved by diffusers' group offloading"),
-            ("a parallel group", config.group_size > 1, "each rank would stream its own copy"),
-            ("--step-cache", config.step_cache != "off", "the step cache runs the denoiser's "
-             "blocks one by one, outside the hooks that bring them onto the device"),
-            ("LoRA adapters", config.serves_adapters and "dit" in config.offloaded,
-             "each step gathers the adapters' weights on the device, which offloading moves away")):
-        if given:
-            raise ConfigError(f"--offload {config.offload} with {flag}: {why}")
-

@@ -30,7 +30,7 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 _HOST_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
 CACHE_OUTCOMES = ("hit", "miss")
 WEIGHT_OUTCOMES = ("applied", "refused", "failed")
-STAGES = ("encode", "decode")  # the step engine's stages (diffserve.executor.stages)
+STAGES = ("encode", "decode")  # the step engine's stages (diffserve.executor.step.stages)
 COMPILE_PHASES = ("startup", "serving")
 
 # Distinct adapter names the per-adapter request counter keeps apart.

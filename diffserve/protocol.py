@@ -5,22 +5,18 @@ dataclass below); any further frames are raw pixel buffers (uint8), so pixels ar
 into a header. Headers are decoded with validation against their dataclass: a malformed message
 fails loudly at the boundary (:class:`ProtocolError`), never deep inside the scheduler.
 
-:class:`ImageRequest` declares, per field, how the field takes part in batching (see
-:mod:`diffserve.roles`). Each batching mode says which roles it can vary per sample; the batch
-key is every other field. So the key follows the engine, and no list of field names exists
-anywhere. The scheduler's queue computes a request's key once, when it enters, and the work item
-carries it to the executor.
+The request and the work it becomes are :mod:`diffserve.work`; the model's description,
+:mod:`diffserve.model_info`.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import msgspec
 
-from diffserve.costs import ABOVE_ONE
 from diffserve.roles import (  # noqa: F401  (the roles are part of the protocol's vocabulary)
     BOOKKEEPING,
     CALL,
@@ -37,132 +33,13 @@ from diffserve.roles import (  # noqa: F401  (the roles are part of the protocol
     shape,
     batch_key_fields,
 )
-from diffserve.tasks import GENERATE, Task, task_named
 from diffserve.control import BASE_VERSION, WeightCommand, WeightResult, WeightStep
-
-# Seeds are 32-bit, as the API accepts them; image i of a request uses (seed + i) modulo this.
-SEED_MODULUS = 2**32
+from diffserve.model_info import ModelInfo
+from diffserve.work import ImageRequest, Work
 
 # How a work item ended.
 FINISHED, FAILED, CANCELLED = "finished", "failed", "cancelled"
 ITEM_OUTCOMES = (FINISHED, FAILED, CANCELLED)
-
-
-@dataclass(frozen=True)
-class ImageRequest:
-    """A validated request (generation or edit) as the engine sees it."""
-
-    request_id: str = bookkeeping()
-    model: str = shape()
-    width: int = shape()
-    height: int = shape()
-    # Instruction edits: how many reference images condition it. Their tokens lengthen every
-    # row's sequence, so requests with different counts never share a forward.
-    references: int = shape(0)
-    task: str = call(GENERATE.name)  # a name in diffserve.tasks.TASKS
-    num_inference_steps: int = call(20)
-    guidance_scale: float = call(5.0)
-    strength: float = call(1.0)  # edits: how far from the input image (1.0: ignore it)
-    scheduler: str = call("")  # a sampler name (diffserve.executor.samplers); "": the model's own
-    prompt: str = sample("")
-    negative_prompt: str = sample("")
-    seed: int = sample(0)
-    n: int = sample(1)
-    partial_images: int = sample(0)  # streamed previews per image (0-3)
-    # LoRA adapters and their scales, in the order they apply. One stack per pipeline call in
-    # request mode; the step engine applies each row's own stack within one forward.
-    loras: tuple[tuple[str, float], ...] = call(())
-    # What one image costs a forward (see diffserve.costs), priced by the frontend.
-    cost: float = bookkeeping(1.0)
-    # Its priority class (lower runs sooner; diffserve.policies.priority): it orders the queue
-    # and decides preemption, never what is computed.
-    priority: int = bookkeeping(0)
-    # Rollouts: the stochastic sampler's noise level (0: the deterministic sampler), and which
-    # tensors come back (diffserve.rollouts.RETURNABLE).
-    noise_level: float = call(0.0)
-    returns: tuple[str, ...] = sample(())
-    # Videos: the frame count (0: an image), and the low-noise expert's guidance scale of a
-    # two-expert model (None: guidance_scale).
-    num_frames: int = shape(0)
-    guidance_scale_2: float | None = call(None)
-    progress: bool = sample(False)  # the executor reports its steps done (Kind.PROGRESS)
-    # The step cache's threshold (diffserve.executor.step_cache): 0 never reuses; None takes
-    # the server's --cache-threshold. Each request decides with its own in a running set.
-    cache_threshold: float | None = call(None)
-
-    def batch_key(self, mode: str) -> tuple:
-        """What another request must share with this one to run in the same batch (request mode)
-        or running set (step mode)."""
-        return tuple(getattr(self, name) for name in batch_key_fields(type(self), mode))
-
-    @property
-    def task_spec(self) -> Task:
-        return task_named(self.task)
-
-    @property
-    def input_frames(self) -> int:
-        task = self.task_spec
-        return len(task.inputs) + (self.references if task.references else 0)
-
-    def seed_of(self, index: int) -> int:
-        """The seed of image ``index``: consecutive from the request's seed, wrapping at 2**32."""
-        return (self.seed + index) % SEED_MODULUS
-
-
-def repeated_adapter(loras: Sequence[tuple[str, float]]) -> str | None:
-    """The rule of a LoRA stack: it names each adapter once (one scale each). The first name it
-    repeats, if any."""
-    seen: set[str] = set()
-    for name, _ in loras:
-        if name in seen:
-            return name
-        seen.add(name)
-    return None
-
-
-def _frozen(value: Any) -> Any:
-    return tuple(map(_frozen, value)) if isinstance(value, (list, tuple)) else value
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    """Images ``start``..``stop-1`` of one request, handed to an executor. Its input frames (if
-    the request is an edit) follow the header, item after item."""
-
-    request: ImageRequest
-    start: int
-    stop: int
-    # How long the request had waited in the scheduler's queue when this item left it: the
-    # step engine counts a request's time from its arrival (diffserve.policies).
-    queued_s: float = 0.0
-    # The request's batch key in the server's batching mode, computed once by the queue (empty
-    # where the item did not come through one: the engine computes it once at admission).
-    batch_key: tuple = ()
-    # A paused item going back into its executor's running set (that executor holds its state;
-    # if it finished the item before the pause reached it, it drops this).
-    resume: bool = False
-
-    def __post_init__(self) -> None:
-        # msgpack has no tuples: nested ones (a LoRA stack in a request-mode key) come back as
-        # lists, which a key, being hashed, cannot hold.
-        object.__setattr__(self, "batch_key", _frozen(self.batch_key))
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.request.request_id, self.start)
-
-    @property
-    def samples(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass(frozen=True)
-class Work:
-    """Scheduler to executor. Request mode: one pipeline call over every item. Step mode: items
-    that join the running set at the next step boundary."""
-
-    work_id: int
-    items: list[WorkItem]
 
 
 @dataclass(frozen=True)
@@ -256,72 +133,6 @@ class Cancel:
     """Scheduler to executor: these requests' callers have gone; drop their work."""
 
     request_ids: list[str]
-
-
-@dataclass(frozen=True)
-class Component:
-    """A pipeline component where it sits: its name, device, the rank of a parallel group that
-    holds it (0 without one), its dtype and the bytes its weights take there."""
-
-    name: str
-    device: str
-    rank: int
-    dtype: str
-    bytes: int
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the frontend needs to validate requests against the loaded model."""
-
-    name: str
-    pipeline_class: str
-    width: int
-    height: int
-    spatial_stride: int
-    default_steps: int
-    max_steps: int  # the noise scheduler's limit (its training timesteps)
-    default_guidance_scale: float
-    supports_negative_prompt: bool
-    device: str
-    dtype: str
-    batching_mode: str
-    tasks: list[str]  # names in diffserve.tasks.TASKS: the tasks served
-    partial_images: bool  # whether streamed previews are real intermediate decodes
-    family: str | None = None  # the step engine's family, where it knows the pipeline
-    # When classifier-free guidance runs (diffserve.costs.GUIDANCE_RULES): the frontend prices
-    # requests by it without knowing the families.
-    guidance_rule: str = ABOVE_ONE
-    adapters: list[str] = field(default_factory=list)  # LoRA adapters served at start
-    max_edit_images: int = 0  # the most input images one edit takes (0: no edits)
-    schedulers: list[str] = field(default_factory=list)  # sampler names a request may pick
-    # Admission by cost (diffserve.costs): the bounds with their defaults resolved for this model.
-    max_batch_cost: float = 0.0
-    max_running_cost: float = 0.0
-    # Admission by memory (diffserve.executor.memory_budget), where a budget is set: the budget,
-    # the cost it allows, and what the executor holds and a unit of cost takes.
-    memory_budget_bytes: int = 0
-    memory_cost_bound: float = 0.0
-    memory_held_bytes: int = 0
-    memory_per_cost_bytes: float = 0.0
-    # Videos (0 for image models): the native frame count, the VAE's temporal stride (a frame
-    # count is stride x k + 1) and the frame rate a video is encoded at by default.
-    num_frames: int = 0
-    frame_stride: int = 1
-    fps: int = 0
-    guidance_scale_2: bool = False  # a two-expert model takes guidance_scale_2
-    step_cache: bool = False  # the engine runs a step cache (requests may set cache_threshold)
-    # Each task's batching mode (a task the step engine gets wrong runs in request mode), and the
-    # tasks the model has but cannot serve, with why (their plain pipeline fails on it).
-    task_modes: dict[str, str] = field(default_factory=dict)
-    unavailable_tasks: dict[str, str] = field(default_factory=dict)
-    # Each executor's parallel group ({"ulysses", "ring", "cfg", "tp", "groups"}) and where its
-    # components sit (one executor's view).
-    parallel: dict[str, int] = field(default_factory=dict)
-    components: list[Component] = field(default_factory=list)
-
-    def mode_of(self, task: str) -> str:
-        return self.task_modes.get(task, self.batching_mode)
 
 
 @dataclass(frozen=True)

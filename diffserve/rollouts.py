@@ -1,6 +1,6 @@
 """Rollouts for reinforcement-learning trainers: what a request may ask back, and the answer's
 format. Torch-free (the frontend builds the answer; the executor computes it, see
-:mod:`diffserve.executor.rollout`).
+:mod:`diffserve.executor.step.rollout`).
 
 The answer is one safetensors file. Its tensors, per request of ``n`` images and ``T`` steps:
 

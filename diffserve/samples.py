@@ -17,7 +17,8 @@ import logging
 import traceback
 from typing import Any, Callable, Hashable, Iterable, Sequence, TypeVar
 
-from diffserve.protocol import ImageRequest, ProtocolError, WorkItem
+from diffserve.work import ImageRequest, WorkItem
+from diffserve.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from diffserve.protocol import FAILED, FINISHED, ImageRequest, ItemResult, ItemsDone
+from diffserve.protocol import FAILED, FINISHED, ItemResult, ItemsDone
+from diffserve.work import ImageRequest
 
 _ids = itertools.count()
 
@@ -50,7 +51,7 @@ def run_plan(engine, plan: dict) -> dict:
     step; every request must finish. Each request's images, by request id."""
     import select
 
-    from diffserve.protocol import WorkItem
+    from diffserve.work import WorkItem
 
     images, step = {}, 0
     while step == 0 or engine:

@@ -9,9 +9,9 @@ import torch
 from PIL import Image
 
 from diffserve.executor.families import family_for
-from diffserve.executor.families.base import to_uint8
-from diffserve.executor.loading import FORCED_KWARGS, LoadedModel
-from diffserve.protocol import ImageRequest
+from diffserve.executor.families.outputs import to_uint8
+from diffserve.executor.model.loading import FORCED_KWARGS, LoadedModel
+from diffserve.work import ImageRequest
 
 
 # What the documented rules add to a plain call of these pipelines (docs/edits.md, "Instruction edits"):

@@ -62,7 +62,7 @@ def test_a_server_without_a_step_cache_refuses_a_threshold():
     from diffserve.errors import APIError
     from diffserve.frontend.schemas import ImageGenerationRequest
     from diffserve.frontend.validation import to_engine_request
-    from diffserve.protocol import ModelInfo
+    from diffserve.model_info import ModelInfo
     from diffserve.tasks import GENERATE as TASK
 
     info = ModelInfo("m", "StableDiffusionPipeline", 64, 64, 8, 4, 1000, 5.0, True, "cpu",

@@ -95,7 +95,7 @@ KIT_MAIN = {"bench_priorities": "priorities", "bench_edits": "edits",  # their -
 # generation alone takes a minute and a half of CPU here); then each tool's main.
 IN_PROCESS_SCRIPT = """
 import json, sys
-from diffserve.executor.compiled import CompiledBlocks
+from diffserve.executor.accel.compiled import CompiledBlocks
 CompiledBlocks.__init__.__defaults__ = ("eager",)
 sys.path.insert(0, sys.argv[1])
 for name, argv in json.loads(sys.argv[2]).items():

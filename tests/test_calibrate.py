@@ -50,7 +50,7 @@ def test_every_cuda_call_names_the_measured_device():
 
     import torch
 
-    from diffserve.executor.device_stats import DeviceStats
+    from diffserve.executor.model.device_stats import DeviceStats
 
     asked = []
 

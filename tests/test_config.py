@@ -6,6 +6,7 @@ import pytest
 
 from diffserve.cli import build_parser, main
 from diffserve.config import ConfigError, ServerConfig
+from diffserve.topology import executor_threads
 
 
 def test_defaults_are_valid():
@@ -75,8 +76,8 @@ def test_the_configuration_page_lists_every_flag_with_its_default():
 def test_data_parallel_size_and_devices_agree():
     assert ServerConfig(devices="cuda:0,cuda:1").num_executors == 2
     assert ServerConfig(data_parallel_size=3).executor_devices() == ["auto"] * 3
-    assert ServerConfig(data_parallel_size=2, torch_threads=0).executor_threads(8) == 4
-    assert ServerConfig(torch_threads=0).executor_threads(8) == 0  # one executor: torch decides
+    assert executor_threads(ServerConfig(data_parallel_size=2, torch_threads=0), 8) == 4
+    assert executor_threads(ServerConfig(torch_threads=0), 8) == 0  # one executor: torch decides
     with pytest.raises(ConfigError, match="names 2 devices but --data-parallel-size=3"):
         ServerConfig(devices="cuda:0,cuda:1", data_parallel_size=3)
     for devices in ("cuda:0,,cuda:1", "cuda:0, "):  # a blank entry is empty too
@@ -89,7 +90,7 @@ def test_stages_on_are_refused_in_a_parallel_group():
     assert ServerConfig().stages == "auto" and ServerConfig(stages="off").stages == "off"
     with pytest.raises(ConfigError, match="--stages on with a parallel group"):
         ServerConfig(stages="on", ulysses_degree=2, devices="cpu,cpu")
-    assert ServerConfig(stages="auto", ulysses_degree=2, devices="cpu,cpu").group_size == 2
+    assert ServerConfig(stages="auto", ulysses_degree=2, devices="cpu,cpu").degrees.size == 2
 
 
 def test_lora_flags_parse_and_check_each_other():

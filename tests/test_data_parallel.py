@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from diffserve.executor.loading import load_model
+from diffserve.executor.model.loading import load_model
 from helpers import make_request
 from reference import max_diff, solo
 from pace import scaled

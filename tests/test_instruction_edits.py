@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffserve.executor.loading import load_model
+from diffserve.executor.model.loading import load_model
 from diffserve.frontend.uploads import image_pixels
 from helpers import make_request
 from reference import max_diff, sample_image, solo

@@ -11,9 +11,10 @@ import httpx
 import numpy as np
 import pytest
 
-from diffserve.executor.loading import load_model, task_pipelines
-from diffserve.executor.request_runner import RequestRunner
-from diffserve.protocol import Work, WorkItem
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.request.runner import RequestRunner
+from diffserve.work import Work, WorkItem
 from helpers import make_request
 from server import Server, assert_openai_error, decode, metric
 

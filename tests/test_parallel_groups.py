@@ -18,8 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from diffserve.executor.loading import load_model, task_pipelines
-from diffserve.protocol import WorkItem
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.tasks import task_pipelines
+from diffserve.work import WorkItem
 from helpers import make_request
 from pace import scaled
 from reference import max_diff, solo
@@ -100,7 +101,7 @@ def test_the_step_cache_in_a_group_decides_as_on_one_device(flux):
     reuses exactly the steps one device does, and makes its images."""
     from diffserve.config import ServerConfig
     from diffserve.executor.runtime import build_runtime
-    from diffserve.protocol import WorkItem
+    from diffserve.work import WorkItem
 
     body = {"prompt": "a cached cat", "seed": 4, "num_inference_steps": 12, "cache_threshold": 0.5}
     with flux.client() as c:
@@ -145,7 +146,7 @@ def test_cfg_and_ulysses_parallel_wan_videos_equal_one_device():
     Videos with different steps and negative prompts join at different steps; every frame
     equals the pipeline alone within 2/255."""
     from diffserve.config import ServerConfig
-    from diffserve.executor.group import LeaderEngine, start_group
+    from diffserve.executor.parallel.ranks import LeaderEngine, start_group
     from diffserve.executor.runtime import build_runtime
     from frontend.test_videos import reference
 

@@ -12,10 +12,10 @@ import pytest
 
 from diffserve.config import ServerConfig
 from diffserve.errors import APIError
-from diffserve.executor.loading import load_model
+from diffserve.executor.model.loading import load_model
 from diffserve.frontend.schemas import ImageGenerationRequest
 from diffserve.frontend.validation import to_engine_request
-from diffserve.protocol import ModelInfo
+from diffserve.model_info import ModelInfo
 from diffserve.tasks import GENERATE
 from helpers import make_request
 from reference import max_diff, solo

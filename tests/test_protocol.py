@@ -11,19 +11,17 @@ from diffserve.protocol import (
     SAMPLE,
     SHAPE,
     STEP_MODE,
-    ImageRequest,
     ItemImages,
     ItemResult,
     ItemsDone,
     Kind,
     ProtocolError,
-    Work,
-    WorkItem,
     decode,
     encode,
     fields_with_role,
     batch_key_fields,
 )
+from diffserve.work import ImageRequest, Work, WorkItem
 from helpers import make_request
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffserve.executor.loading import load_model
+from diffserve.executor.model.loading import load_model
 from helpers import make_request
 from reference import solo
 from server import (

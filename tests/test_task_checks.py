@@ -16,9 +16,10 @@ import httpx
 import pytest
 
 from diffserve.config import ServerConfig
-from diffserve.executor import check_verdicts
+from diffserve.executor.checks import verdicts as check_verdicts
 from diffserve.executor.families.sd3 import StableDiffusion3
-from diffserve.executor.loading import load_model, task_pipelines
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.runtime import build_runtime
 from helpers import make_request
 from reference import max_diff, sample_image, solo

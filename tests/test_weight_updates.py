@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from diffserve.client import Client
-from diffserve.executor.loading import load_model
+from diffserve.executor.model.loading import load_model
 from helpers import make_request
 from pace import scaled
 from reference import max_diff, solo

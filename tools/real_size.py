@@ -12,7 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from diffserve.executor.loading import load_model
+from diffserve.executor.model.loading import load_model
 
 
 def spec(family: str, tiny: bool, scratch: Path) -> tuple[str, dict, dict]:

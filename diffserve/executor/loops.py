@@ -17,7 +17,8 @@ from typing import Any
 
 from diffserve.executor.engine_io import EngineIO
 from diffserve.executor.results import Outcome, describe
-from diffserve.protocol import CANCELLED, LOAD, Kind, ProtocolError, Work
+from diffserve.protocol import CANCELLED, LOAD, Kind, ProtocolError
+from diffserve.work import Work
 from diffserve.samples import split_inputs
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def apply_adapter_message(adapters, io: EngineIO, kind: Kind, msg) -> None:
     """A runtime load or unload (answered), or the server's whole adapter table (reconciled)."""
-    from diffserve.executor.adapters import AdapterError
+    from diffserve.executor.lora.store import AdapterError
 
     if kind is Kind.ADAPTER_SYNC:
         if adapters is not None:
@@ -52,8 +53,8 @@ ADAPTER_KINDS = (Kind.ADAPTER, Kind.ADAPTER_SYNC)
 
 
 def apply_weight_step(weights, io: EngineIO, step) -> None:
-    """A step of a weight update or a sleep (diffserve.executor.weights), answered."""
-    from diffserve.executor.weights import run_step
+    """A step of a weight update or a sleep (diffserve.executor.rl.weights), answered."""
+    from diffserve.executor.rl.weights import run_step
 
     io.answer_weights(run_step(weights, step))
 
@@ -66,7 +67,7 @@ class RequestLoop:
         """``make_runner(should_interrupt, emit_partial, emit_progress)`` builds the request
         runner. ``nested``: the calls of a step loop's request-mode tasks, whose cancels (which
         may concern its running sets too) also wait for that loop. ``weights``: what weight
-        updates change (diffserve.executor.weights), where they are on."""
+        updates change (diffserve.executor.rl.weights), where they are on."""
         self.io = io
         self.adapters = adapters
         self.weights = weights

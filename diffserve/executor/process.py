@@ -2,7 +2,7 @@
 
 It connects a DEALER socket to the scheduler's ROUTER under its identity (``index:generation``)
 and a PUSH socket to the frontend, loads the model (as the leader of a parallel group, with the
-group's other ranks: :mod:`diffserve.executor.group`), says READY (with the batching mode it will
+group's other ranks: :mod:`diffserve.executor.parallel.ranks`), says READY (with the batching mode it will
 run), and runs one of the loops of :mod:`diffserve.executor.loops`.
 
 Pixels (finished images, previews) go straight to the frontend; the scheduler gets only each
@@ -21,9 +21,9 @@ import zmq
 from diffserve import metrics, processes
 from diffserve.config import ConfigError, ServerConfig
 from diffserve.executor.engine_io import EngineIO
-from diffserve.executor.loops import RequestLoop, StepLoop
-from diffserve.executor.memory_layout import kind_of
-from diffserve.executor.process_setup import bound_openmp_spin, freeze_heap
+from diffserve.executor.loops import RequestLoop, StepLoop, apply_adapter_message
+from diffserve.executor.memory.layout import kind_of
+from diffserve.processes import bound_openmp_spin, freeze_heap
 from diffserve.protocol import Fatal, Kind, encode
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def run_executor(spec: ExecutorSpec) -> None:
     # walk the same few hundred thousand new, long-lived objects again and again (about a
     # fifth of the start's CPU). freeze_heap collects once and turns it back on.
     gc.disable()
-    title = (f"diffserve::executor-{spec.index}" if spec.config.group_size == 1
+    title = (f"diffserve::executor-{spec.index}" if spec.config.degrees.size == 1
              else f"diffserve::executor-{spec.index}.r0")  # a parallel group's leader
     processes.become(title, spec.parent_pid, spec.config.log_level)
     metrics.record_to(spec.metrics_dir)
@@ -78,7 +78,7 @@ def run_executor(spec: ExecutorSpec) -> None:
 
 def build_loop(spec: ExecutorSpec, io: EngineIO):
     """Load the model, pick the engine, say READY; the loop that serves it."""
-    from diffserve.executor.loading import leave_out_unused_libraries
+    from diffserve.executor.model.loading import leave_out_unused_libraries
     from diffserve.executor.runtime import build_runtime
     from diffserve.protocol import REQUEST_MODE, STEP_MODE
 
@@ -86,11 +86,11 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
                                spec.config.text_encoder_quantization)
     group = link = None
     device = spec.device
-    if spec.config.group_size > 1:  # a parallel group: this is its leader, rank 0
-        from diffserve.executor.group import LeaderEngine, start_group
+    if spec.config.degrees.size > 1:  # a parallel group: this is its leader, rank 0
+        from diffserve.executor.parallel.ranks import LeaderEngine, start_group
 
         device, group, link, _ = start_group(spec.config, spec.index, spec.device,
-                                             spec.torch_threads)
+                                             spec.torch_threads, run_follower)
     rt = build_runtime(spec.config, device, spec.torch_threads, spec.index,
                        io.count_adapter_event, group=group)
     freeze_heap()
@@ -117,3 +117,57 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
     io.set_memory(info)
     io.sock.send_multipart(encode(Kind.READY, info))
     return loop
+
+
+def run_follower(spec) -> None:
+    """A rank of a parallel group other than its leader (a
+    :class:`~diffserve.executor.parallel.ranks.FollowerSpec`): join the group, load the model as
+    the leader does, then make the leader's calls on its own step engine until told to stop (or
+    the leader dies)."""
+    from diffserve.executor.parallel.topology import local_device, rank_title
+
+    processes.become(rank_title(spec.rank.group, spec.rank.rank), spec.parent_pid,
+                     spec.config.log_level)
+    device = local_device(spec.rank.device)
+    bound_openmp_spin()
+    from diffserve.executor.model.loading import leave_out_unused_libraries
+
+    leave_out_unused_libraries(spec.config.serves_adapters, spec.config.quantization,
+                               spec.config.text_encoder_quantization)
+    from diffserve.executor.parallel.ranks import follow
+    from diffserve.executor.parallel.topology import Group
+    from diffserve.executor.rl.weights import run_step
+    from diffserve.executor.runtime import build_runtime
+
+    group = Group(spec.rank)
+    rt = build_runtime(spec.config, device, spec.torch_threads, spec.rank.group, group=group)
+    engine = rt.step_engine()
+    freeze_heap()
+    silent = _Silent()
+
+    def on_weights(step) -> None:
+        # A refusal (the update does not fit) is every rank's, as the leader answers it; a rank
+        # that fails otherwise takes its group down, to restart in step.
+        result = run_step(rt.weights, step)
+        if result.status >= 500:
+            raise RuntimeError(f"rank {spec.rank.rank} could not apply weights: {result.error}")
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.connect(spec.control)
+    try:
+        follow(sock, engine, lambda kind, msg: apply_adapter_message(rt.adapters, silent, kind, msg),
+               on_weights)
+    finally:
+        ctx.destroy(linger=0)
+        group.close()
+
+
+class _Silent:
+    """What a follower answers to: nothing (the leader answers for the group)."""
+
+    def answer_adapter(self, *args, **kwargs) -> None:
+        pass
+
+    def count_resident(self, adapters) -> None:
+        pass

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from diffserve.protocol import CANCELLED, FAILED, FINISHED, ItemResult, WorkItem
+from diffserve.protocol import CANCELLED, FAILED, FINISHED, ItemResult
+from diffserve.work import WorkItem
 
 if TYPE_CHECKING:
     import numpy as np

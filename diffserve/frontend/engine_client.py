@@ -34,17 +34,17 @@ from diffserve.protocol import (
     AdapterCommand,
     AdapterResult,
     EngineStatus,
-    ImageRequest,
     ItemImages,
     ItemTensors,
     Kind,
-    ModelInfo,
     Partial,
     ProtocolError,
     RequestDone,
     decode,
     encode,
 )
+from diffserve.work import ImageRequest
+from diffserve.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from diffserve.frontend.schemas import (ImageEditForm, ImageGenerationRequest, I
 from diffserve.frontend.serving import Accepted, Serving
 from diffserve.frontend.uploads import decode_inputs, image_size, parse_form, read_limited
 from diffserve.frontend.validation import fitted_size, to_engine_request
-from diffserve.protocol import ImageRequest
+from diffserve.work import ImageRequest
 from diffserve.rollouts import LATENTS_LAYOUT, safetensors_body
 from diffserve.tasks import EDIT, GENERATE, IMAGE_TO_IMAGE, INPAINT, ROLLOUT, Task
 

@@ -16,7 +16,7 @@ from diffserve.frontend.encode import encode_images
 from diffserve.frontend.engine_client import DoneEvent, Submission
 from diffserve.frontend.schemas import ImageOptions
 from diffserve.frontend.usage import usage
-from diffserve.protocol import ImageRequest
+from diffserve.work import ImageRequest
 
 # What the stream events say of quality: the server runs the request's own settings (steps,
 # guidance) and has no quality levels, which the API calls "auto". JSON answers leave the field

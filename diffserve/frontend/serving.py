@@ -19,7 +19,7 @@ from diffserve.frontend.engine_client import EngineClient
 from diffserve.frontend.responses import ImageAnswer
 from diffserve.frontend.schemas import ImageOptions
 from diffserve.metrics import FrontendMetrics
-from diffserve.protocol import ImageRequest
+from diffserve.work import ImageRequest
 
 # What a route's ``accept`` gives: the request for the engine, its input frames and the body.
 Accepted = tuple[ImageRequest, list, ImageOptions]

@@ -1,5 +1,5 @@
 """Checks that need the server's configuration or the loaded model, and the step from an HTTP
-body to the engine's :class:`~diffserve.protocol.ImageRequest`. Pure functions."""
+body to the engine's :class:`~diffserve.work.ImageRequest`. Pure functions."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from diffserve.policies import QUEUE_POLICIES
 from diffserve.costs import image_cost, uses_cfg, video_cost
 from diffserve.errors import invalid_request, model_not_found
 from diffserve.frontend.schemas import ImageOptions
-from diffserve.protocol import SEED_MODULUS, ImageRequest, ModelInfo, repeated_adapter
+from diffserve.work import SEED_MODULUS, ImageRequest, repeated_adapter
+from diffserve.model_info import ModelInfo
 from diffserve.tasks import EDIT, GENERATE, Task
 
 DEFAULT_STRENGTH = 0.8  # image-to-image and inpainting, where a request gives none

@@ -30,7 +30,8 @@ from typing import Iterator, Protocol
 
 from diffserve.policies import QueuePolicy
 from diffserve.policies.fcfs import FirstCome
-from diffserve.protocol import REQUEST_MODE, ImageRequest
+from diffserve.protocol import REQUEST_MODE
+from diffserve.work import ImageRequest
 
 
 class Seat(Protocol):

@@ -23,7 +23,8 @@ from typing import Any
 
 from diffserve.policies import QueuePolicy
 from diffserve.control import BASE_VERSION
-from diffserve.protocol import REQUEST_MODE, Cancel, ImageRequest
+from diffserve.protocol import REQUEST_MODE, Cancel
+from diffserve.work import ImageRequest
 from diffserve.scheduler.batcher import Batcher
 from diffserve.scheduler.completion import Completion
 from diffserve.scheduler.decisions import (  # noqa: F401  (the reasons are the core's vocabulary)

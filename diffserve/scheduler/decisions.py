@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffserve.protocol import RequestDone, RequestFailed, Work
+from diffserve.protocol import RequestDone, RequestFailed
+from diffserve.work import Work
 
 # Why a batch (request mode) or an admission (step mode) left the queue.
 FULL, DELAY, EXECUTOR_FREE, DRAIN, JOIN, NEW_SET = (

@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from diffserve.protocol import STEP_MODE, Work, WorkItem
+from diffserve.protocol import STEP_MODE
+from diffserve.work import Work, WorkItem
 from diffserve.scheduler.batcher import Slice
 from diffserve.scheduler.decisions import DELAY, DRAIN, EXECUTOR_FREE, FULL, JOIN, NEW_SET, Dispatch
 from diffserve.scheduler.slots import ExecutorSlot, RunningSet, Seat

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from diffserve import metrics, processes
+from diffserve import metrics, processes, topology
 from diffserve.metrics import WEIGHT_OUTCOMES
 from diffserve.config import ServerConfig
 from diffserve.executor.process import ExecutorSpec, run_executor
@@ -93,7 +93,7 @@ class SchedulerProc:
         self.metrics.max_queue_size.set(c.max_queue_size)
         for index in range(c.num_executors):
             self.metrics.declare_executor(index)
-            self.metrics.group_ranks.labels(executor=str(index)).set(c.group_size)
+            self.metrics.group_ranks.labels(executor=str(index)).set(c.degrees.size)
         self.ctx = zmq.Context()
         self.from_frontend = self._socket(zmq.PULL, spec.request_addr, bind=False)
         self.to_frontend = self._socket(zmq.PUSH, spec.result_addr, bind=False)
@@ -118,7 +118,7 @@ class SchedulerProc:
 
     def _start_executor(self, index: int, device: str, identity: bytes):
         spec = ExecutorSpec(
-            self.config, index, device, self.config.executor_threads(os.cpu_count() or 1),
+            self.config, index, device, topology.executor_threads(self.config, os.cpu_count() or 1),
             self.executor_addr, identity, self.spec.result_addr, self.spec.metrics_dir, os.getpid())
         return processes.start(run_executor, spec, f"diffserve::executor-{index}")
 
@@ -321,7 +321,7 @@ class SchedulerProc:
                              f"{death.exit_code})"))
         elif death.restarted:
             self.metrics.executor_restarts_total.labels(executor=str(index)).inc()
-            if self.config.group_size > 1:
+            if self.config.degrees.size > 1:
                 self.metrics.group_restarts_total.labels(executor=str(index)).inc()
         elif self.supervisor.all_failed():
             self._stop(Fatal("every executor died repeatedly before loading the model"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from diffserve.protocol import WorkItem
+from diffserve.work import WorkItem
 
 
 @dataclass

@@ -11,13 +11,14 @@ from types import SimpleNamespace
 import pytest
 from diffusers import DiffusionPipeline
 
-from diffserve.executor.adapters import AdapterStore
+from diffserve.executor.lora.store import AdapterStore
 from diffserve.executor.families import family_for
-from diffserve.executor.loading import load_model, task_pipelines
-from diffserve.executor.request_runner import RequestRunner
-from diffserve.executor.step_engine import StepEngine
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.request.runner import RequestRunner
+from diffserve.executor.step.engine import StepEngine
 from diffserve.models.registry import resolve_model
-from diffserve.protocol import Work, WorkItem
+from diffserve.work import Work, WorkItem
 from helpers import make_request
 from reference import max_diff, solo, with_adapters
 from tools.loras import write_lora

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import pytest
 
-from diffserve.executor.blocks import CROSS, JOINT, BlockKind, declared
+from diffserve.executor.families.blocks import CROSS, JOINT, BlockKind, declared
 from diffserve.executor.families import FAMILIES, block_tables
 
 

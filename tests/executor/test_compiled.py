@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffserve.executor.compiled import CompiledBlocks, bucket
+from diffserve.executor.accel.compiled import CompiledBlocks, bucket
 from diffserve.executor.families import family_for
-from diffserve.executor.loading import load_model, task_pipelines
-from diffserve.executor.step_cache import StepCache
-from diffserve.executor.step_engine import StepEngine
-from diffserve.protocol import WorkItem
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.accel.step_cache import StepCache
+from diffserve.executor.step.engine import StepEngine
+from diffserve.work import WorkItem
 from helpers import make_request
 from reference import max_diff
 

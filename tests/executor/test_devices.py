@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diffserve.executor.devices import pick_device, resolve_dtype
+from diffserve.executor.model.devices import pick_device, resolve_dtype
 from diffserve.executor.families import FAMILIES, family_for
 
 

@@ -17,12 +17,12 @@ from diffusers import DiffusionPipeline
 from PIL import Image
 
 from diffserve.config import ServerConfig
-from diffserve.executor.adapters import AdapterStore
-from diffserve.executor.families.base import to_uint8
+from diffserve.executor.lora.store import AdapterStore
+from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.runtime import build_runtime
-from diffserve.executor.step_engine import StepEngine
+from diffserve.executor.step.engine import StepEngine
 from diffserve.models.registry import resolve_model
-from diffserve.protocol import Work, WorkItem
+from diffserve.work import Work, WorkItem
 from helpers import make_request
 from reference import max_diff, sample_image, solo, with_adapters
 from tools.loras import write_lora

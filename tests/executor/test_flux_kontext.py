@@ -9,7 +9,7 @@ import pytest
 
 from diffserve.executor.runtime import build_runtime
 from diffserve.config import ServerConfig
-from diffserve.protocol import Work, WorkItem
+from diffserve.work import Work, WorkItem
 from helpers import make_request, run_plan
 from reference import max_diff, sample_image, solo
 

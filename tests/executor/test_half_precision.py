@@ -11,9 +11,13 @@ import pytest
 import torch
 
 from diffserve.config import ServerConfig
-from diffserve.executor import check_verdicts, float32_reference, self_check
+from diffserve.executor.checks import (
+    verdicts as check_verdicts,
+    float32 as float32_reference,
+    startup as self_check,
+)
 from diffserve.executor.runtime import build_runtime
-from diffserve.protocol import Work, WorkItem
+from diffserve.work import Work, WorkItem
 from helpers import make_request, run_plan, sde_log_prob
 from reference import sample_image
 

@@ -9,10 +9,12 @@ from collections import deque
 import pytest
 
 from diffserve.executor.families import family_for
-from diffserve.executor.loading import load_model, task_pipelines
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.loops import RequestLoop, StepLoop
-from diffserve.executor.request_runner import RequestRunner
-from diffserve.protocol import Cancel, Kind, Work, WorkItem
+from diffserve.executor.request.runner import RequestRunner
+from diffserve.protocol import Cancel, Kind
+from diffserve.work import Work, WorkItem
 from helpers import make_request
 
 
@@ -135,7 +137,7 @@ def test_a_step_that_raises_outside_any_request_fails_what_it_held_and_the_loop_
         runner_parts):
     """A bug in the engine itself (not a request's stage, which the engine isolates) costs what
     the engine held, not the executor: the next work runs on the same loaded model."""
-    from diffserve.executor.step_engine import StepEngine
+    from diffserve.executor.step.engine import StepEngine
 
     loaded, pipelines, family = runner_parts
     engine = StepEngine(family)
@@ -158,7 +160,7 @@ def test_a_step_that_raises_outside_any_request_fails_what_it_held_and_the_loop_
 def test_a_cancel_read_with_its_work_in_one_drain_still_cancels_it(runner_parts):
     """The work and its cancel arrive between two steps (a caller that hung up at once, or a busy
     executor): the cancel is applied after the work is admitted, not dropped as unknown."""
-    from diffserve.executor.step_engine import StepEngine
+    from diffserve.executor.step.engine import StepEngine
 
     loaded, pipelines, family = runner_parts
     engine = StepEngine(family)

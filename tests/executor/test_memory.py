@@ -1,4 +1,4 @@
-"""Models larger than the device, in process (diffserve.executor.memory_layout, memory_budget):
+"""Models larger than the device, in process (diffserve.executor.memory.layout, memory_budget):
 each offload mode and each placement serves the plain configuration's images in both batching
 modes, with the offloading hooks running (their onloads counted; on a CPU both ends are the
 host); tiled decoding equals diffusers' own tiles and stays within the stated PSNR of untiled
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from diffserve.config import ConfigError, ServerConfig
-from diffserve.executor import memory_layout
-from diffserve.executor.loading import load_model
+from diffserve.executor.memory import layout as memory_layout
+from diffserve.executor.model.loading import load_model
 from diffserve.executor.runtime import build_runtime
-from diffserve.protocol import Work, WorkItem
+from diffserve.work import Work, WorkItem
 from helpers import make_request, run_plan
 from reference import max_diff, solo
 

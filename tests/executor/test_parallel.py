@@ -1,4 +1,4 @@
-"""diffserve/executor/parallel.py's judgement of an error: the group's own (a peer gone, a
+"""diffserve/executor/parallel/topology.py's judgement of an error: the group's own (a peer gone, a
 collective timed out: the group restarts and what it held runs again) or a request's."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from diffserve.executor.parallel import is_group_failure
+from diffserve.executor.parallel.failures import is_group_failure
 
 GLOO = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:{line}] {what}"
 

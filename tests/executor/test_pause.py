@@ -11,7 +11,8 @@ import pytest
 
 from diffserve.config import ServerConfig
 from diffserve.executor.runtime import build_runtime
-from diffserve.protocol import CANCELLED, WorkItem
+from diffserve.protocol import CANCELLED
+from diffserve.work import WorkItem
 from helpers import make_request
 from reference import max_diff, solo
 

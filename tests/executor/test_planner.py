@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from diffserve.executor.planner import Entry, Planner
+from diffserve.executor.step.planner import Planned, Planner
 from diffserve.policies import set_policy
 from diffserve.policies.base import Member
 
 
-def entry(rid: str, key: str, arrived: float = 0.0, steps: int = 0, ready: bool = True) -> Entry:
+def entry(rid: str, key: str, arrived: float = 0.0, steps: int = 0, ready: bool = True) -> Planned:
     member = Member(arrived, total_steps=10)
     for _ in range(steps):
         member.stepped(0.1)
-    return Entry(rid, key, member, ready)
+    return Planned(rid, key, member, ready)
 
 
 def test_cancelled_requests_leave_whether_running_or_waiting():

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from diffserve.executor.process_setup import OPENMP_SPIN_COUNT
+from diffserve.processes import OPENMP_SPIN_COUNT
 
-_PROBE = ("import os; from diffserve.executor.process_setup import bound_openmp_spin; "
+_PROBE = ("import os; from diffserve.processes import bound_openmp_spin; "
           "bound_openmp_spin(); import torch; "
           "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
 
@@ -33,7 +33,7 @@ def test_spin_bound_unless_the_operator_chose(env, expected):
     assert _run(**env) == expected
 
 
-_LIBRARIES = ("import sys; from diffserve.executor.loading import leave_out_unused_libraries; "
+_LIBRARIES = ("import sys; from diffserve.executor.model.loading import leave_out_unused_libraries; "
               "leave_out_unused_libraries({adapters}, {quantization!r}); "
               "from diffusers import DiffusionPipeline; "
               "from diffusers.utils import is_peft_available, is_torchao_available; "

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from diffserve.config import ServerConfig
-from diffserve.executor.quantization import QuantizationUnavailable, pipeline_config, weight_bytes
+from diffserve.executor.model.quantization import QuantizationUnavailable, pipeline_config
+from diffserve.executor.tensors import module_bytes
 from diffserve.executor.runtime import build_runtime
 from diffserve.models.registry import resolve_model
-from diffserve.protocol import WorkItem
+from diffserve.work import WorkItem
 from helpers import make_request
 from reference import max_diff, solo, with_adapters
 
@@ -42,8 +43,8 @@ def test_int8_weight_only_serves_smaller_and_close_to_float(model):
                        torch_threads=1)
     plain = build_runtime(ServerConfig(model=model, batching_mode="step",
                                        skip_startup_check=True), torch_threads=1)
-    logical, stored = weight_bytes(rt.family.denoiser)
-    assert weight_bytes(plain.family.denoiser) == (logical, logical)
+    logical, stored = module_bytes(rt.family.denoiser)
+    assert module_bytes(plain.family.denoiser) == (logical, logical)
     assert stored < 0.85 * logical  # linear weights at a quarter; convolutions stay float
     request = make_request(request_id="q", model=model, seed=3, steps=6)
     quantized, float32 = generate(rt, request), generate(plain, request)

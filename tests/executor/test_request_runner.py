@@ -7,9 +7,12 @@ import pytest
 
 from diffserve.config import ServerConfig
 from diffserve.executor.families import family_for
-from diffserve.executor.loading import load_model, model_info, task_pipelines
-from diffserve.executor.request_runner import RequestRunner
-from diffserve.protocol import REQUEST_MODE, Work, WorkItem
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.info import model_info
+from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.request.runner import RequestRunner
+from diffserve.protocol import REQUEST_MODE
+from diffserve.work import Work, WorkItem
 from helpers import make_request
 from reference import max_diff, sample_image, solo
 
@@ -147,7 +150,7 @@ def test_an_out_of_memory_call_is_retried_in_halves_holding_nothing_of_the_faile
 
     import torch
 
-    from diffserve.executor import memory
+    from diffserve.executor.memory import oom as memory
 
     loaded, pipelines, runner = runner_for("tiny-sd")
     pipe, held, gone_at_retry, released = loaded.pipe, [], [], []

@@ -9,8 +9,8 @@ import pytest
 
 from diffserve.config import ServerConfig
 from diffserve.executor.runtime import build_runtime
-from diffserve.executor.samplers import SAMPLERS, offered
-from diffserve.protocol import Work, WorkItem
+from diffserve.executor.model.samplers import SAMPLERS, offered
+from diffserve.work import Work, WorkItem
 from helpers import make_request, run_plan
 from reference import max_diff, solo
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from diffserve.config import ServerConfig
-from diffserve.executor import check_verdicts, self_check
+from diffserve.executor.checks import verdicts as check_verdicts, startup as self_check
 from diffserve.executor.families.sd import StableDiffusion
-from diffserve.executor.loading import UnsupportedMode
+from diffserve.executor.families import UnsupportedMode
 from diffserve.executor.runtime import build_runtime
 
 
@@ -121,7 +121,7 @@ def test_a_task_whose_plain_pipeline_cannot_run_is_not_offered(sd3_four_channels
 
 
 def test_a_model_with_no_task_that_runs_does_not_start(monkeypatch):
-    from diffserve.executor.request_runner import RequestRunner
+    from diffserve.executor.request.runner import RequestRunner
 
     def broken(self, pairs):
         raise RuntimeError("this pipeline cannot run here")

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from diffserve.executor.families import family_for
-from diffserve.executor.loading import load_model, task_pipelines
-from diffserve.executor.prompt_cache import PromptCache
-from diffserve.executor.stages import Job, Stage
-from diffserve.executor.step_engine import StepEngine
-from diffserve.protocol import WorkItem
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.step.prompt_cache import PromptCache
+from diffserve.executor.step.stages import Job, Stage
+from diffserve.executor.step.engine import StepEngine
+from diffserve.work import WorkItem
 from helpers import make_request
 from pace import scaled
 from reference import max_diff, sample_image, solo
@@ -333,7 +334,7 @@ def test_a_stage_job_that_raises_fails_only_its_own_request(tiny_flux, method):
 
 def engine_culprit_decoding(engine: StepEngine) -> bool:
     """Whether the decode stage's job in flight holds the culprit's unit (4 steps: alone)."""
-    job = engine.decode_stage._running
+    job = engine.stage_work.decode._running
     return job is not None and any(u.request.request_id == "culprit"
                                    for u in job.meta.get("units", []))
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from diffserve.executor.families import family_for
-from diffserve.executor.loading import load_model, task_pipelines
-from diffserve.executor.step_cache import StepCache, UnsupportedCache
-from diffserve.executor.step_engine import StepEngine
-from diffserve.protocol import WorkItem
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.accel.step_cache import StepCache, UnsupportedCache
+from diffserve.executor.step.engine import StepEngine
+from diffserve.work import WorkItem
 from helpers import make_request
 from reference import max_diff, solo
 
@@ -184,7 +185,7 @@ def test_a_paused_request_keeps_its_cache():
 
 
 def test_adapters_follow_the_rows_that_compute(tmp_path):
-    from diffserve.executor.adapters import AdapterStore
+    from diffserve.executor.lora.store import AdapterStore
     from tools.loras import write_lora
 
     loaded, _, fam, cache = parts("tiny-sd")

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from diffserve.executor.families import family_for
-from diffserve.executor.loading import task_pipelines, load_model
+from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.loading import load_model
 from diffserve.executor.results import partial_steps
-from diffserve.executor.step_engine import StepEngine
-from diffserve.protocol import WorkItem
+from diffserve.executor.step.engine import StepEngine
+from diffserve.work import WorkItem
 from helpers import make_request
 from reference import max_diff, sample_image, solo
 
@@ -345,7 +346,7 @@ def test_the_retry_after_out_of_memory_holds_nothing_of_the_failed_attempt():
     is dead), and the memory was released (the cache emptied) before the retry."""
     import weakref
 
-    from diffserve.executor import memory
+    from diffserve.executor.memory import oom as memory
 
     loaded, pipelines, engine = engine_for("tiny-sd")
     forward = engine.family.forward

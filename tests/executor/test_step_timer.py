@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from diffserve.executor.step_timer import StepTimer
+from diffserve.executor.step.timer import StepTimer
 
 
 class FakeClock:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 
 from diffserve.executor.families import family_for
-from diffserve.executor.loading import load_model, task_pipelines
-from diffserve.executor.request_runner import RequestRunner
-from diffserve.executor.step_engine import StepEngine
-from diffserve.protocol import Work, WorkItem
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.request.runner import RequestRunner
+from diffserve.executor.step.engine import StepEngine
+from diffserve.work import Work, WorkItem
 from helpers import make_request, run_plan
 from reference import max_diff, sample_image, solo
 

@@ -1,4 +1,4 @@
-"""Weight updates and sleeping in one executor, in process (diffserve.executor.weights): an update
+"""Weight updates and sleeping in one executor, in process (diffserve.executor.rl.weights): an update
 from a directory in diffusers' layout and one from a trainer's tensors in shared memory each make
 the images of diffusers run alone with those weights; an update that does not fit is refused,
 naming the first offending key, and changes nothing; a sync goes back to the model's own weights;
@@ -17,9 +17,10 @@ from diffserve import shared_tensors
 from diffserve.config import ServerConfig
 from diffserve.control import BASE_VERSION, COMMIT, PATH, PREPARE, SHARED, SLEEP, SYNC, WAKE, \
     WeightSource, WeightStep
-from diffserve.executor.loading import load_model, task_pipelines
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.runtime import build_runtime
-from diffserve.executor.weights import WeightError, run_step
+from diffserve.executor.rl.weights import WeightError, run_step
 from helpers import make_request, run_plan
 from reference import max_diff, solo
 

@@ -16,11 +16,12 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-from diffserve.executor.adapters import AdapterStore
+from diffserve.executor.lora.store import AdapterStore
 from diffserve.executor.families import family_for
-from diffserve.executor.loading import load_model, task_pipelines
-from diffserve.executor.rollout import log_prob
-from diffserve.executor.step_engine import StepEngine
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.step.rollout import log_prob
+from diffserve.executor.step.engine import StepEngine
 from diffserve.models.registry import resolve_model, serving_defaults
 from diffserve.models.tiny import EMBEDDED
 from helpers import make_request, run_plan

@@ -12,7 +12,7 @@ from diffserve.config import ServerConfig
 from diffserve.errors import APIError
 from diffserve.frontend.schemas import ImageEditForm, ImageGenerationRequest
 from diffserve.frontend.validation import fitted_size, to_engine_request
-from diffserve.protocol import ModelInfo
+from diffserve.model_info import ModelInfo
 from diffserve.tasks import EDIT, GENERATE, IMAGE_TO_IMAGE
 
 KONTEXT = ModelInfo(name="kontext", pipeline_class="FluxKontextPipeline", width=64, height=64,

@@ -12,7 +12,8 @@ import openai
 import pytest
 from PIL import Image
 
-from diffserve.executor.loading import task_pipelines, load_model
+from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.loading import load_model
 from tools.shapes import data
 from helpers import make_request
 from reference import max_diff, solo

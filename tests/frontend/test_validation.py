@@ -7,7 +7,7 @@ from diffserve.config import ServerConfig
 from diffserve.errors import APIError
 from diffserve.frontend.schemas import ImageGenerationRequest
 from diffserve.frontend.validation import to_engine_request
-from diffserve.protocol import ModelInfo
+from diffserve.model_info import ModelInfo
 from diffserve.tasks import GENERATE, TASKS
 
 INFO = ModelInfo(name="tiny-sd", pipeline_class="StableDiffusionPipeline", width=64, height=64,

@@ -15,7 +15,8 @@ from diffserve.frontend.engine_client import DoneEvent, ProgressEvent
 from diffserve.frontend.videos.jobs import VideoJobs, new_id
 from diffserve.frontend.videos.store import COMPLETED, FAILED, StoreBusy, VideoStore
 from diffserve.metrics import FrontendMetrics
-from diffserve.protocol import ImageRequest, RequestDone
+from diffserve.work import ImageRequest
+from diffserve.protocol import RequestDone
 
 FRAMES, SIDE, STEPS = 5, 16, 4
 

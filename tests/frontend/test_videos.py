@@ -16,9 +16,10 @@ import pytest
 from PIL import Image
 
 from diffserve.executor.families import family_for
-from diffserve.executor.loading import load_model, task_pipelines
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.tasks import task_pipelines
 from diffserve.frontend.videos.encode import decode_mp4
-from diffserve.protocol import ImageRequest
+from diffserve.work import ImageRequest
 from reference import sample_image, solo
 from server import LAUNCHES, Server, assert_openai_error, metric, serves, spec
 from pace import scaled

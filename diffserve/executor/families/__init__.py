@@ -1,10 +1,13 @@
-"""The pipeline families the step engine knows, found by the loaded pipeline's class."""
+"""The pipeline families the step engine knows, found by the loaded pipeline's class, and the
+batching mode a pipeline runs in (the step engine where its family is known)."""
 
 from __future__ import annotations
 
 from functools import cache
 
-from diffserve.executor.blocks import BlockTables, declared
+from diffserve.config import ConfigError
+
+from diffserve.executor.families.blocks import BlockTables, declared
 from diffserve.executor.families.base import Family
 from diffserve.executor.families.chroma import Chroma
 from diffserve.executor.families.flux import Flux
@@ -19,6 +22,7 @@ from diffserve.executor.families.sd3 import StableDiffusion3
 from diffserve.executor.families.sdxl import StableDiffusionXL
 from diffserve.executor.families.wan import Wan, WanImageToVideo
 from diffserve.executor.families.z_image import ZImage
+from diffserve.protocol import REQUEST_MODE, STEP_MODE
 
 # One line a family; where two could take a pipeline class, the first wins.
 FAMILIES: tuple[type[Family], ...] = (
@@ -62,3 +66,25 @@ def block_tables() -> BlockTables:
     (block class -> how it is called), as the families declare them (``Family.block_lists``,
     ``Family.block_kinds``), for the step cache and --compile."""
     return declared(FAMILIES)
+
+
+def published_dtype(pipeline_class: str | None) -> str | None:
+    """The dtype the family of ``pipeline_class`` is published in (None: no family knows it)."""
+    family = family_for(pipeline_class) if pipeline_class else None
+    return family.published_dtype if family else None
+
+
+class UnsupportedMode(ConfigError):
+    """--batching-mode step on a pipeline whose family the step engine does not know."""
+
+
+def resolve_mode(requested: str, family: type[Family] | None, pipeline_class: str) -> str:
+    """The batching mode to run: ``auto`` takes the step engine where it knows the family."""
+    if requested == STEP_MODE and family is None:
+        raise UnsupportedMode(
+            f"--batching-mode step does not support {pipeline_class}; it runs "
+            f"{', '.join(supported_pipelines())}. Use --batching-mode request (or auto) for this "
+            "model.")
+    if requested == REQUEST_MODE or family is None:
+        return REQUEST_MODE
+    return STEP_MODE

@@ -1,6 +1,6 @@
 """What a pipeline family gives the step engine, built from the pipeline's own components.
 
-The step engine (:mod:`diffserve.executor.step_engine`) runs one loop for every family: admit,
+The step engine (:mod:`diffserve.executor.step.engine`) runs one loop for every family: admit,
 one batched denoiser forward, each request's own scheduler step, retire. :class:`Family` holds
 the steps every family takes in the same order (a request's schedule, its first latents for each
 task, the inpainting blend, decoding), and a family overrides only what differs: how prompts are
@@ -17,67 +17,26 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any, ClassVar
 
 import numpy as np
 
 from diffserve.costs import ABOVE_ONE, uses_cfg
-from diffserve.executor.blocks import BlockKind
+from diffserve.executor.families.blocks import BlockKind
 from diffserve.executor.families.conditioning import Blend, Conditioning, Encoded, Prepared
-from diffserve.executor.results import NON_FINITE
-from diffserve.executor.row_scope import RowScope
+from diffserve.executor.families.outputs import to_uint8
+from diffserve.executor.families.schedulers import scheduler_swapped
+from diffserve.executor.model.samplers import build as build_sampler
+from diffserve.executor.rows import RowScope
 from diffserve.tasks import Task
-
-
-# Held while a pipeline's scheduler is swapped (an encode stage preparing a request) and for a
-# whole plain pipeline call (a request-mode task's, on the step loop), which reads it.
-PIPELINE_LOCK = threading.RLock()
-
-
-@contextmanager
-def scheduler_swapped(pipe, scheduler):
-    """``pipe`` with ``scheduler`` in place of its own, for one helper call. Bypasses the
-    pipeline's ``__setattr__``, which would rewrite its config on every swap."""
-    with PIPELINE_LOCK:
-        saved = pipe.__dict__["scheduler"]
-        object.__setattr__(pipe, "scheduler", scheduler)
-        try:
-            yield pipe
-        finally:
-            object.__setattr__(pipe, "scheduler", saved)
-
-
-def park_state(scheduler) -> dict[str, object]:
-    """A scheduler's tensors (and lists of them) moved to the host in place; returns where each
-    attribute that held tensors was, for :func:`restore_state` (a scheduler keeps some on the
-    host on purpose, flow-matching sigmas among them: reading those never waits for the device)."""
-    import torch
-
-    places = {}
-    for name, value in vars(scheduler).items():
-        if name == "config":
-            continue
-        tensors = [v for v in (value if isinstance(value, (list, tuple)) else [value])
-                   if isinstance(v, torch.Tensor)]
-        if tensors:
-            places[name] = tensors[0].device
-            setattr(scheduler, name, moved(value, "cpu"))
-    return places
-
-
-def restore_state(scheduler, places: dict[str, object]) -> None:
-    """Each parked attribute back where it was."""
-    for name, device in places.items():
-        setattr(scheduler, name, moved(getattr(scheduler, name), device))
 
 
 class Family:
     name: ClassVar[str]
     pipelines: ClassVar[tuple[str, ...]]  # text-to-image pipeline classes this family drives
     # The dtype its weights are published in: --dtype auto's choice on a GPU
-    # (diffserve.executor.devices).
+    # (diffserve.executor.model.devices).
     published_dtype: ClassVar[str] = "bfloat16"
     # Whether the family's own text-to-image pipeline sets the scheduler's begin index to 0 (it
     # decides the first step only for schedules whose first timestep repeats).
@@ -137,13 +96,11 @@ class Family:
 
     def new_scheduler(self, name: str = ""):
         """A request's own scheduler: a copy of the pipeline's, or of sampler ``name`` over its
-        config (:mod:`diffserve.executor.samplers`)."""
+        config (:mod:`diffserve.executor.model.samplers`)."""
         if not name:
             return copy.deepcopy(self.pipe.scheduler)
         if name not in self._samplers:
-            from diffserve.executor.samplers import build
-
-            self._samplers[name] = build(self.pipe.scheduler, name)
+            self._samplers[name] = build_sampler(self.pipe.scheduler, name)
         return copy.deepcopy(self._samplers[name])
 
     @classmethod
@@ -385,47 +342,3 @@ class Family:
         from PIL import Image
 
         return pipe.mask_processor.preprocess(Image.fromarray(mask), height=height, width=width)
-
-
-class NonFiniteOutput(RuntimeError):
-    """Images with NaN or infinite pixels (a model that overflows its dtype): ``rows``, their
-    indices in the batch; ``pixels``, the whole batch converted (the other rows are good). The
-    request each belongs to fails with ``code``; uint8 would have made them black."""
-
-    code = NON_FINITE
-
-    def __init__(self, rows: list[int], pixels: np.ndarray | None = None) -> None:
-        super().__init__("the model produced an image with NaN or infinite pixels (in half "
-                         "precision, usually a model that overflows its dtype: try --dtype "
-                         "bfloat16 or float32)")
-        self.rows, self.pixels = rows, pixels
-
-
-def to_uint8(pixels) -> np.ndarray:
-    """Float pixels in [0, 1] (k, H, W, 3, or k frames of them) to contiguous uint8, the one
-    rounding rule everywhere. Raises :class:`NonFiniteOutput` where an image has a pixel that
-    is not finite, checked once per image (NaN would round to 0: a black image)."""
-    pixels = np.asarray(pixels)
-    finite = np.isfinite(pixels.reshape(len(pixels), -1)).all(axis=1) if pixels.ndim else True
-    with np.errstate(invalid="ignore"):  # a non-finite image is reported, not cast quietly
-        converted = np.ascontiguousarray((np.clip(pixels, 0.0, 1.0) * 255.0).round()
-                                         .astype(np.uint8))
-    if not np.all(finite):
-        raise NonFiniteOutput([int(i) for i in np.flatnonzero(~finite)], converted)
-    return converted
-
-
-def split_finite(decode, sizes: list[int]) -> list:
-    """``decode()``'s uint8 rows cut into members of ``sizes`` rows; a member with a non-finite
-    row gets a :class:`NonFiniteOutput` instead of its pixels (the others keep theirs)."""
-    from diffserve.samples import chunks
-
-    try:
-        return chunks(decode(), sizes)
-    except NonFiniteOutput as bad:
-        parts, start = [], 0
-        for size, part in zip(sizes, chunks(bad.pixels, sizes)):
-            rows = [r - start for r in bad.rows if start <= r < start + size]
-            parts.append(NonFiniteOutput(rows) if rows else part)
-            start += size
-        return parts

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.costs import NEVER
-from diffserve.executor.blocks import JOINT
+from diffserve.executor.families.blocks import JOINT
 from diffserve.executor.families.conditioning import Conditioning, Encoded, shared
 from diffserve.executor.families.packed_flow import PackedFlow
 

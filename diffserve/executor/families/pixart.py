@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.executor.blocks import CROSS
+from diffserve.executor.families.blocks import CROSS
 from diffserve.executor.families.base import Family
 from diffserve.executor.families.conditioning import Conditioning, Encoded, padded
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.costs import WITH_NEGATIVE
-from diffserve.executor.blocks import JOINT
+from diffserve.executor.families.blocks import JOINT
 from diffserve.executor.families.conditioning import Conditioning, Encoded, padded
 from diffserve.executor.families.packed_flow import PackedFlow
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from diffserve.executor.blocks import CROSS
+from diffserve.executor.families.blocks import CROSS
 from diffserve.executor.families.conditioning import Encoded
 from diffserve.executor.families.pixart import MaskedTextConditioning, PixArtSigma
 

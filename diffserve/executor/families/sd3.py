@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.executor.blocks import JOINT
+from diffserve.executor.families.blocks import JOINT
 from diffserve.executor.families.base import Family
 from diffserve.executor.families.conditioning import Conditioning, Encoded
 

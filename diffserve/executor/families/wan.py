@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from diffserve.executor.blocks import BlockKind
-from diffserve.executor.families.base import Family, to_uint8
+from diffserve.executor.families.blocks import BlockKind
+from diffserve.executor.families.base import Family
+from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.families.conditioning import Conditioning, Encoded, Prepared
 
 # Latent frames the decode stage decodes before it lets another job run (4 video frames each).

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.costs import ABOVE_ZERO
-from diffserve.executor.blocks import BlockKind
+from diffserve.executor.families.blocks import BlockKind
 from diffserve.executor.families.conditioning import Conditioning, Encoded, on_host, padded
 from diffserve.executor.families.packed_flow import PackedFlow
 

@@ -23,7 +23,7 @@ from diffserve.frontend.engine_client import DoneEvent, EngineClient, ProgressEv
 from diffserve.frontend.videos.encode import remove_files, write_files
 from diffserve.frontend.videos.store import COMPLETED, FAILED, IN_PROGRESS, QUEUED, Job, VideoStore
 from diffserve.metrics import VIDEO_STATUSES, VideoMetrics
-from diffserve.protocol import ImageRequest
+from diffserve.work import ImageRequest
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from diffserve.frontend.videos.jobs import VideoJobs, new_id
 from diffserve.frontend.videos.peers import Peers
 from diffserve.frontend.videos.schemas import Video, VideoCreate, VideoDeleted, VideoError, VideoList
 from diffserve.frontend.videos.store import COMPLETED, Job
-from diffserve.protocol import ModelInfo
+from diffserve.model_info import ModelInfo
 from diffserve.tasks import GENERATE, IMAGE_TO_VIDEO
 
 REFERENCE_FIELD = "input_reference"

@@ -1,0 +1,114 @@
+"""The flags of :class:`~diffserve.config.ServerConfig` against each other: every rule that
+involves more than one flag, each said once. :func:`problems` yields what is wrong, in the order
+the rules are written; the configuration raises the first (naming the flags and the reason)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from diffserve.policies import QUEUE_POLICIES
+from diffserve.topology import device_list
+
+OFFLOADABLE = ("dit", "text_encoder", "vae")
+
+
+def problems(config) -> Iterator[str]:
+    for rules in (_parallel, _memory, _devices, _serving):
+        yield from rules(config)
+
+
+def _parallel(config) -> Iterator[str]:
+    d, size = config.degrees, config.degrees.size
+    if d.tp > 1 and d.context:
+        yield (f"--tensor-parallel-size={d.tp} with --ulysses-degree={d.ulysses} --ring-degree="
+               f"{d.ring}: diffusers shards a model either by tensor or by context, not both")
+    if size > 1 and config.batching_mode == "request":
+        yield (f"--batching-mode request with a parallel group ({size} ranks): a group runs the "
+               "step engine, whose every step its leader plans for all ranks")
+    if size > 1 and config.compile:
+        yield ("--compile with a parallel group: compiled blocks have not been verified under "
+               "diffusers' parallel hooks")
+    if d.tp > 1:
+        for flag, given in (("--lora-modules", config.serves_adapters),
+                            ("--quantization", config.quantization != "none")):
+            if given:
+                yield (f"--tensor-parallel-size with {flag}: diffusers' tensor parallelism "
+                       "refuses PEFT layers and quantized weights")
+        if config.enable_weight_updates:
+            yield ("--tensor-parallel-size with --enable-weight-updates: an update holds whole "
+                   "tensors, and each rank holds a shard of them")
+    if size > 1 and config.stages == "on":
+        yield ("--stages on with a parallel group: every rank must admit a request at the same "
+               "step, which encoding beside each rank's loop cannot promise")
+    if d.cfg > 1 and config.step_cache != "off":
+        yield ("--cfg-parallel-size 2 with --step-cache: a forward's rows are split between "
+               "ranks, each image's cache decision needs all of its rows")
+
+
+def _memory(config) -> Iterator[str]:
+    unknown = [c for c in config.offload_components if c not in OFFLOADABLE]
+    if unknown:
+        yield f"--offload-components {unknown[0]!r} is not one of {', '.join(OFFLOADABLE)}"
+    if config.offload_components and config.offload == "none":
+        yield "--offload-components needs --offload model or layer"
+    if config.offload == "none":
+        return
+    for flag, given, why in (
+            ("--compile", config.compile, "compiled blocks would be traced with the offloading "
+             "hooks' moves inside them"),
+            ("--quantization", config.quantization != "none", "torchao's quantized weights are "
+             "not moved by diffusers' group offloading"),
+            ("a parallel group", config.degrees.size > 1, "each rank would stream its own copy"),
+            ("--step-cache", config.step_cache != "off", "the step cache runs the denoiser's "
+             "blocks one by one, outside the hooks that bring them onto the device"),
+            ("LoRA adapters", config.serves_adapters and "dit" in config.offloaded,
+             "each step gathers the adapters' weights on the device, which offloading moves away")):
+        if given:
+            yield f"--offload {config.offload} with {flag}: {why}"
+
+
+def _devices(config) -> Iterator[str]:
+    listed, size = device_list(config), config.degrees.size
+    if listed and config.data_parallel_size and len(listed) != config.data_parallel_size * size:
+        yield (f"--devices={config.devices!r} names {len(listed)} devices but "
+               f"--data-parallel-size={config.data_parallel_size}"
+               + (f" groups of {size} ranks need {config.data_parallel_size * size}"
+                  if size > 1 else ""))
+    if listed and len(listed) % size:
+        yield (f"--devices={config.devices!r} names {len(listed)} devices, not a multiple of the "
+               f"group size {size}")
+    if listed and not all(listed):
+        yield f"--devices={config.devices!r} has an empty entry"
+
+
+def _serving(config) -> Iterator[str]:
+    if config.model_name in config.lora_adapters:  # which also checks each NAME=PATH
+        yield (f"--lora-modules names an adapter {config.model_name!r}, the served model's own "
+               "name")
+    if config.max_loras < config.max_loras_per_request:
+        yield (f"--max-loras={config.max_loras} is below --max-loras-per-request="
+               f"{config.max_loras_per_request}: a request's adapters must fit at once")
+    keys = config.api_keys  # checks each KEY[:PRIORITY]
+    if (any(p is not None for p in keys.values())
+            and not QUEUE_POLICIES[config.scheduling_policy].uses_priority):
+        yield ("--api-key gives a priority, which only --scheduling-policy priority uses (it is "
+               f"{config.scheduling_policy!r})")
+    if config.step_cache != "off" and config.batching_mode == "request":
+        yield (f"--step-cache={config.step_cache} decides per request between denoising steps, "
+               "which only step mode has; not with --batching-mode request")
+    if config.compile and config.serves_adapters:
+        yield ("--compile does not take LoRA adapters (--lora-modules, "
+               "--enable-lora-runtime-updates): each forward's per-row adapter plan would "
+               "recompile the blocks")
+    if config.cache_threshold and config.step_cache == "off":
+        yield f"--cache-threshold={config.cache_threshold!r} needs --step-cache first-block"
+    if config.enable_lora_runtime_updates and not config.lora_dir:
+        yield ("--enable-lora-runtime-updates needs --lora-dir, the one directory runtime-loaded "
+               "adapters may come from")
+    if config.enable_weight_updates and not config.weights_dir:
+        yield ("--enable-weight-updates needs --weights-dir, the one directory weight updates "
+               "from disk may come from")
+    if config.enable_weight_updates and config.quantization != "none":
+        yield (f"--enable-weight-updates with --quantization {config.quantization}: an update "
+               "would have to be quantized again as it is applied, which is not done; serve the "
+               "trained model unquantized")

@@ -1,0 +1,98 @@
+"""The float32 image a half-precision model's start-up check is judged against.
+
+In bfloat16 or float16 the plain pipeline is itself some way from what the model computes in
+float32, and kernels change with the batch size, so the step engine cannot be held to 2/255 of
+it. The start-up check instead runs the plain pipeline once in float32 and asks that the step
+engine be no further from that image than the half-precision plain pipeline is
+(:mod:`diffserve.executor.checks.startup`).
+
+The float32 run upcasts the pipeline's weights in place, parameter by parameter, and puts each
+back in its own dtype afterwards: the same Parameter objects (which adapters, compiled graphs and
+the step cache hold) with the same values, since a half-precision value is exact in float32. For
+the duration the weights take twice their memory on the device; where that does not fit, the
+reference runs with the components on the CPU. Quantized weights (torchao tensors) are left as
+they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+from diffserve.executor.memory.oom import OOM_MESSAGES
+from diffserve.executor.pipeline import torch_modules
+
+log = logging.getLogger(__name__)
+
+
+def _tensors(module):
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+@contextmanager
+def in_float32(pipe, device=None):
+    """``pipe`` computing in float32 (on ``device`` if given, else where it is) for the block;
+    every weight back in its dtype and place afterwards."""
+    import torch
+
+    saved = []
+    try:
+        for module in torch_modules(pipe).values():
+            for tensor in _tensors(module):
+                if type(tensor.data) is not torch.Tensor:  # a quantized weight keeps its form
+                    continue
+                saved.append((tensor, tensor.data.dtype, tensor.data.device))
+                if tensor.is_floating_point():
+                    tensor.data = tensor.data.to(device or tensor.data.device, torch.float32)
+                elif device is not None:
+                    tensor.data = tensor.data.to(device)
+        yield pipe
+    finally:
+        for tensor, dtype, place in saved:
+            tensor.data = tensor.data.to(place, dtype)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def extra_bytes(pipe) -> int:
+    """What upcasting the pipeline's half-precision weights to float32 adds."""
+    import torch
+
+    return sum(t.numel() * (4 - t.element_size()) for m in torch_modules(pipe).values() for t in _tensors(m)
+               if type(t.data) is torch.Tensor and t.is_floating_point() and t.element_size() < 4)
+
+
+def fits(pipe, device) -> bool:
+    """Whether the float32 weights fit beside what ``device`` holds (always, off CUDA)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return extra_bytes(pipe) < free * 0.9  # the call's own activations need the rest
+
+
+def run(rt, requests: list, plain) -> dict:
+    """``plain(rt, request)`` (an outcome) for each request with the model in float32: request id
+    -> outcome. On the CPU where the device has no room for the float32 weights (known before
+    the cast where the device says what is free, else found by the cast or the call running
+    out of memory)."""
+    from diffserve.executor.memory.oom import is_out_of_memory, release
+
+    pipe, found = rt.loaded.pipe, None
+    if fits(pipe, rt.loaded.device):
+        try:
+            with in_float32(pipe):
+                found = {r.request_id: plain(rt, r) for r in requests}
+        except Exception as error:  # noqa: BLE001 - the cast itself may not fit
+            if not is_out_of_memory(error):
+                raise
+            release(error)
+    if found is not None and not any(m in (o.error or "") for o in found.values()
+                                      for m in ("OutOfMemoryError", *OOM_MESSAGES)):
+        return found
+    log.info("start-up check: the float32 reference does not fit on %s; it runs on the CPU",
+             rt.loaded.device)
+    with in_float32(pipe, "cpu"):
+        return {r.request_id: plain(rt, r) for r in requests}

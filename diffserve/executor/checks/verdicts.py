@@ -1,0 +1,112 @@
+"""The start-up checks' verdicts, remembered per model and per code.
+
+The checks (:mod:`diffserve.executor.checks.startup`) run a few short requests through the step
+engine and the plain pipeline: seconds on a large model, paid again at every restart of every
+executor although nothing they depend on changed. A verdict is kept in the cache directory
+(``$DIFFSERVE_CACHE_DIR``, default ``~/.cache/diffserve``) under a key made of everything the
+checks' outcome depends on:
+
+- the model directory: every file's relative path, size and modification time;
+- diffserve's own source (a hash of every module of the package), and the versions of torch,
+  diffusers, transformers and peft;
+- the device type, dtype, batching mode, tasks, offered samplers and accelerator settings.
+
+Any change to one of them is a new key, so the checks run again. A hub id (a model that is no
+local directory) is never remembered. Removing ``<cache>/startup-checks`` forgets every verdict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import diffserve
+from diffserve.models.embedded import cache_root
+
+log = logging.getLogger(__name__)
+
+LIBRARIES = ("torch", "diffusers", "transformers", "peft")
+
+
+def _sha(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@lru_cache(maxsize=1)
+def _source_hash() -> str:
+    root = Path(diffserve.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _versions() -> list[str]:
+    out = []
+    for name in LIBRARIES:
+        try:
+            out.append(f"{name}={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            out.append(f"{name}=-")
+    return out
+
+
+def _model_fingerprint(model_dir: Path) -> str:
+    rows = []
+    for path in sorted(model_dir.rglob("*")):
+        if path.is_file():
+            st = path.stat()
+            rows.append(f"{path.relative_to(model_dir)}:{st.st_size}:{st.st_mtime_ns}")
+    return _sha(*rows)
+
+
+def key_for(model_dir: str, what: dict[str, Any]) -> str | None:
+    """The verdict's key, or None where the model is no local directory."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        return None
+    return _sha(_model_fingerprint(path), _source_hash(), *_versions(),
+                json.dumps(what, sort_keys=True, default=str))
+
+
+def _file(key: str) -> Path:
+    return cache_root() / "startup-checks" / f"{key}.json"
+
+
+def recall(key: str | None) -> dict[str, Any] | None:
+    """The verdict stored under ``key``, or None."""
+    if key is None:
+        return None
+    try:
+        return json.loads(_file(key).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def remember(key: str | None, verdict: dict[str, Any]) -> None:
+    """Store ``verdict`` under ``key``; written whole (a temporary file renamed into place) so
+    that executors starting together never read half a verdict. A cache directory that cannot
+    be written only costs the next start its checks."""
+    if key is None:
+        return
+    target = _file(key)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, staging = tempfile.mkstemp(dir=target.parent, prefix=".verdict-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(verdict, f)
+        os.replace(staging, target)
+    except OSError as error:
+        log.info("start-up check verdict not stored (%s)", error)

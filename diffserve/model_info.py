@@ -1,0 +1,74 @@
+"""What an executor says of the model it serves (:class:`ModelInfo`): what the frontend validates
+requests against, what the scheduler admits by, and what ``/v1/models`` shows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diffserve.costs import ABOVE_ONE
+
+
+@dataclass(frozen=True)
+class Component:
+    """A pipeline component where it sits: its name, device, the rank of a parallel group that
+    holds it (0 without one), its dtype and the bytes its weights take there."""
+
+    name: str
+    device: str
+    rank: int
+    dtype: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the frontend needs to validate requests against the loaded model."""
+
+    name: str
+    pipeline_class: str
+    width: int
+    height: int
+    spatial_stride: int
+    default_steps: int
+    max_steps: int  # the noise scheduler's limit (its training timesteps)
+    default_guidance_scale: float
+    supports_negative_prompt: bool
+    device: str
+    dtype: str
+    batching_mode: str
+    tasks: list[str]  # names in diffserve.tasks.TASKS: the tasks served
+    partial_images: bool  # whether streamed previews are real intermediate decodes
+    family: str | None = None  # the step engine's family, where it knows the pipeline
+    # When classifier-free guidance runs (diffserve.costs.GUIDANCE_RULES): the frontend prices
+    # requests by it without knowing the families.
+    guidance_rule: str = ABOVE_ONE
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters served at start
+    max_edit_images: int = 0  # the most input images one edit takes (0: no edits)
+    schedulers: list[str] = field(default_factory=list)  # sampler names a request may pick
+    # Admission by cost (diffserve.costs): the bounds with their defaults resolved for this model.
+    max_batch_cost: float = 0.0
+    max_running_cost: float = 0.0
+    # Admission by memory (diffserve.executor.memory.budget), where a budget is set: the budget,
+    # the cost it allows, and what the executor holds and a unit of cost takes.
+    memory_budget_bytes: int = 0
+    memory_cost_bound: float = 0.0
+    memory_held_bytes: int = 0
+    memory_per_cost_bytes: float = 0.0
+    # Videos (0 for image models): the native frame count, the VAE's temporal stride (a frame
+    # count is stride x k + 1) and the frame rate a video is encoded at by default.
+    num_frames: int = 0
+    frame_stride: int = 1
+    fps: int = 0
+    guidance_scale_2: bool = False  # a two-expert model takes guidance_scale_2
+    step_cache: bool = False  # the engine runs a step cache (requests may set cache_threshold)
+    # Each task's batching mode (a task the step engine gets wrong runs in request mode), and the
+    # tasks the model has but cannot serve, with why (their plain pipeline fails on it).
+    task_modes: dict[str, str] = field(default_factory=dict)
+    unavailable_tasks: dict[str, str] = field(default_factory=dict)
+    # Each executor's parallel group ({"ulysses", "ring", "cfg", "tp", "groups"}) and where its
+    # components sit (one executor's view).
+    parallel: dict[str, int] = field(default_factory=dict)
+    components: list[Component] = field(default_factory=list)
+
+    def mode_of(self, task: str) -> str:
+        return self.task_modes.get(task, self.batching_mode)
