@@ -88,3 +88,39 @@ def test_the_package_has_no_import_circles():
     modules = {module_name(p): p for p in ROOT.rglob("*.py")}
     assert len(modules) > 100
     assert circles(imports(modules)) == []
+
+
+def test_imports_flow_down_the_executors_layers():
+    """A module of the executor imports only modules of its own layer or of the layers before it
+    (``diffserve.executor.LAYERS``), at any depth."""
+    from diffserve.executor import LAYERS
+
+    rank = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
+    prefix = "diffserve.executor."
+
+    def layer(module: str) -> int | None:
+        if not module.startswith(prefix):
+            return None
+        return rank[module[len(prefix):].split(".")[0]]
+
+    assert {m[len(prefix):].split(".")[0] for m in modules if m.startswith(prefix)} == set(rank)
+    upward = [f"{module} -> {target}" for module, targets in imports(modules).items()
+              if layer(module) is not None for target in targets
+              if layer(target) is not None and layer(target) > layer(module)]
+    assert upward == []
+
+
+def test_the_executors_top_holds_at_most_eight_modules():
+    top = [p.stem for p in (ROOT / "executor").glob("*.py") if p.stem != "__init__"]
+    assert len(top) <= 8, top
+
+
+def test_the_denoiser_component_names_are_defined_once():
+    """No module but ``diffserve.executor.pipeline`` spells the denoisers' component names as a
+    tuple (offloading, quantization, weight updates and parallelism ask it)."""
+    import re
+
+    spelled = re.compile(r"""\(\s*["'](unet|transformer)["']\s*,\s*["'](unet|transformer|transformer_2)["']""")
+    found = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if spelled.search(p.read_text())]
+    assert found == ["executor/pipeline.py"]

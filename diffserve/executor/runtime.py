@@ -18,7 +18,7 @@ from diffserve.executor.lora.store import served_adapters
 from diffserve.executor.memory import budget
 from diffserve.executor.memory.layout import MemoryLayout
 from diffserve.executor.model.info import model_info, token_counter
-from diffserve.executor.model.loading import LoadedModel, load_model
+from diffserve.executor.model.loading import LoadedModel, load_model, quiet_imports
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.parallel.model import parallelize, tensor_parallel_denoisers
 from diffserve.executor.pipeline import pipeline_class_of
@@ -99,6 +99,7 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
     ``group``: the parallel group this process is a rank of (every rank builds the same).
     Raises where it cannot serve as configured (an unknown family with --batching-mode step,
     an adapter that does not load, no task that can be served, a group the model cannot run)."""
+    quiet_imports()  # before anything imports diffusers (the model directory may be built first)
     tensor_parallel = group is not None and group.degrees.tp > 1
     loaded = load_model(config.model, device or config.device, config.dtype, torch_threads, index,
                         config.quantization,

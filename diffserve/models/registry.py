@@ -6,12 +6,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from diffserve.models.embedded import EMBEDDED, PACKAGED, SERVING_DEFAULTS_FILE, embedded_path
+from diffserve.models import random as random_weights
+from diffserve.models.embedded import EMBEDDED, PACKAGED, SERVING_DEFAULTS_FILE, cache_root, embedded_path
 
 
 def resolve_model(spec: str) -> str:
-    """A packaged or embedded model name, a local pipeline directory, or (left to diffusers) a
-    hub id."""
+    """A packaged or embedded model name, a released architecture with random weights
+    (``random:NAME[:tiny]``, :mod:`diffserve.models.random`), a local pipeline directory, or
+    (left to diffusers) a hub id."""
+    if random_weights.is_random(spec):
+        return random_weights.resolve(spec, cache_root())
     if spec in PACKAGED:
         return str(PACKAGED[spec][1])
     if spec in EMBEDDED:

@@ -30,8 +30,8 @@ def decide(call: CacheCall, signal, reduce: Callable[[Any], Any] | None) -> None
     hit_rows: set[int] = set()
     if compared:
         values = torch.cat(sums, dim=1)
-        if self._reduce is not None:
-            values = self._reduce(values)
+        if reduce is not None:
+            values = reduce(values)
         values = values.tolist()  # one read for the whole forward
         at = 0
         for e in compared:

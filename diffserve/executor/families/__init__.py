@@ -1,5 +1,12 @@
 """The pipeline families the step engine knows, found by the loaded pipeline's class, and the
-batching mode a pipeline runs in (the step engine where its family is known)."""
+batching mode a pipeline runs in (the step engine where its family is known).
+
+What every family shares is ``base`` (a request's schedule, its first latents for each task, the
+inpainting blend, decoding), ``conditioning`` (the rows a forward combines), ``packed_flow``
+(packed flow-matching latents), ``blocks`` (the denoisers' block declarations), ``schedulers``
+(a request's scheduler inside its pipeline's helpers) and ``outputs`` (pixels as answered); each
+family's own file says only what differs. May import ``model``, ``memory`` and the house's low
+modules."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from diffserve.executor.model.devices import auto_dtype, pick_device, use_device
 from diffserve.executor.pipeline import denoisers
+from diffserve.models import random as random_weights
 from diffserve.models.registry import resolve_model, serving_defaults
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class LoadedModel:
     defaults: dict[str, Any]
     accepts: frozenset[str]  # the parameters of the pipeline's __call__
     call_kwargs: dict[str, Any]  # passed to every call: the model dir's, then the forced ones
+    random_weights: bool = False  # a released architecture built with random weights
 
     @property
     def pipeline_class(self) -> str:
@@ -113,8 +115,16 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
     dtype = auto_dtype(dtype, device, published_dtype)
     defaults = serving_defaults(path)
     allow_processors_without_torchvision()
-    quantized = quant.pipeline_config(quantization, path, device, text_encoder_quantization)
-    prebuilt = components(path, getattr(torch, dtype)) if components else {}
+    random = random_weights.marker(path)
+    if random is not None:  # built where the layout would put them, quantized as they are
+        quantized = None
+        built = random_weights.build(path, device if layout is None or layout.plain else "cpu",
+                                     getattr(torch, dtype))
+        quant.quantize_built(quantization, text_encoder_quantization, built, device)
+    else:
+        quantized = quant.pipeline_config(quantization, path, device, text_encoder_quantization)
+        built = {}
+    prebuilt = {**built, **(components(path, getattr(torch, dtype)) if components else {})}
     pipe = DiffusionPipeline.from_pretrained(path, dtype=getattr(torch, dtype), **prebuilt,
                                              **({"quantization_config": quantized} if quantized
                                                 else {}))
@@ -123,7 +133,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
     else:
         layout.apply(pipe, device)
         log.info("memory layout: %s", layout.describe())
-    if quantized:
+    if quantization != "none":
         quant.log_weights(quantization, list(denoisers(pipe).values()))
     pipe.set_progress_bar_config(disable=True)
     accepts = frozenset(inspect.signature(pipe.__call__).parameters)
@@ -133,6 +143,6 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
                              f"can drive: its __call__ takes no {required!r}")
     kwargs = {k: v for k, v in defaults.get("pipeline_kwargs", {}).items() if k in accepts}
     kwargs.update({k: v for k, v in FORCED_KWARGS.items() if k in accepts})
-    return LoadedModel(pipe, device, dtype, defaults, accepts, kwargs)
+    return LoadedModel(pipe, device, dtype, defaults, accepts, kwargs, random is not None)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from diffserve.config import ConfigError
-from diffserve.executor.pipeline import DENOISERS, declared_components
+from diffserve.executor.pipeline import DENOISERS, declared_components, is_denoiser
 from diffserve.executor.tensors import module_bytes
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,20 @@ def _components(model_dir: str) -> set[str]:
     if declared is None:  # a hub id: diffusers reads its index itself
         return {*DENOISERS, "text_encoder"}
     return set(declared)
+
+
+def quantize_built(scheme: str, text_encoders: str, built: dict, device: str) -> None:
+    """Modules built in memory (a random-weight model's), quantized in place as the pipeline
+    config would have them quantized as they load: the denoisers by ``scheme``, the text encoders
+    by ``text_encoders``."""
+    for flag, chosen, wanted in (("--quantization", scheme, is_denoiser),
+                                 ("--text-encoder-quantization", text_encoders,
+                                  lambda name: name.startswith("text_encoder"))):
+        if chosen == NONE:
+            continue
+        schemes = _schemes(chosen, device, flag)
+        for name in (n for n in built if wanted(n)):
+            schemes.quantize_(built[name], getattr(schemes, SCHEMES[chosen])())
 
 
 def log_weights(scheme: str, denoisers: list) -> None:

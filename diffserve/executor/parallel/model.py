@@ -98,9 +98,7 @@ def tensor_parallel_denoisers(path: str, group: Group, dtype) -> dict:
 
     declared = declared_components(path) or {}
     found = {}
-    for name in ("transformer", "transformer_2"):
-        if name not in declared:
-            continue
+    for name in (n for n in DENOISERS if n in declared):  # check_model refused the others
         cls = getattr(diffusers, declared[name])
         found[name] = cls.from_pretrained(path, subfolder=name, torch_dtype=dtype,
                                           parallel_config=TensorParallelConfig(

@@ -36,7 +36,7 @@ from contextlib import nullcontext
 from typing import Any, Callable
 
 from diffserve.executor.families.base import Family
-from diffserve.executor.memory.oom import release
+from diffserve.executor.memory import oom
 from diffserve.executor.parallel.failures import is_group_failure
 from diffserve.executor.results import Outcome, describe
 from diffserve.executor.rows import put, selection, take
@@ -274,7 +274,7 @@ class StepEngine:
         """``run`` over ``units`` (one result each), isolating failures: a unit whose request
         causes an error leaves the running set as failed; the others get their results."""
         done = []
-        for unit, result in isolate(units, run, request_id, what, release, self._group_failure):
+        for unit, result in isolate(units, run, request_id, what, oom.release, self._group_failure):
             if isinstance(result, Exception):
                 self._fail(unit, out, result, what)
             else:

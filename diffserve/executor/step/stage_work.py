@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from diffserve.executor.families.outputs import split_finite
-from diffserve.executor.memory.oom import release
+from diffserve.executor.memory import oom
 from diffserve.executor.results import Outcome, PartialImage
 from diffserve.executor.step.stages import Job, Stage, Wakeup
 from diffserve.executor.step.units import Unit
@@ -109,7 +109,7 @@ class StageWork:
         """(item, its adapter stack, its unit or the error that stopped it), each pair; prompts
         encoded together, where that raises in parts down to single requests."""
         encoded = isolate(pairs, self._encode, lambda pair: pair[0][0].request.request_id,
-                          "prompt encoding", release)
+                          "prompt encoding", oom.release)
         made = []
         with self._references_together(encoded):
             for ((item, frames), stack), enc in encoded:
@@ -143,7 +143,7 @@ class StageWork:
             except Exception as error:  # noqa: BLE001 - one at a time finds the culprit
                 log.warning("input images could not be encoded together (%s: %s); one at a time",
                             type(error).__name__, error)
-                release(error)
+                oom.release(error)
                 together = nullcontext()
         try:
             yield
@@ -156,7 +156,7 @@ class StageWork:
         if self.family.decodes_in_parts:
             return self._finish_in_parts(units)
         return [self._outcome(u, pixels) for u, pixels in
-                isolate(units, self._decode, _rid, "decoding", release)]
+                isolate(units, self._decode, _rid, "decoding", oom.release)]
 
     def _finish_in_parts(self, units: list[Unit]):
         outcomes = []
@@ -168,7 +168,7 @@ class StageWork:
             except Exception as error:  # noqa: BLE001 - only this request fails
                 pixels = error
             if isinstance(pixels, Exception):  # out of its except block: its frames are gone
-                release(pixels)
+                oom.release(pixels)
             outcomes.append(self._outcome(u, pixels))
         return outcomes
 
@@ -194,7 +194,7 @@ class StageWork:
         found = []
         for (u, latents, index), pixels in isolate(
                 due, lambda part: self._decode_latents([(u, x) for u, x, _ in part]),
-                lambda d: _rid(d[0]), "a preview decode", release):
+                lambda d: _rid(d[0]), "a preview decode", oom.release):
             found.append((u, pixels if isinstance(pixels, Exception) else [
                 PartialImage(_rid(u), u.item.start + j, index, pixels[j])
                 for j in range(u.samples)]))
