@@ -34,7 +34,7 @@ async def edit(client: aiohttp.ClientSession, url: str, image: np.ndarray, i: in
 async def timed(url: str, a) -> tuple[float, float, list[np.ndarray], list[np.ndarray]]:
     """(one at a time s, at once s, the inputs, the images made at once) of ``--count`` edits, each of
     its own input (the tests' sample image, seeded), after a warm-up edit."""
-    from reference import sample_image
+    from diffserve.executor.checks.reference import sample_image
 
     images = [sample_image(a.side, seed=i)[0] for i in range(a.count)]
     async with kit.session() as client:

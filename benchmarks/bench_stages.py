@@ -22,7 +22,7 @@ RUNTIME = functools.cache(kit.runtime)  # one per model and thread count, for ev
 
 def gap_run(a, model: str, stages: bool) -> dict:
     """One run of the engine (see ``gaps``): its forwards' gaps."""
-    from reference import sample_image
+    from diffserve.executor.checks.reference import sample_image
 
     rt = RUNTIME(model, a.torch_threads, skip_startup_check=True)
     engine, info = rt.step_engine(stages=stages), rt.info

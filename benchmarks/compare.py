@@ -17,7 +17,7 @@ import numpy as np
 
 import kit
 from kit import Bench, Scenario, ms, ratio
-from tools.loras import write_lora
+from diffserve.models.random.loras import write_lora
 
 STEP_OVER_REQUEST = "step/request"
 QUALITY_DB = 30.0  # the cache scenario's bound on an image's PSNR against its uncached twin

@@ -99,7 +99,7 @@ def oom_split(ctx, rt) -> dict:
 
 @section("exactness")
 def exactness(ctx, family: str) -> dict:
-    from reference import solo
+    from diffserve.executor.checks.reference import solo
 
     rt = ctx.runtime(family, dtype="bfloat16", skip_startup_check=True)
     its = kit.items(rt, 4, "exact")  # two join the running set after its first step

@@ -558,7 +558,7 @@ def metrics_delta(before: Samples | None, after: Samples | None, duration_s: flo
 def reference(model: str, torch_threads: int = 0) -> SimpleNamespace:
     """The model's plain pipeline, loaded once in this process: ``images(request, ...)``, a request's
     images from it alone (tests/reference.py), and ``diff(a, b)``, the largest pixel difference."""
-    from reference import max_diff, solo
+    from diffserve.executor.checks.reference import max_diff, solo
 
     loaded = load_model(model, torch_threads=torch_threads)
     return SimpleNamespace(loaded=loaded, images=functools.partial(solo, loaded, {}), diff=max_diff)

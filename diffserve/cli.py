@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="Serve a diffusion model over an OpenAI-style HTTP API.",
                            description="Serve a diffusion model over an OpenAI-style HTTP API.")
     _add_config_flags(serve)
-    sub.add_parser("models", help="List the embedded models.")
+    sub.add_parser("models", help="List the packaged and embedded models, and the random-weight "
+                   "architectures.")
     sub.add_parser("calibrate", add_help=False,
                    help="Measure step time against cost on a model and device; suggest "
                    "--max-batch-cost and --max-running-cost (diffserve calibrate --help).")
@@ -60,10 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "models":
         from diffserve.config import DEFAULT_MODEL
         from diffserve.models.embedded import EMBEDDED, PACKAGED
+        from diffserve.models.random.architectures import ARCHITECTURES
 
         for name, (description, _) in {**PACKAGED, **EMBEDDED}.items():
             marker = " (default)" if name == DEFAULT_MODEL else ""
             print(f"{name}{marker}: {description}")
+        for name, arch in ARCHITECTURES.items():
+            print(f"random:{name}[:tiny]: {arch.description}; random weights, built in memory "
+                  "(:tiny: the same structure, few and narrow layers, for a CPU)")
         return 0
     try:
         config = ServerConfig.from_mapping(vars(args))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from diffserve.models import random as random_weights
 from diffserve.policies import QUEUE_POLICIES
 from diffserve.topology import device_list
 
@@ -82,6 +83,11 @@ def _devices(config) -> Iterator[str]:
 
 
 def _serving(config) -> Iterator[str]:
+    if random_weights.is_random(config.model):
+        try:
+            random_weights.parse(config.model)
+        except random_weights.RandomModelError as error:
+            yield str(error)
     if config.model_name in config.lora_adapters:  # which also checks each NAME=PATH
         yield (f"--lora-modules names an adapter {config.model_name!r}, the served model's own "
                "name")

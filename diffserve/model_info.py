@@ -69,6 +69,7 @@ class ModelInfo:
     # components sit (one executor's view).
     parallel: dict[str, int] = field(default_factory=dict)
     components: list[Component] = field(default_factory=list)
+    random_weights: bool = False  # a released architecture built with random weights (random:)
 
     def mode_of(self, task: str) -> str:
         return self.task_modes.get(task, self.batching_mode)

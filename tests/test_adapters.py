@@ -17,9 +17,9 @@ from diffusers import DiffusionPipeline
 
 from diffserve.models.registry import resolve_model
 from helpers import make_request
-from reference import max_diff, solo, with_adapters
+from diffserve.executor.checks.reference import max_diff, solo, with_adapters
 from server import Queue, assert_openai_error, decode, metric, spec, wait_for_metric
-from tools.loras import write_kohya, write_lora
+from diffserve.models.random.loras import write_kohya, write_lora
 from pace import scaled
 
 GENERATE = "/v1/images/generations"

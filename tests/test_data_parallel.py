@@ -13,7 +13,7 @@ import pytest
 
 from diffserve.executor.model.loading import load_model
 from helpers import make_request
-from reference import max_diff, solo
+from diffserve.executor.checks.reference import max_diff, solo
 from pace import scaled
 from server import Server, decode, metric, pids_titled, wait_for_metric
 

@@ -15,7 +15,7 @@ from PIL import Image
 from diffserve.executor.model.loading import load_model
 from diffserve.frontend.uploads import image_pixels
 from helpers import make_request
-from reference import max_diff, sample_image, solo
+from diffserve.executor.checks.reference import max_diff, sample_image, solo
 from server import LAUNCHES, decode, metric, serves, spec
 
 openai = pytest.importorskip("openai")

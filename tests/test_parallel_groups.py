@@ -23,7 +23,7 @@ from diffserve.executor.model.tasks import task_pipelines
 from diffserve.work import WorkItem
 from helpers import make_request
 from pace import scaled
-from reference import max_diff, solo
+from diffserve.executor.checks.reference import max_diff, solo
 from server import LAUNCHES, Server, decode, metric, pids_titled, serves, spec, wait_for_metric
 from test_data_parallel import wait_all_ready
 
@@ -147,12 +147,13 @@ def test_cfg_and_ulysses_parallel_wan_videos_equal_one_device():
     equals the pipeline alone within 2/255."""
     from diffserve.config import ServerConfig
     from diffserve.executor.parallel.ranks import LeaderEngine, start_group
+    from diffserve.executor.process import run_follower
     from diffserve.executor.runtime import build_runtime
     from frontend.test_videos import reference
 
     config = ServerConfig(model="tiny-wan", ulysses_degree=2, cfg_parallel_size=2,
                           torch_threads=1, skip_startup_check=True)
-    device, group, link, followers = start_group(config, 0, "cpu,cpu,cpu,cpu", 1)
+    device, group, link, followers = start_group(config, 0, "cpu,cpu,cpu,cpu", 1, run_follower)
     try:
         rt = build_runtime(config, device, 1, 0, group=group)
         engine = LeaderEngine(rt.step_engine(), link)

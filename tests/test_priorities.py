@@ -18,7 +18,7 @@ from diffserve.frontend.validation import to_engine_request
 from diffserve.model_info import ModelInfo
 from diffserve.tasks import GENERATE
 from helpers import make_request
-from reference import max_diff, solo
+from diffserve.executor.checks.reference import max_diff, solo
 from server import LAUNCHES, decode, metric, serves, spec, wait_for_metric
 
 KEYS = {"interactive": "interactive-key", "trainer": "trainer-key"}

@@ -13,7 +13,7 @@ from PIL import Image
 
 from diffserve.executor.model.loading import load_model
 from helpers import make_request
-from reference import solo
+from diffserve.executor.checks.reference import solo
 from server import (
     LAUNCHES,
     assert_openai_error,

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.model.loading import load_model
 from helpers import make_request
-from reference import max_diff, solo
+from diffserve.executor.checks.reference import max_diff, solo
 from server import Server
 
 MODEL = "tiny-sd"

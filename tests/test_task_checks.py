@@ -22,7 +22,7 @@ from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.runtime import build_runtime
 from helpers import make_request
-from reference import max_diff, sample_image, solo
+from diffserve.executor.checks.reference import max_diff, sample_image, solo
 from server import Server, assert_openai_error, decode, metric
 from frontend.test_edits_and_streaming import png
 

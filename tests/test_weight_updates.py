@@ -25,7 +25,7 @@ from diffserve.client import Client
 from diffserve.executor.model.loading import load_model
 from helpers import make_request
 from pace import scaled
-from reference import max_diff, solo
+from diffserve.executor.checks.reference import max_diff, solo
 from server import LAUNCHES, assert_openai_error, decode, metric, pids_titled, serves, spec, wait_for_metric
 
 MODEL = "tiny-flux"

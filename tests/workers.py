@@ -37,7 +37,7 @@ SECONDS = {
     "tests/test_task_checks.py": 6, "tests/test_accelerators_server.py": 5,
     "tests/test_client.py": 4, "tests/test_config.py": 4, "tests/test_instruction_edits.py": 4,
     "tests/test_priorities.py": 4, "tests/frontend/test_light.py": 2,
-    "tests/test_memory_server.py": 2,
+    "tests/test_memory_server.py": 2, "tests/models/test_random.py": 12,
     # Its tests take their results from the Ray application's background run, which has ended
     # by the time they come (it keeps both cores' share busy from the session's start instead).
     "tests/test_ray.py": 1,

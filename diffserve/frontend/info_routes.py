@@ -32,7 +32,8 @@ def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, 
                     schedulers=info.schedulers, num_frames=info.num_frames,
                     frame_stride=info.frame_stride, fps=info.fps, parallel=info.parallel,
                     components=[dataclasses.asdict(c) for c in info.components],
-                    weight_version=engine.status.weight_version)
+                    weight_version=engine.status.weight_version,
+                    random_weights=info.random_weights)
         return ModelList(data=[ModelCard(id=info.name, **card),
                                *(ModelCard(id=name, parent=info.name, **card)
                                  for name in engine.adapters)])

@@ -154,6 +154,8 @@ class ModelCard(BaseModel):
                                    "component sits: name, device, rank, dtype, bytes.")
     weight_version: str = Field("0", description="The version of the weights serving now "
                                 "(POST /v1/update_weights; 0: --model's own).")
+    random_weights: bool = Field(False, description="A released architecture built with random "
+                                 "weights (--model random:NAME): its images are noise.")
 
 
 class LoadLoraAdapter(BaseModel):

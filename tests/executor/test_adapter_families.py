@@ -20,8 +20,8 @@ from diffserve.executor.step.engine import StepEngine
 from diffserve.models.registry import resolve_model
 from diffserve.work import Work, WorkItem
 from helpers import make_request
-from reference import max_diff, solo, with_adapters
-from tools.loras import write_lora
+from diffserve.executor.checks.reference import max_diff, solo, with_adapters
+from diffserve.models.random.loras import write_lora
 
 
 @pytest.fixture(scope="module", params=["tiny-sdxl", "tiny-sd3", "tiny-flux"])

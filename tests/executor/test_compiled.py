@@ -18,7 +18,7 @@ from diffserve.executor.accel.step_cache import StepCache
 from diffserve.executor.step.engine import StepEngine
 from diffserve.work import WorkItem
 from helpers import make_request
-from reference import max_diff
+from diffserve.executor.checks.reference import max_diff
 
 
 def test_buckets_are_powers_of_two():

@@ -11,7 +11,7 @@ from diffserve.executor.runtime import build_runtime
 from diffserve.config import ServerConfig
 from diffserve.work import Work, WorkItem
 from helpers import make_request, run_plan
-from reference import max_diff, sample_image, solo
+from diffserve.executor.checks.reference import max_diff, sample_image, solo
 
 MODEL = "tiny-flux-kontext"
 

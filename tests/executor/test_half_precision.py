@@ -19,7 +19,7 @@ from diffserve.executor.checks import (
 from diffserve.executor.runtime import build_runtime
 from diffserve.work import Work, WorkItem
 from helpers import make_request, run_plan, sde_log_prob
-from reference import sample_image
+from diffserve.executor.checks.reference import sample_image
 
 
 @pytest.mark.parametrize("model", ["tiny-sd", "tiny-flux", "tiny-qwen-image"])

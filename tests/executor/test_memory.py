@@ -18,7 +18,7 @@ from diffserve.executor.model.loading import load_model
 from diffserve.executor.runtime import build_runtime
 from diffserve.work import Work, WorkItem
 from helpers import make_request, run_plan
-from reference import max_diff, solo
+from diffserve.executor.checks.reference import max_diff, solo
 
 MODEL = "tiny-flux"
 REQUESTS = [make_request(request_id=f"r{i}", model=MODEL, prompt=f"a red circle {i}", seed=i,

@@ -14,7 +14,7 @@ from diffserve.executor.runtime import build_runtime
 from diffserve.protocol import CANCELLED
 from diffserve.work import WorkItem
 from helpers import make_request
-from reference import max_diff, solo
+from diffserve.executor.checks.reference import max_diff, solo
 
 
 @pytest.fixture(scope="module")

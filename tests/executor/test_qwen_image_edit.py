@@ -13,7 +13,7 @@ import pytest
 from diffserve.config import ServerConfig
 from diffserve.executor.runtime import build_runtime
 from helpers import make_request, run_plan
-from reference import max_diff, sample_image, solo
+from diffserve.executor.checks.reference import max_diff, sample_image, solo
 
 
 def staggered(model: str, images: int) -> None:

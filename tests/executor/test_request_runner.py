@@ -14,7 +14,7 @@ from diffserve.executor.request.runner import RequestRunner
 from diffserve.protocol import REQUEST_MODE
 from diffserve.work import Work, WorkItem
 from helpers import make_request
-from reference import max_diff, sample_image, solo
+from diffserve.executor.checks.reference import max_diff, sample_image, solo
 
 
 def runner_for(model: str, **callbacks):

@@ -12,7 +12,7 @@ from diffserve.executor.runtime import build_runtime
 from diffserve.executor.model.samplers import SAMPLERS, offered
 from diffserve.work import Work, WorkItem
 from helpers import make_request, run_plan
-from reference import max_diff, solo
+from diffserve.executor.checks.reference import max_diff, solo
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from diffserve.executor.step.engine import StepEngine
 from diffserve.work import WorkItem
 from helpers import make_request
 from pace import scaled
-from reference import max_diff, sample_image, solo
+from diffserve.executor.checks.reference import max_diff, sample_image, solo
 
 WAIT_S = 60  # a bound for one stage job on the reference machine, never a pace
 

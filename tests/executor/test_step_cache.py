@@ -19,7 +19,7 @@ from diffserve.executor.accel.step_cache import StepCache, UnsupportedCache
 from diffserve.executor.step.engine import StepEngine
 from diffserve.work import WorkItem
 from helpers import make_request
-from reference import max_diff, solo
+from diffserve.executor.checks.reference import max_diff, solo
 
 # Every family the cache splits: UNets and transformers (tiny-z-image with a deeper main stack:
 # the packaged one has a single block).
@@ -186,7 +186,7 @@ def test_a_paused_request_keeps_its_cache():
 
 def test_adapters_follow_the_rows_that_compute(tmp_path):
     from diffserve.executor.lora.store import AdapterStore
-    from tools.loras import write_lora
+    from diffserve.models.random.loras import write_lora
 
     loaded, _, fam, cache = parts("tiny-sd")
     store = AdapterStore(loaded.pipe, 4, max_rank=64)

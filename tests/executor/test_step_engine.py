@@ -16,7 +16,7 @@ from diffserve.executor.results import partial_steps
 from diffserve.executor.step.engine import StepEngine
 from diffserve.work import WorkItem
 from helpers import make_request
-from reference import max_diff, sample_image, solo
+from diffserve.executor.checks.reference import max_diff, sample_image, solo
 
 FAMILIES = ["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux"]
 

@@ -14,7 +14,7 @@ from diffserve.executor.request.runner import RequestRunner
 from diffserve.executor.step.engine import StepEngine
 from diffserve.work import Work, WorkItem
 from helpers import make_request, run_plan
-from reference import max_diff, sample_image, solo
+from diffserve.executor.checks.reference import max_diff, sample_image, solo
 
 TOLERANCE = 2
 

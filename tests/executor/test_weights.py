@@ -22,7 +22,7 @@ from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.runtime import build_runtime
 from diffserve.executor.rl.weights import WeightError, run_step
 from helpers import make_request, run_plan
-from reference import max_diff, solo
+from diffserve.executor.checks.reference import max_diff, solo
 
 MODEL = "tiny-flux"
 REQUESTS = [make_request(request_id=f"r{i}", model=MODEL, prompt=f"a red circle {i}", seed=i,

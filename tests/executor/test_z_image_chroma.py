@@ -25,8 +25,8 @@ from diffserve.executor.step.engine import StepEngine
 from diffserve.models.registry import resolve_model, serving_defaults
 from diffserve.models.tiny import EMBEDDED
 from helpers import make_request, run_plan
-from reference import max_diff, sample_image, solo, with_adapters
-from tools.loras import write_lora
+from diffserve.executor.checks.reference import max_diff, sample_image, solo, with_adapters
+from diffserve.models.random.loras import write_lora
 
 # Each family's largest guidance scale without a negative pass, and a small one with it.
 NO_CFG = {"tiny-z-image": 0.0, "tiny-chroma": 1.0}

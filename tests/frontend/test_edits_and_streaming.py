@@ -16,7 +16,7 @@ from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.model.loading import load_model
 from tools.shapes import data
 from helpers import make_request
-from reference import max_diff, solo
+from diffserve.executor.checks.reference import max_diff, solo
 from server import LAUNCHES, assert_openai_error, decode, metric, serves, spec, wait_for_metric
 
 SIZE = data.IMAGE_SIZE

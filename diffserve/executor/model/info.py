@@ -69,7 +69,7 @@ def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: typ
         max_running_cost=running_cost,
         step_cache=mode == STEP_MODE and config.step_cache != "off",
         parallel=config.degrees.describe(config.num_executors),
-        components=placements(pipe, group))
+        components=placements(pipe, group), random_weights=loaded.random_weights)
 
 
 def video_defaults(pipe, defaults: dict[str, Any], call_defaults: dict[str, Any]) -> dict[str, Any]:

@@ -93,7 +93,9 @@ def write_skeleton(arch: Architecture, scale: str, directory: Path) -> None:
     marker = {}
     for name, module in arch.modules.items():
         _write_config(module, module.config_at(scale, others), directory / name)
-        index[name] = [module.library, module.cls]
+        # diffusers takes a passed optional component (Wan's transformer) only where the index
+        # has none: it would look for its weights otherwise.
+        index[name] = [None, None] if name in optional else [module.library, module.cls]
         marker[name] = {"library": module.library, "class": module.cls,
                         "config_class": module.config_class}
     shutil.rmtree(scratch, ignore_errors=True)

@@ -1,4 +1,6 @@
-"""The plain diffusers pipelines, called alone: what every served image is compared with."""
+"""The reference oracle: a request through the plain diffusers pipeline of its task, called alone
+with the server's seeds and nothing else shared. What every served image is compared with, by the
+tests and the benchmarks (and what an operator can run to check a served image by hand)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Random LoRA adapters for the embedded and packaged models, written offline as diffusers LoRA
-files (``save_lora_weights``), so that tests and benchmarks exercise the same loader a user's file
-goes through. Their B matrices are random, not zero, so each one visibly changes images.
+"""Random LoRA adapters for any model the server loads, written offline as diffusers LoRA files
+(``save_lora_weights``), so that tests and benchmarks exercise the same loader a user's file goes
+through. Their B matrices are random, not zero, so each one visibly changes images.
 
-    python -m tools.loras --model tiny-sd --out /tmp/loras --rank 8 --count 4 [--text-encoder]
-    python -m tools.loras --model tiny-sd --out /tmp/loras --kohya      # the kohya/A1111 layout
+    python -m diffserve.models.random.loras --model tiny-sd --out /tmp/loras --rank 8 --count 4 [--text-encoder]
+    python -m diffserve.models.random.loras --model tiny-sd --out /tmp/loras --kohya      # the kohya/A1111 layout
 """
 
 from __future__ import annotations
