@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffserve import config_rules, topology
+from diffserve.config_rules import ConfigError, named_paths
 from diffserve.policies import QUEUE_POLICIES, SET_POLICIES
 from diffserve.topology import Degrees
 
@@ -20,10 +21,6 @@ DEFAULT_MODEL = "shapes"
 NO_ADAPTER = "none"  # how the metrics name requests without an adapter
 OTHER_ADAPTERS = "other"  # and adapters past the label bound
 RESERVED_ADAPTER_NAMES = (NO_ADAPTER, OTHER_ADAPTERS)
-
-
-class ConfigError(ValueError):
-    """A configuration value is out of bounds; the message names the flag and the value."""
 
 
 def option(default: Any, help: str, *, ge: float | None = None, le: float | None = None,
@@ -235,6 +232,12 @@ class ServerConfig:
     max_lora_rank: int = option(128, "Largest rank of a LoRA adapter (larger ones are refused).",
                                 ge=1, le=4096)
     max_loras_per_request: int = option(4, "Most adapters one request may stack.", ge=1, le=64)
+    controlnet: tuple[str, ...] = option(
+        (), "ControlNet models to serve, each NAME=PATH: a diffusers ControlNet directory, a hub "
+        "id, or an embedded one (`diffserve models`). Requests stack them by name in their "
+        "controls field (docs/controlnet.md).", metavar="NAME=PATH")
+    max_controls_per_request: int = option(4, "Most controls one request may stack.",
+                                           ge=1, le=16)
     enable_lora_runtime_updates: bool = option(
         False, "Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (API key required "
         "where one is set; paths only inside --lora-dir).")
@@ -290,19 +293,14 @@ class ServerConfig:
     @property
     def lora_adapters(self) -> dict[str, str]:
         """--lora-modules as name -> path, in the order given."""
-        adapters: dict[str, str] = {}
-        for entry in self.lora_modules:
-            name, sep, path = entry.partition("=")
-            name, path = name.strip(), path.strip()
-            if not sep or not name or not path or any(c.isspace() for c in name):
-                raise ConfigError(f"--lora-modules entry {entry!r} is not NAME=PATH")
-            if name in adapters:
-                raise ConfigError(f"--lora-modules names {name!r} twice")
-            if name in RESERVED_ADAPTER_NAMES:
-                raise ConfigError(f"--lora-modules: {name!r} is reserved (the metrics' name for "
-                                  "requests without an adapter, or for adapters past their bound)")
-            adapters[name] = path
-        return adapters
+        return named_paths(self.lora_modules, "--lora-modules", RESERVED_ADAPTER_NAMES,
+                           "the metrics' name for requests without an adapter, or for adapters "
+                           "past their bound")
+
+    @property
+    def control_models(self) -> dict[str, str]:
+        """--controlnet as name -> path, in the order given."""
+        return named_paths(self.controlnet, "--controlnet")
 
     @property
     def api_keys(self) -> dict[str, int | None]:

@@ -13,6 +13,28 @@ from diffserve.topology import device_list
 OFFLOADABLE = ("dit", "text_encoder", "vae")
 
 
+class ConfigError(ValueError):
+    """A configuration value is out of bounds; the message names the flag and the value."""
+
+
+def named_paths(entries: tuple[str, ...], flag: str, reserved: tuple[str, ...] = (),
+                why_reserved: str = "") -> dict[str, str]:
+    """``NAME=PATH`` entries as name -> path, in the order given (--lora-modules,
+    --controlnet)."""
+    found: dict[str, str] = {}
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path or any(c.isspace() for c in name):
+            raise ConfigError(f"{flag} entry {entry!r} is not NAME=PATH")
+        if name in found:
+            raise ConfigError(f"{flag} names {name!r} twice")
+        if name in reserved:
+            raise ConfigError(f"{flag}: {name!r} is reserved ({why_reserved})")
+        found[name] = path
+    return found
+
+
 def problems(config) -> Iterator[str]:
     for rules in (_parallel, _memory, _devices, _serving):
         yield from rules(config)
@@ -41,6 +63,10 @@ def _parallel(config) -> Iterator[str]:
     if size > 1 and config.stages == "on":
         yield ("--stages on with a parallel group: every rank must admit a request at the same "
                "step, which encoding beside each rank's loop cannot promise")
+    if config.controlnet and (d.context or d.tp > 1):
+        yield ("--controlnet with --ulysses-degree, --ring-degree or --tensor-parallel-size: a "
+               "control model runs whole on each rank, and its residuals cover every token, "
+               "which the group splits between ranks (CFG parallelism works)")
     if d.cfg > 1 and config.step_cache != "off":
         yield ("--cfg-parallel-size 2 with --step-cache: a forward's rows are split between "
                "ranks, each image's cache decision needs all of its rows")
@@ -83,6 +109,9 @@ def _devices(config) -> Iterator[str]:
 
 
 def _serving(config) -> Iterator[str]:
+    controls = config.control_models  # checks each NAME=PATH
+    if config.model_name in controls:
+        yield f"--controlnet names a control model {config.model_name!r}, the served model's own name"
     if random_weights.is_random(config.model):
         try:
             random_weights.parse(config.model)

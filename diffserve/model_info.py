@@ -20,6 +20,24 @@ class Component:
     bytes: int
 
 
+def mode_for(task_modes: dict[str, str], key: str, default: str) -> str:
+    """The batching mode of a request's mode key (:attr:`diffserve.work.ImageRequest.mode_key`):
+    its own where ``task_modes`` has one, else its task's, else ``default``."""
+    return task_modes.get(key, task_modes.get(key.split("+")[0], default))
+
+
+@dataclass(frozen=True)
+class ControlModelInfo:
+    """A served control model (ControlNet): its name, its class, a union model's control types
+    (0: not a union model), and what it adds to an image's cost (its parameters over the
+    denoiser's: it runs once a step on every row that uses it)."""
+
+    name: str
+    kind: str
+    modes: int = 0
+    cost: float = 0.0
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the frontend needs to validate requests against the loaded model."""
@@ -70,6 +88,14 @@ class ModelInfo:
     parallel: dict[str, int] = field(default_factory=dict)
     components: list[Component] = field(default_factory=list)
     random_weights: bool = False  # a released architecture built with random weights (random:)
+    # ControlNet: whether the family takes control models at all, and those served.
+    controls_supported: bool = False
+    control_models: list[ControlModelInfo] = field(default_factory=list)
+    max_controls: int = 0  # --max-controls-per-request
 
-    def mode_of(self, task: str) -> str:
-        return self.task_modes.get(task, self.batching_mode)
+    def control_model(self, name: str) -> ControlModelInfo | None:
+        return next((m for m in self.control_models if m.name == name), None)
+
+    def mode_of(self, key: str) -> str:
+        """The batching mode of a request's mode key (its task, or its task with controls)."""
+        return mode_for(self.task_modes, key, self.batching_mode)

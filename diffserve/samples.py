@@ -23,6 +23,7 @@ from diffserve.protocol import ProtocolError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+CONTROLS = "controls"  # input_arrays' key of the control images
 R = TypeVar("R")
 
 
@@ -48,7 +49,8 @@ def split_inputs(items: Sequence[WorkItem], frames: list[Any]) -> list[list[Any]
 
 def input_arrays(request: ImageRequest, frames: list[Any]) -> dict[str, Any]:
     """A request's input frames as uint8 arrays, by the pipeline keyword of each input; an
-    instruction edit's reference images as a list under ``references``."""
+    instruction edit's reference images as a list under ``references``, the control images (one
+    per control, in order) under ``controls``."""
     import numpy as np
 
     from diffserve.tasks import REFERENCE
@@ -62,7 +64,10 @@ def input_arrays(request: ImageRequest, frames: list[Any]) -> dict[str, Any]:
                               for spec, frame in zip(task.inputs, frames)}
     if task.references:
         arrays[REFERENCE.name] = [np.asarray(frame, np.uint8).reshape(REFERENCE.shape(*size))
-                                  for frame in frames[len(task.inputs):]]
+                                  for frame in frames[len(task.inputs):][:request.references]]
+    if request.controls:
+        arrays[CONTROLS] = [np.asarray(frame, np.uint8).reshape(REFERENCE.shape(*size))
+                            for frame in frames[len(frames) - len(request.controls):]]
     return arrays
 
 

@@ -18,6 +18,27 @@ from diffserve.tasks import GENERATE, Task, task_named
 
 # Seeds are 32-bit, as the API accepts them; image i of a request uses (seed + i) modulo this.
 SEED_MODULUS = 2**32
+# A request's mode key names its task, and that it carries controls (their start-up check and
+# batching mode are their own: diffserve.executor.checks).
+WITH_CONTROLS = "+controls"
+
+
+@dataclass(frozen=True)
+class Control:
+    """One control a request stacks (ControlNet): the served control model by name, its scale,
+    the part of the denoising it acts in (fractions of the request's steps, as diffusers'
+    control_guidance_start and end) and, for a union model, the control type. Its image travels
+    as an input frame, fitted to the request's size."""
+
+    model: str
+    scale: float = 1.0
+    start: float = 0.0
+    end: float = 1.0
+    mode: int | None = None
+
+    def acts_at(self, step: int, steps: int) -> bool:
+        """Whether it acts at ``step`` of ``steps``: diffusers' rule (``controlnet_keep``)."""
+        return not (step / steps < self.start or (step + 1) / steps > self.end)
 
 
 @dataclass(frozen=True)
@@ -61,6 +82,9 @@ class ImageRequest:
     # The step cache's threshold (diffserve.executor.accel.step_cache): 0 never reuses; None takes
     # the server's --cache-threshold. Each request decides with its own in a running set.
     cache_threshold: float | None = call(None)
+    # ControlNet controls, stacked (their residuals summed, each scaled in its own window). One
+    # stack per pipeline call in request mode; per row in the step engine.
+    controls: tuple[Control, ...] = call(())
 
     def batch_key(self, mode: str) -> tuple:
         """What another request must share with this one to run in the same batch (request mode)
@@ -73,8 +97,16 @@ class ImageRequest:
 
     @property
     def input_frames(self) -> int:
+        """Frames after the header: the task's inputs, an edit's references, a control image
+        for each control."""
         task = self.task_spec
-        return len(task.inputs) + (self.references if task.references else 0)
+        return (len(task.inputs) + (self.references if task.references else 0)
+                + len(self.controls))
+
+    @property
+    def mode_key(self) -> str:
+        """What decides its batching mode: its task, and whether it carries controls."""
+        return self.task + (WITH_CONTROLS if self.controls else "")
 
     def seed_of(self, index: int) -> int:
         """The seed of image ``index``: consecutive from the request's seed, wrapping at 2**32."""

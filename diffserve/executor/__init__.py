@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("memory",),     # out of memory, placement and offloading, the budget, parking a request
     ("families",),   # what each pipeline family gives the step engine
     ("lora",),       # adapters served and applied per row
+    ("control",),    # ControlNet models served and applied per row
     ("accel",),      # the step cache and compiled blocks
     ("parallel",),   # parallel groups: topology, the model spread over ranks, ranks in step
     ("step",),       # the step engine

@@ -135,12 +135,12 @@ class RequestLoop:
 
 
 class StepLoop:
-    """The running sets: admit and drop between steps, one step at a time. Work of the tasks in
-    ``call_tasks`` (the start-up check sent them to request mode) runs as one pipeline call of
-    ``calls`` between two steps."""
+    """The running sets: admit and drop between steps, one step at a time. Work of the requests
+    ``is_call`` names (their mode key runs in request mode: the start-up check sent it there)
+    runs as one pipeline call of ``calls`` between two steps."""
 
     def __init__(self, engine, io: EngineIO, adapters=None, calls: RequestLoop | None = None,
-                 call_tasks: set[str] = frozenset(), link=None, weights=None) -> None:
+                 is_call=lambda request: False, link=None, weights=None) -> None:
         """``link``: a parallel group's control link (the engine is then its leader's), which
         adapter changes, weight steps and the shutdown also go through."""
         self.engine = engine
@@ -148,7 +148,7 @@ class StepLoop:
         self.adapters = adapters
         self.weights = weights
         self.calls = calls
-        self.call_tasks = call_tasks
+        self.is_call = is_call
         self.link = link
         self.stopping = False
 
@@ -231,7 +231,7 @@ class StepLoop:
             return []
         calls, joins = [], []
         for msg, frames in work:  # a work message holds one batch key, so one task mode
-            is_call = bool(msg.items) and msg.items[0].request.task in self.call_tasks
+            is_call = bool(msg.items) and self.is_call(msg.items[0].request)
             (calls if is_call else joins).append((msg, frames))
         self._join(joins)
         for msg, frames in calls:

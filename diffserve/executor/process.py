@@ -95,12 +95,14 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
                        io.count_adapter_event, group=group)
     freeze_heap()
     if rt.mode == STEP_MODE:
-        # Tasks the start-up check sent to request mode run as whole calls between two steps.
-        calls = {task for task, mode in rt.task_modes.items() if mode == REQUEST_MODE}
+        # What the start-up check sent to request mode runs as whole calls between two steps.
+        calls = REQUEST_MODE in rt.task_modes.values()
         engine = rt.step_engine(stages=rt.threaded_stages)
         loop = StepLoop(engine if link is None else LeaderEngine(engine, link), io, rt.adapters,
                         RequestLoop(rt.request_runner, io, rt.adapters, nested=True)
-                        if calls else None, calls, link, rt.weights)
+                        if calls else None,
+                        lambda request: rt.info.mode_of(request.mode_key) == REQUEST_MODE,
+                        link, rt.weights)
     else:
         loop = RequestLoop(rt.request_runner, io, rt.adapters, weights=rt.weights)
     io.watch_compiles(rt.compiled)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from diffserve.config import ServerConfig
 from diffserve.executor.accel.setup import compiled_for, step_cache_for, warm_up
 from diffserve.executor.checks import apply as checks
+from diffserve.executor.control.models import control_paths, load_controls
 from diffserve.executor.families import family_for, published_dtype, resolve_mode
 from diffserve.executor.lora.store import served_adapters
 from diffserve.executor.memory import budget
@@ -54,6 +55,7 @@ class Runtime:
     group: Any = None  # the parallel group this process is a rank of (diffserve.executor.parallel.topology)
     prompt_cache: Any = None  # diffserve.executor.step.prompt_cache.PromptCache, where one is kept
     weights: Any = None  # diffserve.executor.rl.weights.Weights, with --enable-weight-updates
+    controls: Any = None  # diffserve.executor.control.models.ControlModels, where any are served
 
     @property
     def task_modes(self) -> dict[str, str]:
@@ -66,7 +68,8 @@ class Runtime:
         return model_info(self.loaded, self.config, self.mode, type(self.family) if self.family
                           else None, list(self.pipelines),
                           list(self.adapters.current) if self.adapters else [],
-                          self.task_modes, self.unavailable, self.group)
+                          self.task_modes, self.unavailable, self.group,
+                          self.controls.describe() if self.controls else [])
 
     @property
     def threaded_stages(self) -> bool:
@@ -111,6 +114,10 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
     mode = resolve_mode(config.batching_mode, family_cls, loaded.pipeline_class)
     pipelines = task_pipelines(loaded.pipe, family_cls)
     family = family_cls(loaded.pipe, pipelines, loaded.call_kwargs) if family_cls else None
+    controls = load_controls(control_paths(config, loaded), family, loaded.device,
+                             loaded.pipe.dtype)
+    if family is not None:
+        family.controls = controls
     if group is not None:
         parallelize(loaded.pipe, family, group)
     adapters = served_adapters(loaded.pipe, config, on_adapter_event)
@@ -118,7 +125,7 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
     rt = Runtime(loaded, family, pipelines, mode, None, adapters, token_counter(loaded.pipe),
                  config, step_cache_for(config, family, mode, group), compiled, group=group,
                  prompt_cache=PromptCache(config.prompt_cache_bytes)
-                 if config.prompt_cache_bytes else None)
+                 if config.prompt_cache_bytes else None, controls=controls)
     if config.enable_weight_updates:
         rt.weights = Weights(loaded.pipe, resolve_model(config.model), loaded.device, loaded.dtype)
     rt.info = rt.describe()

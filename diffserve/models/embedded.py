@@ -6,14 +6,17 @@ pipeline directory, which is then loaded like any other local model.
 from __future__ import annotations
 
 import os
+from functools import partial
 import shutil
 import tempfile
 from pathlib import Path
 
 from diffserve.models.shapes import WEIGHTS_DIR as SHAPES_WEIGHTS
 from diffserve.models.tiny import EMBEDDED, SERVING_DEFAULTS_FILE
+from diffserve.models.tiny.controlnets import EMBEDDED_CONTROLNETS
 
-__all__ = ["EMBEDDED", "PACKAGED", "SERVING_DEFAULTS_FILE", "cache_root", "embedded_path"]
+__all__ = ["EMBEDDED", "EMBEDDED_CONTROLNETS", "PACKAGED", "SERVING_DEFAULTS_FILE", "cache_root",
+           "embedded_path"]
 
 # Bump when a builder in diffserve.models.tiny changes so that stale caches are rebuilt rather
 # than reused.
@@ -32,23 +35,29 @@ def cache_root() -> Path:
 
 
 def embedded_path(name: str) -> Path:
-    """Directory of embedded model ``name``, building it first if it is not cached yet.
+    """Directory of embedded model (or ControlNet) ``name``, building it first if it is not
+    cached yet.
 
     The build goes to a temporary directory that is renamed into place, so concurrent first
     uses (several servers or test workers) never see a half-written model."""
-    if name not in EMBEDDED:
+    if name in EMBEDDED:
+        build, done = EMBEDDED[name][1], SERVING_DEFAULTS_FILE
+    elif name in EMBEDDED_CONTROLNETS:
+        _, base, builder = EMBEDDED_CONTROLNETS[name]
+        build, done = partial(builder, base=embedded_path(base)), "config.json"
+    else:
         raise KeyError(name)
     target = cache_root() / "models" / f"{name}-v{_BUILD_VERSION}"
-    if (target / SERVING_DEFAULTS_FILE).exists():
+    if (target / done).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        EMBEDDED[name][1](staging)
+        build(staging)
         try:
             os.rename(staging, target)
         except OSError:
-            if not (target / SERVING_DEFAULTS_FILE).exists():
+            if not (target / done).exists():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from diffserve.models import random as random_weights
-from diffserve.models.embedded import EMBEDDED, PACKAGED, SERVING_DEFAULTS_FILE, cache_root, embedded_path
+from diffserve.models.embedded import (
+    EMBEDDED,
+    EMBEDDED_CONTROLNETS,
+    PACKAGED,
+    SERVING_DEFAULTS_FILE,
+    cache_root,
+    embedded_path,
+)
 
 
 def resolve_model(spec: str) -> str:
@@ -27,6 +34,19 @@ def resolve_model(spec: str) -> str:
         raise ValueError(f"--model {spec!r} is a file; expected a diffusers pipeline directory")
     if spec.startswith((".", "/", "~")):
         raise ValueError(f"--model {spec!r}: no such directory")
+    return spec
+
+
+def resolve_controlnet(spec: str) -> str:
+    """An embedded ControlNet's name, a local ControlNet directory, or (left to diffusers) a hub
+    id."""
+    if spec in EMBEDDED_CONTROLNETS:
+        return str(embedded_path(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if path.exists() or spec.startswith((".", "/", "~")):
+        raise ValueError(f"--controlnet {spec!r}: no such ControlNet directory")
     return spec
 
 

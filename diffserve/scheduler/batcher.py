@@ -30,6 +30,7 @@ from typing import Iterator, Protocol
 
 from diffserve.policies import QueuePolicy
 from diffserve.policies.fcfs import FirstCome
+from diffserve.model_info import mode_for
 from diffserve.protocol import REQUEST_MODE
 from diffserve.work import ImageRequest
 
@@ -166,21 +167,22 @@ class Batcher:
             raise ValueError(f"request {request.request_id!r} is already waiting")
         if request.n < 1:
             raise ValueError(f"request {request.request_id!r} asks for n={request.n} images")
-        key = request.batch_key(self.mode_of(request.task))
+        key = request.batch_key(self.mode_of(request.mode_key))
         self._link(_Entry(request, now, key, (*self.policy.rank(request, now),
                                               next(self._arrivals))))
         return key
 
-    def mode_of(self, task: str) -> str:
-        """The batching mode ``task`` runs in."""
-        return self.task_modes.get(task, self.mode)
+    def mode_of(self, key: str) -> str:
+        """The batching mode a request's mode key (its task, with or without controls) runs in:
+        its own where it has one, else its task's."""
+        return mode_for(self.task_modes, key, self.mode)
 
     def is_call(self, batch_key: tuple) -> bool:
         """Whether the waiting group of ``batch_key`` runs as whole pipeline calls (request mode)
         on executors that run the step engine."""
         group = self._groups.get(batch_key)
         return (bool(group) and self.mode != REQUEST_MODE
-                and self.mode_of(group.first().request.task) == REQUEST_MODE)
+                and self.mode_of(group.first().request.mode_key) == REQUEST_MODE)
 
     def add_paused(self, request: ImageRequest, start: int, stop: int, batch_key: tuple,
                    enqueued_at: float, executor: int) -> None:

@@ -184,7 +184,7 @@ class Placement:
                 continue
             victims = sorted((key for key, (item, _) in slot.items.items()
                               if item.request.priority > head.priority
-                              and self.batcher.mode_of(item.request.task) == STEP_MODE),
+                              and self.batcher.mode_of(item.request.mode_key) == STEP_MODE),
                              key=lambda key: (-slot.items[key][0].request.priority,
                                               -self.requests[key[0]].enqueued_at))
             for count in range(1, len(victims) + 1):

@@ -46,10 +46,12 @@ class CacheRows:
 
 
 def cache_rows(cache: UnitCache | None, offset: int, rows: int, images: int, threshold: float,
-          step: int, steps: int) -> CacheRows:
-    """``step`` of ``steps``: the first and the last always compute."""
+               step: int, steps: int, force: bool = False) -> CacheRows:
+    """``step`` of ``steps``: the first and the last always compute, and every step of a
+    forward that ``force`` says must (one that carries ControlNet residuals, which the
+    denoiser adds to every row between its blocks)."""
     return CacheRows(cache, offset, rows, images, threshold if cache is not None else 0.0,
-                 step == 0 or step >= steps - 1)
+                     force or step == 0 or step >= steps - 1)
 
 
 @dataclass

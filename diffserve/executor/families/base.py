@@ -29,6 +29,7 @@ from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.families.schedulers import scheduler_swapped
 from diffserve.executor.model.samplers import build as build_sampler
 from diffserve.executor.rows import RowScope
+from diffserve.samples import CONTROLS
 from diffserve.tasks import Task
 
 
@@ -71,6 +72,17 @@ class Family:
     # the default of ``max_shift`` the family's own pipeline passes when the scheduler's config
     # has none (SD3's differs from Flux's).
     max_shift: ClassVar[float] = 1.15
+    # ControlNet (diffserve.executor.control): the control model classes it takes; the diffusers
+    # pipeline that runs each task with control (request mode, the start-up check), the class that
+    # stacks several models in one of its calls, and the keyword its control images go by there;
+    # and whether a request's residuals come from its positive rows alone and serve its negative
+    # rows too (Qwen-Image's pipeline runs one control pass a step) rather than each row its own.
+    control_classes: ClassVar[tuple[str, ...]] = ()
+    control_pipelines: ClassVar[dict[str, str]] = {}
+    control_multi: ClassVar[str] = ""
+    control_image_kwarg: ClassVar[dict[str, str]] = {}
+    control_from_positive: ClassVar[bool] = False
+    controls = None  # the served ControlModels (set by the runtime where any are served)
 
     def __init__(self, pipe, pipelines: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
         import torch
@@ -118,12 +130,18 @@ class Family:
 
     def prepare(self, task: Task, scheduler, steps: int, strength: float, width: int, height: int,
                 generators: list, encoded: Encoded, inputs: dict[str, np.ndarray],
-                frames: int = 0) -> Prepared:
+                frames: int = 0, controls: tuple = ()) -> Prepared:
         """A request's schedule and first latents, in the order of the family's own pipelines:
         generation starts from noise; image-to-image from the input image noised to the first
         timestep ``strength`` leaves; inpainting also keeps what each step blends back in.
-        ``frames``: a video's frame count (video families; 0 for an image)."""
+        ``frames``: a video's frame count (video families; 0 for an image); ``controls``: the
+        request's ControlNet controls, whose images ``inputs`` holds."""
         k, dtype = len(generators), encoded.positive.dtype
+        # The control images first: the ControlNet pipelines prepare them (sampling the VAE's
+        # latents with the request's generators, where they encode them) before the latents.
+        controls = [(c, self.control_condition(self.controls[c.model].module, image, width,
+                                               height, k, dtype, generators))
+                    for c, image in zip(controls, inputs.get(CONTROLS, []))]
         positive, negative = self.request_conditioning(task, width, height, encoded)
         if task.references:  # their tokens join every row of the request, its CFG rows too
             extra = self.reference_conditioning(inputs["references"], width, height, k, dtype,
@@ -137,7 +155,7 @@ class Family:
             with scheduler_swapped(self.pipe, scheduler):
                 latents = self.noise_latents(k, width, height, dtype, generators)
                 return Prepared(timesteps, latents, positive, negative,
-                                self.step_kwargs(self.pipe, generators))
+                                self.step_kwargs(self.pipe, generators), controls=controls)
         pipe = self.pipelines[task.name]
         init = self.image_tensor(pipe, inputs["image"], width, height).repeat(k, 1, 1, 1)
         with scheduler_swapped(pipe, scheduler):
@@ -146,14 +164,15 @@ class Family:
             step_kwargs = self.step_kwargs(pipe, generators)
             if not task.masked:
                 latents = self.image_latents(pipe, init, start, k, width, height, dtype, generators)
-                return Prepared(timesteps, latents, positive, negative, step_kwargs)
+                return Prepared(timesteps, latents, positive, negative, step_kwargs,
+                                controls=controls)
             latents, noise, image_latents = self.inpaint_latents(
                 pipe, init, start, strength == 1.0, k, width, height, dtype, generators)
             condition = self.mask_tensor(pipe, inputs["mask_image"], width, height).repeat(k, 1, 1, 1)
             mask = self.mask_latents(pipe, condition, init * (condition < 0.5), k, width, height,
                                      dtype, generators)
             return Prepared(timesteps, latents, positive, negative, step_kwargs,
-                            Blend(mask, image_latents, noise))
+                            Blend(mask, image_latents, noise), controls)
 
     def request_conditioning(self, task: Task, width: int, height: int,
                              encoded: Encoded) -> tuple[Conditioning, Conditioning | None]:
@@ -250,6 +269,31 @@ class Family:
         family that ``splits_by_timestep`` is also given ``host_timesteps``, the rows'
         timesteps on the host, to split by without reading the device."""
         raise NotImplementedError
+
+    # -- ControlNet ------------------------------------------------------------------------
+
+    def control_fits(self, module) -> str | None:
+        """Why control model ``module`` cannot steer this family's denoiser (None: it can)."""
+        if type(module).__name__ not in self.control_classes:
+            return "is no control model of this family (it takes " + (
+                ", ".join(self.control_classes) or "none") + ")"
+        return None
+
+    def control_depth(self, module) -> tuple:
+        """Which denoiser blocks the model's residuals go to: models of one depth stack."""
+        return ()
+
+    def control_condition(self, module, image: np.ndarray, width: int, height: int, k: int,
+                          dtype, generators: list):
+        """A control image (uint8, height x width x 3, fitted to the request's size) as ``module``
+        takes it, ``k`` rows, as the family's ControlNet pipeline prepares it."""
+        raise NotImplementedError(f"{self.name} takes no control model")
+
+    def control_call(self, module, latents, timesteps, cond: Conditioning, guidance,
+                     control_cond, modes, width: int, height: int) -> tuple[list, ...]:
+        """``module`` over these rows: its residuals unscaled, as lists of tensors in the order
+        the denoiser takes them (:meth:`forward`'s ``control``)."""
+        raise NotImplementedError(f"{self.name} takes no control model")
 
     def guide(self, uncond, cond, scale: float):
         """Classifier-free guidance of one request's rows."""

@@ -124,3 +124,6 @@ class Prepared:
     negative: Conditioning | None
     step_kwargs: dict[str, Any] = field(default_factory=dict)
     blend: Blend | None = None
+    # Its ControlNet controls, each with its condition (the control image as its model takes it,
+    # one row per image): (diffserve.work.Control, tensor) pairs.
+    controls: list = field(default_factory=list)

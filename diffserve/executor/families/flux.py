@@ -31,6 +31,12 @@ class Flux(PackedFlow):
     # double-stream ones do.
     block_kinds = {"FluxTransformerBlock": JOINT, "FluxSingleTransformerBlock": JOINT}
     guidance_rule = NEVER  # guidance is an input of the transformer; negative prompts are not used
+    control_classes = ("FluxControlNetModel",)
+    control_pipelines = {"generate": "FluxControlNetPipeline",
+                         "image-to-image": "FluxControlNetImg2ImgPipeline",
+                         "inpaint": "FluxControlNetInpaintPipeline"}
+    control_multi = "FluxMultiControlNetModel"
+    control_image_kwarg = dict.fromkeys(control_pipelines, "control_image")
 
     def encode(self, prompts, negatives, cfg):
         positive, pooled, text_ids = self.pipe.encode_prompt(
@@ -45,13 +51,52 @@ class Flux(PackedFlow):
         return self._position_ids(width, height, lambda: pipe._prepare_latent_image_ids(
             1, lat_h // 2, lat_w // 2, self.device, self.dtype))
 
-    def forward(self, latents, timesteps, cond, guidance, width, height):
+    def forward(self, latents, timesteps, cond, guidance, width, height, control=None):
         transformer = self.pipe.transformer
+        residuals = {} if control is None else {
+            "controlnet_block_samples": control[0] or None,
+            "controlnet_single_block_samples": control[1] or None}
         return transformer(
             hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000,
             guidance=guidance if transformer.config.guidance_embeds else None,
             encoder_hidden_states=cond.prompt_embeds, pooled_projections=cond.pooled_projections,
-            txt_ids=cond.text_ids, img_ids=self._latent_ids(width, height), return_dict=False)[0]
+            txt_ids=cond.text_ids, img_ids=self._latent_ids(width, height), **residuals,
+            return_dict=False)[0]
+
+    # -- ControlNet: InstantX's kind, the control image through the VAE as packed latents, one
+    # residual per double and per single block.
+
+    def control_fits(self, module):
+        why = super().control_fits(module)
+        if why is None and module.input_hint_block is not None:
+            return ("takes its control image as pixels (XLabs' kind); the kind served takes it "
+                    "through the VAE (InstantX's)")
+        if why is None:
+            mine, its = self.pipe.transformer.config, module.config
+            for key in ("in_channels", "joint_attention_dim", "pooled_projection_dim"):
+                if mine.get(key) != its.get(key):
+                    return (f"was made for a transformer whose {key} is {its.get(key)!r} (this "
+                            f"one's: {mine.get(key)!r})")
+        return why
+
+    def control_depth(self, module):
+        return (module.config.num_layers, module.config.num_single_layers)
+
+    def control_condition(self, module, image, width, height, k, dtype, generators):
+        pipe, vae = self.pipe, self.pipe.vae
+        latents = self.sampled_latents(pipe.image_processor, image, width, height, k, generators)
+        latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        return pipe._pack_latents(latents, k, latents.shape[1], *latents.shape[2:])
+
+    def control_call(self, module, latents, timesteps, cond, guidance, control_cond, modes,
+                     width, height):
+        blocks, singles = module(
+            hidden_states=latents, controlnet_cond=control_cond, controlnet_mode=modes,
+            conditioning_scale=1.0, timestep=timesteps.to(latents.dtype) / 1000,
+            guidance=guidance if module.config.guidance_embeds else None,
+            pooled_projections=cond.pooled_projections, encoder_hidden_states=cond.prompt_embeds,
+            txt_ids=cond.text_ids, img_ids=self._latent_ids(width, height), return_dict=False)
+        return list(blocks or ()), list(singles or ())
 
     def vae_latents(self, latents, task):
         config = self.pipe.vae.config

@@ -45,6 +45,22 @@ class PackedFlow(Family):
             self._ids.move_to_end(key)
             return self._ids[key]
 
+    def sampled_latents(self, processor, image: np.ndarray, width: int, height: int, k: int,
+                        generators: list):
+        """``image`` through the VAE, a sample of its latents for each of ``k`` generators, as
+        the ControlNet pipelines encode a control image (before they draw their first noise)."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+        from PIL import Image
+
+        vae = self.pipe.vae
+        pixels = processor.preprocess(Image.fromarray(image), height=height, width=width)
+        pixels = pixels.to(self.device, vae.dtype)
+        if pixels.dim() == 4 and getattr(vae, "temperal_downsample", None) is not None:
+            pixels = pixels.unsqueeze(2)  # a video VAE's frame axis (Qwen-Image's)
+        parameters = vae.encode(pixels).latent_dist.parameters
+        repeated = parameters.repeat(k, *([1] * (parameters.dim() - 1)))
+        return DiagonalGaussianDistribution(repeated).sample(generators)
+
     @property
     def _channels(self) -> int:
         return self.pipe.transformer.config.in_channels // (self.patch * self.patch)

@@ -35,6 +35,12 @@ class QwenImage(PackedFlow):
     block_kinds = {"QwenImageTransformerBlock": JOINT}
     guidance_kwarg = "true_cfg_scale"
     guidance_rule = WITH_NEGATIVE
+    control_classes = ("QwenImageControlNetModel",)
+    control_pipelines = {"generate": "QwenImageControlNetPipeline",
+                         "inpaint": "QwenImageControlNetInpaintPipeline"}
+    control_multi = "QwenImageMultiControlNetModel"
+    control_image_kwarg = dict.fromkeys(control_pipelines, "control_image")
+    control_from_positive = True  # its pipeline runs one control pass a step, on the prompt
 
     def _encode(self, prompts: list[str]) -> QwenImageConditioning:
         embeds, mask = self.pipe.encode_prompt(
@@ -47,21 +53,58 @@ class QwenImage(PackedFlow):
     def encode(self, prompts, negatives, cfg):
         return Encoded(self._encode(prompts), self._encode(negatives) if cfg else None)
 
-    def forward(self, latents, timesteps, cond, guidance, width, height):
-        return self.transform(latents, timesteps, cond, [self.grid(width, height)])
+    def forward(self, latents, timesteps, cond, guidance, width, height, control=None):
+        return self.transform(latents, timesteps, cond, [self.grid(width, height)],
+                              control[0] if control is not None else None)
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """An image's token grid as the transformer's position ids take it (one frame)."""
         scale = self.pipe.vae_scale_factor
         return (1, height // scale // 2, width // scale // 2)
 
-    def transform(self, latents, timesteps, cond, grids):
-        """The transformer over ``latents`` whose tokens are the images of ``grids`` in turn."""
+    def transform(self, latents, timesteps, cond, grids, control=None):
+        """The transformer over ``latents`` whose tokens are the images of ``grids`` in turn;
+        ``control``: a ControlNet's residual for each block (or None)."""
         return self.pipe.transformer(
             hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000, guidance=None,
             encoder_hidden_states_mask=cond.prompt_embeds_mask,
             encoder_hidden_states=cond.prompt_embeds, img_shapes=[grids] * latents.shape[0],
-            return_dict=False)[0]
+            **({"controlnet_block_samples": control} if control else {}), return_dict=False)[0]
+
+    # -- ControlNet: the control image through the VAE as packed latents, one residual per block,
+    # computed from the prompt's rows and added to both rows of true CFG, as the pipeline does.
+
+    def control_fits(self, module):
+        why = super().control_fits(module)
+        if why is None:
+            mine, its = self.pipe.transformer.config, module.config
+            for key in ("in_channels", "joint_attention_dim"):
+                if mine.get(key) != its.get(key):
+                    return (f"was made for a transformer whose {key} is {its.get(key)!r} (this "
+                            f"one's: {mine.get(key)!r})")
+        return why
+
+    def control_depth(self, module):
+        return (module.config.num_layers,)
+
+    def control_condition(self, module, image, width, height, k, dtype, generators):
+        torch, pipe, vae = self.torch, self.pipe, self.pipe.vae
+        latents = self.sampled_latents(pipe.image_processor, image, width, height, k, generators)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device)
+        std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device)
+        latents = ((latents - mean) * std).permute(0, 2, 1, 3, 4)
+        return pipe._pack_latents(latents, latents.shape[0], pipe.transformer.config.in_channels // 4,
+                                  latents.shape[3], latents.shape[4]).to(self.device, dtype)
+
+    def control_call(self, module, latents, timesteps, cond, guidance, control_cond, modes,
+                     width, height):
+        samples = module(
+            hidden_states=latents, controlnet_cond=control_cond, conditioning_scale=1.0,
+            timestep=timesteps.to(latents.dtype) / 1000, encoder_hidden_states=cond.prompt_embeds,
+            encoder_hidden_states_mask=cond.prompt_embeds_mask,
+            img_shapes=[[self.grid(width, height)]] * latents.shape[0], return_dict=False)
+        return (list(samples),)
 
     def guide(self, uncond, cond, scale):
         guided = uncond + scale * (cond - uncond)

@@ -18,14 +18,62 @@ class StableDiffusion(Family):
     name = "stable-diffusion"
     published_dtype = "float16"  # SD 1.x/2.x and SDXL (a subclass) are published in float16
     pipelines = ("StableDiffusionPipeline",)
+    control_classes = ("ControlNetModel",)
+    control_pipelines = {"generate": "StableDiffusionControlNetPipeline",
+                         "image-to-image": "StableDiffusionControlNetImg2ImgPipeline",
+                         "inpaint": "StableDiffusionControlNetInpaintPipeline"}
+    control_multi = "MultiControlNetModel"
+    control_image_kwarg = {"generate": "image", "image-to-image": "control_image",
+                           "inpaint": "control_image"}
 
     def encode(self, prompts, negatives, cfg):
         positive, negative = self.pipe.encode_prompt(prompts, self.device, 1, cfg, negatives)
         return Encoded(SDConditioning(positive), SDConditioning(negative) if cfg else None)
 
-    def forward(self, latents, timesteps, cond, guidance, width, height):
+    def forward(self, latents, timesteps, cond, guidance, width, height, control=None):
         return self.pipe.unet(latents, timesteps, encoder_hidden_states=cond.prompt_embeds,
-                              return_dict=False)[0]
+                              **self.unet_residuals(control), return_dict=False)[0]
+
+    # -- ControlNet: each row's residuals from its own inputs, added to the UNet's skip
+    # connections and its mid block.
+
+    def control_fits(self, module):
+        why = super().control_fits(module)
+        if why is None:
+            mine, its = self.pipe.unet.config, module.config
+            for key in ("cross_attention_dim", "block_out_channels", "addition_embed_type"):
+                if mine.get(key) != its.get(key):
+                    return (f"was made for a UNet whose {key} is {its.get(key)!r} (this one's: "
+                            f"{mine.get(key)!r})")
+        return why
+
+    def control_condition(self, module, image, width, height, k, dtype, generators):
+        from diffusers.image_processor import VaeImageProcessor
+        from PIL import Image
+
+        processor = VaeImageProcessor(vae_scale_factor=self.pipe.vae_scale_factor,
+                                      do_convert_rgb=True, do_normalize=False)
+        pixels = processor.preprocess(Image.fromarray(image), height=height, width=width)
+        return pixels.to(dtype=self.torch.float32).repeat_interleave(k, dim=0).to(
+            self.device, module.dtype)
+
+    def control_call(self, module, latents, timesteps, cond, guidance, control_cond, modes,
+                     width, height):
+        down, mid = module(latents, timesteps, encoder_hidden_states=cond.prompt_embeds,
+                           controlnet_cond=control_cond, conditioning_scale=1.0,
+                           **self.unet_conditions(cond), return_dict=False)
+        return list(down), [mid]
+
+    def unet_conditions(self, cond) -> dict:
+        """What the UNet and its ControlNets take beside the prompt (SDXL: its added ones)."""
+        return {}
+
+    @staticmethod
+    def unet_residuals(control) -> dict:
+        if control is None:
+            return {}
+        down, (mid,) = control
+        return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
 
     # The SD-style pipelines' helpers (SDXL's edit pipelines share these signatures).
 

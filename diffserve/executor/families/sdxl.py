@@ -29,10 +29,17 @@ class StableDiffusionXL(StableDiffusion):
         return Encoded(SDXLConditioning(positive, pooled),
                        SDXLConditioning(negative, negative_pooled) if cfg else None)
 
-    def forward(self, latents, timesteps, cond, guidance, width, height):
-        added = {"text_embeds": cond.text_embeds, "time_ids": cond.time_ids}
+    control_pipelines = {"generate": "StableDiffusionXLControlNetPipeline",
+                         "image-to-image": "StableDiffusionXLControlNetImg2ImgPipeline",
+                         "inpaint": "StableDiffusionXLControlNetInpaintPipeline"}
+
+    def forward(self, latents, timesteps, cond, guidance, width, height, control=None):
         return self.pipe.unet(latents, timesteps, encoder_hidden_states=cond.prompt_embeds,
-                              added_cond_kwargs=added, return_dict=False)[0]
+                              **self.unet_conditions(cond), **self.unet_residuals(control),
+                              return_dict=False)[0]
+
+    def unet_conditions(self, cond) -> dict:
+        return {"added_cond_kwargs": {"text_embeds": cond.text_embeds, "time_ids": cond.time_ids}}
 
     def request_conditioning(self, task, width, height, encoded):
         dtype, size = encoded.positive.dtype, (height, width)

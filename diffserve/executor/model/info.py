@@ -21,10 +21,12 @@ DEFAULT_FPS = 16  # Wan's; a video model's diffserve.json may say otherwise
 def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: type | None,
                tasks: list[str], adapters: list[str] | None = None,
                task_modes: dict[str, str] | None = None,
-               unavailable: dict[str, str] | None = None, group=None) -> ModelInfo:
+               unavailable: dict[str, str] | None = None, group=None,
+               controls: list | None = None) -> ModelInfo:
     """What the frontend validates against and the scheduler admits by; ``family``: the step
     engine's family class, if any; ``task_modes``: each task's batching mode (default: ``mode``
-    for all); ``unavailable``: tasks the model has but cannot serve, with why."""
+    for all); ``unavailable``: tasks the model has but cannot serve, with why; ``controls``:
+    the served control models' descriptions."""
     pipe, d = loaded.pipe, loaded.defaults
     call_defaults = {k: p.default for k, p in inspect.signature(pipe.__call__).parameters.items()}
     scale = int(getattr(pipe, "vae_scale_factor", None)
@@ -69,7 +71,9 @@ def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: typ
         max_running_cost=running_cost,
         step_cache=mode == STEP_MODE and config.step_cache != "off",
         parallel=config.degrees.describe(config.num_executors),
-        components=placements(pipe, group), random_weights=loaded.random_weights)
+        components=placements(pipe, group), random_weights=loaded.random_weights,
+        controls_supported=bool(family and family.control_classes),
+        control_models=controls or [], max_controls=config.max_controls_per_request)
 
 
 def video_defaults(pipe, defaults: dict[str, Any], call_defaults: dict[str, Any]) -> dict[str, Any]:

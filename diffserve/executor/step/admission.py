@@ -80,7 +80,7 @@ class UnitBuilder:
         gens = generators(r, item.start, item.stop)
         prepared = fam.prepare(r.task_spec, scheduler, r.num_inference_steps, r.strength, r.width,
                                r.height, gens, encoded, input_arrays(r, frames),
-                               frames=r.num_frames)
+                               frames=r.num_frames, controls=r.controls)
         # A rollout's noise comes from the same generators, after its first latents'.
         trajectory = Trajectory(r.noise_level, gens) if r.task_spec.trajectory else None
         threshold = self.threshold(r)

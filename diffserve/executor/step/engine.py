@@ -35,6 +35,7 @@ import time
 from contextlib import nullcontext
 from typing import Any, Callable
 
+from diffserve.executor.control.rows import narrowed, residuals
 from diffserve.executor.families.base import Family
 from diffserve.executor.memory import oom
 from diffserve.executor.parallel.failures import is_group_failure
@@ -293,25 +294,31 @@ class StepEngine:
         fam = self.family
         inputs = self._inputs.get(units[0].batch_key)
         if inputs is None or not inputs.matches(units):
-            inputs = self._inputs[units[0].batch_key] = SetInputs(units, fam.torch)
+            inputs = self._inputs[units[0].batch_key] = SetInputs(units, fam.torch,
+                                                                  fam.control_from_positive)
         latents, timesteps = inputs.inputs()
         r = units[0].request  # every unit of one forward has the same size
-        with self.timer.span(), self.members.rows(inputs.stacks), self._cached(inputs):
+        uses = inputs.control.active(units) if inputs.control else []
+        with (self.timer.span(), self.members.rows(inputs.stacks),
+              self._cached(inputs, force=bool(uses))):
+            # Every control model once over the rows that use it, before the denoiser.
+            control = residuals(fam, uses, latents, timesteps, inputs.cond, inputs.guidance,
+                                r.width, r.height)
             branches = inputs.cfg_branches() if self._cfg_parallel else None
             if branches is None:
-                output = self._forward(inputs, latents, timesteps, slice(None), r)
+                output = self._forward(inputs, latents, timesteps, slice(None), r, control)
             else:  # this rank's branch, then every branch's rows from the others
                 mine = branches[self.group.spec.cfg_rank]
                 with fam.row_scope.narrow(mine):
-                    part = self._forward(inputs, latents, timesteps, mine, r)
+                    part = self._forward(inputs, latents, timesteps, mine, r, control)
                 gathered = self.group.gather_rows(part, [len(b) for b in branches])
                 output = put(gathered.new_empty((inputs.rows, *gathered.shape[1:])),
                              selection(branches[0] + branches[1], gathered.device), gathered)
         return inputs.predictions(fam, output)
 
-    def _forward(self, inputs: SetInputs, latents, timesteps, rows, r):
+    def _forward(self, inputs: SetInputs, latents, timesteps, rows, r, control=None):
         """The family's forward over the set's rows: all of them (``slice(None)``), or a list
-        of them (this rank's CFG branch)."""
+        of them (this rank's CFG branch); ``control``: the rows' ControlNet residuals."""
         fam = self.family
         host = inputs.host_timesteps() if fam.splits_by_timestep else None
         cond, guidance = inputs.cond, inputs.guidance
@@ -320,17 +327,21 @@ class StepEngine:
             index = selection(rows, latents.device)
             latents, timesteps, guidance = (take(index, t) for t in (latents, timesteps, guidance))
             cond = cond.select(index)
+            control = narrowed(control, index)
         extra = {"host_timesteps": host} if host is not None else {}
+        if control is not None:
+            extra["control"] = control
         return fam.forward(latents, timesteps, cond, guidance, r.width, r.height, **extra)
 
-    def _cached(self, inputs: SetInputs):
-        """The step cache's context for one forward: each unit's images, threshold and step."""
+    def _cached(self, inputs: SetInputs, force: bool = False):
+        """The step cache's context for one forward: each unit's images, threshold and step
+        (``force``: every row computes every block)."""
         if self.step_cache is None:
             return nullcontext()
         r = inputs.units[0].request
         return self.step_cache.forward(
             [self.step_cache.rows(u.cache, offset, u.rows, u.samples, u.threshold, u.step,
-                                  len(u.prepared.timesteps))
+                                  len(u.prepared.timesteps), force)
              for u, offset in zip(inputs.units, inputs.offsets)],
             inputs.rows, self.family.cache_tokens(r.width, r.height))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from diffserve.executor.control.rows import ControlPlan
 from diffserve.executor.rows import selection, take
 
 
@@ -23,7 +24,7 @@ class SetInputs:
     """The rows of a forward over ``units`` (each with ``rows``, ``samples``, ``cfg``,
     ``prepared``, ``adapters``, ``request``)."""
 
-    def __init__(self, units: list, torch) -> None:
+    def __init__(self, units: list, torch, control_from_positive: bool = False) -> None:
         self.units = list(units)
         self.cfg = [u.cfg for u in units]
         self.offsets, at = [], 0
@@ -38,6 +39,7 @@ class SetInputs:
         self.guidance = torch.tensor([u.request.guidance_scale for u in units for _ in range(u.rows)],
                                      dtype=torch.float32, device=device)
         self.stacks = [u.adapters for u in units for _ in range(u.rows)]
+        self.control = ControlPlan(units, self.offsets, control_from_positive)
         self._torch = torch
         self._device = device
         self._guided: dict[tuple[int, ...], tuple[Any, Any]] = {}  # units -> their (neg, pos) rows
