@@ -153,8 +153,8 @@ def test_the_official_sdk_picks_an_adapter_by_model_name(server, reference):
 
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "nope"}, 404, "model"),
-    ({"loras": [{"name": "nope"}]}, 404, "loras.0.name"),
-    ({"loras": [{"name": "A", "scale": 4.5}]}, 400, "loras.0.scale"),
+    ({"loras": [{"name": "nope"}]}, 404, "loras[0].name"),
+    ({"loras": [{"name": "A", "scale": 4.5}]}, 400, "loras[0].scale"),
     ({"loras": [{"name": "A"}, {"name": "A"}]}, 400, "loras"),
     ({"model": "A", "loras": [{"name": "A"}]}, 400, "loras"),
     ({"loras": [{"name": n} for n in "ABC"] + [{"name": "A", "scale": 2}, {"name": "B"}]}, 400, "loras"),

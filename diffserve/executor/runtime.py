@@ -30,6 +30,8 @@ from diffserve.executor.step.prompt_cache import PromptCache
 from diffserve.models.registry import resolve_model
 from diffserve.policies import set_policy
 from diffserve.protocol import REQUEST_MODE, STEP_MODE
+from diffserve.tasks import GENERATE, TASKS
+from diffserve.work import WITH_CONTROLS
 from diffserve.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -59,9 +61,19 @@ class Runtime:
 
     @property
     def task_modes(self) -> dict[str, str]:
-        """The batching mode of each task served."""
-        return {task: REQUEST_MODE if self.mode == REQUEST_MODE or task in self.fallback
-                else STEP_MODE for task in self.pipelines}
+        """The batching mode of each task served, and of each task served with controls (its
+        mode key ``TASK+controls``) where control models are served."""
+        keys = [*self.pipelines, *(task + WITH_CONTROLS for task in self.pipelines
+                                   if self.controls and task + WITH_CONTROLS not in self.unavailable
+                                   and self._controlled(task))]
+        return {key: REQUEST_MODE if self.mode == REQUEST_MODE or key in self.fallback
+                or key.split("+")[0] in self.fallback else STEP_MODE for key in keys}
+
+    def _controlled(self, task: str) -> bool:
+        """Whether ``task`` takes controls: where diffusers has a ControlNet pipeline for it (the
+        reference), and rollouts where generation takes them (they sample on it)."""
+        pipelines = self.family.control_pipelines
+        return task in pipelines or (TASKS[task].trajectory and GENERATE.name in pipelines)
 
     def describe(self) -> ModelInfo:
         """The model info of what is served now."""

@@ -14,11 +14,18 @@ from diffserve.errors import APIError, invalid_request
 from diffserve.frontend.uploads import read_limited
 
 
+def param_name(loc) -> str:
+    """A parameter's name as the OpenAI API writes it: ``controls[0].scale``."""
+    name = ""
+    for part in loc:
+        name += f"[{part}]" if isinstance(part, int) else f".{part}" if name else str(part)
+    return name
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """The first pydantic complaint, phrased with the offending parameter."""
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = param_name([p for p in first.get("loc", ()) if p != "body"]) or None
     kind = first.get("type", "")
     if kind == "json_invalid":
         return invalid_request("We could not parse the JSON body of your request. The body must "

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from diffserve.errors import invalid_request
 from diffserve.frontend import streaming
+from diffserve.frontend.controls import control_frames
 from diffserve.frontend.auth import PRIORITY
 from diffserve.frontend.bodies import form_body_schema, json_body_schema, parse_json, validate
 from diffserve.frontend.schemas import (ImageEditForm, ImageGenerationRequest, ImagesResponse,
@@ -59,7 +60,10 @@ def image_routes(serving: Serving) -> APIRouter:
             request = to_engine_request(body, f"img-{uuid.uuid4().hex}", engine.model_info,
                                         config, GENERATE, engine.adapters,
                                         key_priority=key_priority(http_request))
-            return request, [], body
+            frames = await asyncio.get_running_loop().run_in_executor(
+                serving.pool, control_frames, body.controls, request.width, request.height,
+                config.max_input_pixels) if body.controls else []
+            return request, frames, body
 
         return await serving.serve(http_request, accept, streaming.GENERATIONS)
 
@@ -84,8 +88,10 @@ def image_routes(serving: Serving) -> APIRouter:
                                         engine.adapters, len(form.images), size,
                                         key_priority(http_request))
             frames = await asyncio.get_running_loop().run_in_executor(
-                serving.pool, decode_inputs, form, request.width, request.height,
-                config.max_input_pixels)
+                serving.pool, lambda: decode_inputs(form, request.width, request.height,
+                                                    config.max_input_pixels)
+                + control_frames(body.controls, request.width, request.height,
+                                 config.max_input_pixels))
             return request, frames, body
 
         return await serving.serve(http_request, accept, streaming.EDITS)
@@ -104,7 +110,10 @@ def image_routes(serving: Serving) -> APIRouter:
             request = to_engine_request(body, f"roll-{uuid.uuid4().hex}", engine.model_info,
                                         config, ROLLOUT, engine.adapters,
                                         key_priority=key_priority(http_request))
-            return request, [], body
+            frames = await asyncio.get_running_loop().run_in_executor(
+                serving.pool, control_frames, body.controls, request.width, request.height,
+                config.max_input_pixels) if body.controls else []
+            return request, frames, body
 
         def respond(request: ImageRequest, done) -> Response:
             metadata = {"request": rollout_fields(request), "seeds": done.done.seeds,

@@ -33,7 +33,9 @@ def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, 
                     frame_stride=info.frame_stride, fps=info.fps, parallel=info.parallel,
                     components=[dataclasses.asdict(c) for c in info.components],
                     weight_version=engine.status.weight_version,
-                    random_weights=info.random_weights)
+                    random_weights=info.random_weights,
+                    controls=[dataclasses.asdict(m) for m in info.control_models],
+                    max_controls=info.max_controls if info.controls_supported else 0)
         return ModelList(data=[ModelCard(id=info.name, **card),
                                *(ModelCard(id=name, parent=info.name, **card)
                                  for name in engine.adapters)])

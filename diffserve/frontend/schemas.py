@@ -12,6 +12,7 @@ from diffserve.rollouts import DEFAULT_RETURN, RETURNABLE
 SEED_MAX = 2**32 - 1  # image i of a request uses (seed + i) modulo 2**32
 MAX_PARTIAL_IMAGES = 3
 LORA_SCALE_LIMIT = 4.0
+CONTROL_SCALE_LIMIT = 10.0
 
 
 class LoraRef(BaseModel):
@@ -22,6 +23,24 @@ class LoraRef(BaseModel):
     name: str = Field(min_length=1, max_length=256, description="A served adapter's name.")
     scale: float = Field(1.0, ge=-LORA_SCALE_LIMIT, le=LORA_SCALE_LIMIT,
                          description="How strongly it applies (1: as trained).")
+
+class ControlRef(BaseModel):
+    """One control of a request's stack (ControlNet): a served control model and its image."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str = Field(min_length=1, max_length=256, description="A served control model's name "
+                       "(GET /v1/models lists them).")
+    image: str = Field(min_length=1, description="The control image (edges, depth, pose...): "
+                       "base64 PNG, JPEG or WebP, or a data URL; resized to the request's size.")
+    scale: float = Field(1.0, ge=-CONTROL_SCALE_LIMIT, le=CONTROL_SCALE_LIMIT,
+                         description="How strongly it steers (its residuals' scale).")
+    start: float = Field(0.0, ge=0, le=1, description="Where in the denoising it starts acting, "
+                         "as a fraction of the request's steps.")
+    end: float = Field(1.0, ge=0, le=1, description="Where it stops acting (after start).")
+    mode: int | None = Field(None, ge=0, description="A union model's control type (GET "
+                             "/v1/models says how many it has); null for other models.")
+
 
 Quality = Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"]
 
@@ -64,6 +83,9 @@ class ImageOptions(BaseModel):
         None, ge=0, le=1, description="With --step-cache: how much an image's first-block "
         "signal may change since its last computed step for the step to reuse its cache (0: "
         "never reuse; default --cache-threshold).")
+    controls: list[ControlRef] | None = Field(
+        None, description="ControlNet controls, stacked (their residuals summed): each a "
+        "served control model, its image, scale, window and union mode (docs/controlnet.md).")
 
 
 class ImageGenerationRequest(ImageOptions):
@@ -84,15 +106,15 @@ class ImageEditForm(ImageOptions):
         "is redrawn, from near 0 (stay close to it) to 1 (start from pure noise); 0.8 unless "
         "given. Refused for models that edit by instruction, which take none.")
 
-    @field_validator("loras", mode="before")
+    @field_validator("loras", "controls", mode="before")
     @classmethod
     def _json_form_field(cls, value):
-        """A form field is text: the adapters come as a JSON list."""
+        """A form field is text: the adapters and the controls come as JSON lists."""
         if isinstance(value, str):
             try:
                 return json.loads(value)
             except json.JSONDecodeError:
-                raise ValueError("must be a JSON list of {\"name\", \"scale\"} objects") from None
+                raise ValueError("must be a JSON list of objects") from None
         return value
 
 
@@ -156,6 +178,12 @@ class ModelCard(BaseModel):
                                 "(POST /v1/update_weights; 0: --model's own).")
     random_weights: bool = Field(False, description="A released architecture built with random "
                                  "weights (--model random:NAME): its images are noise.")
+    controls: list[dict] = Field(default_factory=list, description="The served control models "
+                                 "(ControlNet): name, kind (class), modes (a union model's "
+                                 "control types; 0: none), cost (added to an image's per "
+                                 "control).")
+    max_controls: int = Field(0, description="The most controls one request may stack (0: the "
+                              "model takes none).")
 
 
 class LoadLoraAdapter(BaseModel):

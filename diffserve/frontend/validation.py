@@ -11,6 +11,7 @@ from diffserve.config import ServerConfig
 from diffserve.policies import QUEUE_POLICIES
 from diffserve.costs import image_cost, uses_cfg, video_cost
 from diffserve.errors import invalid_request, model_not_found
+from diffserve.frontend.controls import control_cost, control_stack
 from diffserve.frontend.schemas import ImageOptions
 from diffserve.work import SEED_MODULUS, ImageRequest, repeated_adapter
 from diffserve.model_info import ModelInfo
@@ -63,7 +64,7 @@ def lora_stack(body: ImageOptions, info: ModelInfo, adapters: Collection[str],
         stack.append((body.model, 1.0))
     for i, ref in enumerate(body.loras or ()):
         if ref.name not in adapters:
-            raise model_not_found(ref.name, info.name, adapters, f"loras.{i}.name")
+            raise model_not_found(ref.name, info.name, adapters, f"loras[{i}].name")
         stack.append((ref.name, float(ref.scale)))
     repeated = repeated_adapter(stack)
     if repeated is not None:
@@ -161,9 +162,11 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
     guidance = info.default_guidance_scale if body.guidance_scale is None else body.guidance_scale
     negative = body.negative_prompt or ""
     cfg = uses_cfg(info.guidance_rule, guidance, negative)
+    controls = control_stack(getattr(body, "controls", None), info, config, task)
     cost = (video_cost(width, height, frames, info.width, info.height, info.num_frames,
                        info.frame_stride, cfg) if frames
-            else image_cost(width, height, info.width, info.height, cfg))
+            else image_cost(width, height, info.width, info.height, cfg)
+            * (1 + control_cost(controls, info)))
     if info.memory_cost_bound and cost > info.memory_cost_bound:
         raise invalid_request(
             f"size {width}x{height} costs {cost:g} per image, more than the {info.memory_cost_bound:.3g} "
@@ -196,4 +199,4 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
         partial_images=body.partial_images if body.stream else 0, loras=loras, cost=cost,
         references=references if task.references else 0, num_frames=frames,
         noise_level=float(getattr(body, "noise_level", 0.0)), cache_threshold=threshold,
-        returns=tuple(getattr(body, "return_", None) or ()))
+        returns=tuple(getattr(body, "return_", None) or ()), controls=controls)

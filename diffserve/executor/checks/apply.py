@@ -15,6 +15,7 @@ from diffserve.executor.memory.layout import MemoryLayout
 from diffserve.models.registry import resolve_model
 from diffserve.protocol import REQUEST_MODE, STEP_MODE
 from diffserve.tasks import GENERATE, TASKS
+from diffserve.work import WITH_CONTROLS
 
 log = logging.getLogger(__name__)
 
@@ -57,26 +58,34 @@ def apply_verdicts(rt, config: ServerConfig, unavailable: dict[str, str],
                    fallback: dict[str, str]) -> None:
     """Serve what the checks allow: a task whose plain pipeline fails is not offered; a task the
     step engine gets wrong runs in request mode, the others keep step mode. Rollouts sample on
-    the step engine's generation, so they go where generation cannot run in it. Raises where
-    nothing can be served, or where --batching-mode step finds no task for the step engine."""
+    the step engine's generation, so they go where generation cannot run in it. A task with
+    controls (its mode key ``TASK+controls``) is decided on its own, and decides nothing of the
+    task without them. Raises where nothing can be served, or where --batching-mode step finds
+    no task for the step engine."""
     unavailable, fallback = dict(unavailable), dict(fallback)
     if rt.group is not None:  # a group runs the step engine only
         unavailable.update({task: f"{why}, and request mode does not run in a parallel group"
                             for task, why in fallback.items()})
         fallback = {}
     for task in [t for t in rt.pipelines if TASKS[t].trajectory]:
-        why = unavailable.get(GENERATE.name) or fallback.get(GENERATE.name)
-        if why is not None:
-            unavailable[task] = f"rollouts sample on the step engine's generation, and {why}"
+        for suffix in ("", WITH_CONTROLS):
+            key = GENERATE.name + suffix
+            why = unavailable.get(key) or fallback.get(key)
+            if why is not None:
+                unavailable[task + suffix] = (f"rollouts sample on the step engine's generation, "
+                                              f"and {why}")
     checked = [t for t in rt.pipelines if not TASKS[t].trajectory]
     if checked and all(t in unavailable for t in checked):
         raise RuntimeError("no task of this model can be served: " + _reasons(unavailable))
-    for task, why in unavailable.items():
-        log.warning("task %s is not served: %s", task, why)
-        rt.pipelines.pop(task, None)
-    rt.unavailable, rt.fallback = unavailable, {t: w for t, w in fallback.items()
-                                                if t in rt.pipelines}
+    for key, why in unavailable.items():
+        log.warning("%s is not served: %s", key, why)
+        rt.pipelines.pop(key, None)  # a task; a task with controls keeps its task served
+    rt.unavailable = unavailable
+    rt.fallback = {key: why for key, why in fallback.items()
+                   if key.split("+")[0] in rt.pipelines}
     if rt.mode == STEP_MODE and all(t in rt.fallback for t in checked if t in rt.pipelines):
+        # (controls alone in the step engine would be a server whose plain requests all run in
+        # request mode: the checks' verdict on tasks decides the executor's mode)
         if config.batching_mode == STEP_MODE:
             raise UnsupportedMode("--batching-mode step: on this model the step engine can serve "
                                   f"no task ({_reasons({**rt.fallback, **unavailable})}); use "

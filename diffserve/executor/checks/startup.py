@@ -28,7 +28,7 @@ import numpy as np
 from diffserve.executor.results import FAILURE
 from diffserve.policies.base import SetPolicy
 from diffserve.protocol import STEP_MODE
-from diffserve.work import ImageRequest, Work, WorkItem
+from diffserve.work import WITH_CONTROLS, Control, ImageRequest, Work, WorkItem
 from diffserve.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -62,21 +62,31 @@ def checked_tasks(rt) -> list[str]:
 
 def check(rt) -> TaskVerdicts:
     """Each task's plain pipeline on ``rt``'s model and, in step mode, the step engine against
-    it."""
+    it; with control models served, each task with every one of them stacked as well (its
+    diffusers ControlNet pipeline against the step engine), as a mode key of its own."""
     verdicts = TaskVerdicts()
     requests = {name: _request(rt, name) for name in checked_tasks(rt)}
-    plain = {name: _plain(rt, request) for name, request in requests.items()}
-    for name, outcome in plain.items():
+    if rt.controls:
+        controls = tuple(Control(m.name, mode=0 if m.modes else None)
+                         for m in rt.controls.models.values())
+        for name in checked_tasks(rt):
+            if name in rt.family.control_pipelines:
+                requests[name + WITH_CONTROLS] = _request(rt, name, controls=controls)
+            else:
+                verdicts.unavailable[name + WITH_CONTROLS] = (
+                    f"diffusers has no ControlNet pipeline for {name} with {rt.family.name}")
+    plain = {key: _plain(rt, request) for key, request in requests.items()}
+    for key, outcome in plain.items():
         if outcome.error:
-            verdicts.unavailable[name] = f"its plain pipeline failed: {_cause(outcome)}"
+            verdicts.unavailable[key] = f"its plain pipeline failed: {_cause(outcome)}"
     if rt.mode != STEP_MODE:
         return verdicts
-    served = [request for name, request in requests.items() if name not in verdicts.unavailable]
+    served = [request for key, request in requests.items() if key not in verdicts.unavailable]
     judge = _judge(rt, served)
     for request, stepped in zip(served, _stepped(rt, served)):
-        why = judge(request, stepped, plain[request.task])
+        why = judge(request, stepped, plain[request.mode_key])
         if why is not None:
-            verdicts.fallback[request.task] = why
+            verdicts.fallback[request.mode_key] = why
     return verdicts
 
 
@@ -151,14 +161,16 @@ def _samplers(rt, names: list[str], task: str, step: bool, judge=None):
     return working, why
 
 
-def _request(rt, task_name: str, scheduler: str = "", steps: int = STEPS) -> ImageRequest:
+def _request(rt, task_name: str, scheduler: str = "", steps: int = STEPS,
+             controls: tuple = ()) -> ImageRequest:
     """A short request of ``task_name`` at a small size (at most the native one)."""
     info, task = rt.info, TASKS[task_name]
     stride = info.spatial_stride
     width, height = (min(native, max(stride, -(-SIDE // stride) * stride))
                      for native in (info.width, info.height))
     return ImageRequest(
-        f"startup-check-{task_name}-{scheduler}", info.name, width, height,
+        f"startup-check-{task_name}{WITH_CONTROLS if controls else ''}-{scheduler}", info.name,
+        width, height, controls=controls,
         references=1 if task.references else 0, task=task_name, num_inference_steps=steps,
         guidance_scale=info.default_guidance_scale, strength=0.5 if task.from_image else 1.0,
         scheduler=scheduler, prompt="a start-up check of the step engine", seed=1,
@@ -226,4 +238,4 @@ def _frames(request: ImageRequest) -> list[np.ndarray]:
             frames.append(mask)
         else:
             frames.append(image)
-    return frames + [image] * request.references
+    return frames + [image] * (request.references + len(request.controls))

@@ -33,6 +33,10 @@ from diffserve.samples import CONTROLS
 from diffserve.tasks import Task
 
 
+BY_MODEL, BY_ROW, SHARED = "by-model", "by-row", "shared"
+CONTROL_PIPES_KEPT = 16  # ControlNet pipelines kept built (request mode): task x model stacks
+
+
 class Family:
     name: ClassVar[str]
     pipelines: ClassVar[tuple[str, ...]]  # text-to-image pipeline classes this family drives
@@ -82,6 +86,11 @@ class Family:
     control_multi: ClassVar[str] = ""
     control_image_kwarg: ClassVar[dict[str, str]] = {}
     control_from_positive: ClassVar[bool] = False
+    # How a diffusers call of a task's ControlNet pipeline takes a stack of several models'
+    # images: a list per model of one image per row (BY_MODEL, the default), a list per row of
+    # one image per model (BY_ROW), or one image per model for every row of the call (SHARED:
+    # request mode then calls one request at a time).
+    control_stacks: ClassVar[dict[str, str]] = {}
     controls = None  # the served ControlModels (set by the runtime where any are served)
 
     def __init__(self, pipe, pipelines: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
@@ -94,6 +103,7 @@ class Family:
         self.device = pipe._execution_device
         self._samplers: dict[str, Any] = {}  # name -> a scheduler to copy per request
         self.row_scope = RowScope()  # narrowed where a forward splits between denoisers
+        self._control_pipes: dict[tuple, Any] = {}  # (task, control models) -> their pipeline
 
     @property
     def denoiser(self):
@@ -271,6 +281,24 @@ class Family:
         raise NotImplementedError
 
     # -- ControlNet ------------------------------------------------------------------------
+
+    def control_pipeline(self, task: str, names: tuple[str, ...]):
+        """The family's diffusers ControlNet pipeline for ``task`` with the control models
+        ``names`` (stacked in diffusers' multi-ControlNet where there are several), built from
+        the task's pipeline (the same components) and kept for the next call that asks."""
+        import diffusers
+
+        key = (task, names)
+        if key not in self._control_pipes:
+            modules = [self.controls[name].module for name in names]
+            net = modules[0] if len(modules) == 1 else getattr(diffusers, self.control_multi)(modules)
+            pipe = getattr(diffusers, self.control_pipelines[task]).from_pipe(
+                self.pipelines[task], controlnet=net)
+            pipe.set_progress_bar_config(disable=True)
+            while len(self._control_pipes) >= CONTROL_PIPES_KEPT:
+                self._control_pipes.pop(next(iter(self._control_pipes)))
+            self._control_pipes[key] = pipe
+        return self._control_pipes[key]
 
     def control_fits(self, module) -> str | None:
         """Why control model ``module`` cannot steer this family's denoiser (None: it can)."""

@@ -36,8 +36,9 @@ class QwenImage(PackedFlow):
     guidance_kwarg = "true_cfg_scale"
     guidance_rule = WITH_NEGATIVE
     control_classes = ("QwenImageControlNetModel",)
-    control_pipelines = {"generate": "QwenImageControlNetPipeline",
-                         "inpaint": "QwenImageControlNetInpaintPipeline"}
+    # (diffusers' Qwen-Image ControlNet inpainting is an inpainting ControlNet, not a control of
+    # an inpainting request: with controls, Qwen-Image generates only.)
+    control_pipelines = {"generate": "QwenImageControlNetPipeline"}
     control_multi = "QwenImageMultiControlNetModel"
     control_image_kwarg = dict.fromkeys(control_pipelines, "control_image")
     control_from_positive = True  # its pipeline runs one control pass a step, on the prompt

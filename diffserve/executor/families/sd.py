@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.executor.families.base import Family
+from diffserve.executor.families.base import BY_ROW, SHARED, Family
 from diffserve.executor.families.conditioning import Conditioning, Encoded
 
 
@@ -25,6 +25,7 @@ class StableDiffusion(Family):
     control_multi = "MultiControlNetModel"
     control_image_kwarg = {"generate": "image", "image-to-image": "control_image",
                            "inpaint": "control_image"}
+    control_stacks = {"generate": BY_ROW, "image-to-image": SHARED, "inpaint": SHARED}
 
     def encode(self, prompts, negatives, cfg):
         positive, negative = self.pipe.encode_prompt(prompts, self.device, 1, cfg, negatives)

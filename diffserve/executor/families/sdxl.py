@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.executor.families.conditioning import Conditioning, Encoded
+from diffserve.executor.families.base import SHARED
 from diffserve.executor.families.sd import StableDiffusion
 
 
@@ -32,6 +33,7 @@ class StableDiffusionXL(StableDiffusion):
     control_pipelines = {"generate": "StableDiffusionXLControlNetPipeline",
                          "image-to-image": "StableDiffusionXLControlNetImg2ImgPipeline",
                          "inpaint": "StableDiffusionXLControlNetInpaintPipeline"}
+    control_stacks = dict.fromkeys(control_pipelines, SHARED)
 
     def forward(self, latents, timesteps, cond, guidance, width, height, control=None):
         return self.pipe.unet(latents, timesteps, encoder_hidden_states=cond.prompt_embeds,

@@ -78,7 +78,8 @@ def measure(rt) -> Measured:
     from diffserve.work import ImageRequest, Work, WorkItem
 
     info, pipe = rt.info, rt.loaded.pipe
-    modules = list(torch_modules(pipe).values())
+    modules = [*torch_modules(pipe).values(),  # and the control models beside them
+               *(m.module for m in (rt.controls.models.values() if rt.controls else ()))]
     stats = DeviceStats(torch, rt.loaded.device)
     cuda = stats.cuda
     held = (torch.cuda.memory_allocated(stats.device) if cuda else

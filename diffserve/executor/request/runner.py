@@ -20,6 +20,7 @@ import numpy as np
 from diffserve.costs import WITH_NEGATIVE
 from diffserve.executor.memory import oom as memory
 from diffserve.executor.lora.store import AdapterStore
+from diffserve.executor.families.base import BY_MODEL, BY_ROW, SHARED
 from diffserve.executor.families.schedulers import PIPELINE_LOCK, scheduler_swapped
 from diffserve.executor.families.base import Family
 from diffserve.executor.families.outputs import NonFiniteOutput, split_finite, to_uint8
@@ -28,7 +29,7 @@ from diffserve.executor.model.samplers import build as build_sampler
 from diffserve.executor.results import Outcome, PartialImage, partial_steps
 from diffserve.work import Work, WorkItem
 from diffserve.tasks import REFERENCE
-from diffserve.samples import generators, group_by, input_arrays, isolate
+from diffserve.samples import CONTROLS, generators, group_by, input_arrays, isolate
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +122,14 @@ class RequestRunner:
         return [images[id(pair)] for pair in pairs]
 
     def _one_request_a_call(self, request) -> bool:
-        """A pipeline that takes one set of references, or one first frame, for the whole call
-        (not one per prompt row) runs one request a call; an edit is called as for one prompt."""
-        return bool(self.family is not None and not self.family.references_per_row
-                    and request.task_spec.references) or request.task_spec.first_frame
+        """A pipeline that takes one set of references, one first frame, or one image per stacked
+        control model for the whole call (not one per prompt row) runs one request a call; an
+        edit is called as for one prompt."""
+        return bool(self.family is not None and (
+            (not self.family.references_per_row and request.task_spec.references)
+            or (len(request.controls) > 1
+                and self.family.control_stacks.get(request.task) == SHARED))
+        ) or request.task_spec.first_frame
 
     def _call(self, pairs: list[Pair]) -> list[np.ndarray]:
         """One pipeline call for these items; each item's images."""
@@ -132,6 +137,9 @@ class RequestRunner:
 
         first = pairs[0][0].request
         pipe, accepts = self.pipelines[first.task], self.accepts[first.task]
+        if first.controls:  # the family's ControlNet pipeline, with the call's control models
+            pipe = self.family.control_pipeline(first.task, tuple(c.model for c in first.controls))
+            accepts = frozenset(inspect.signature(pipe.__call__).parameters)
         samples = [(item, i) for item, _ in pairs for i in range(item.start, item.stop)]
         kwargs = {k: v for k, v in self.loaded.call_kwargs.items() if k in accepts}
         kwargs.update(
@@ -167,6 +175,8 @@ class RequestRunner:
                           if first.task_spec.references else None)
             kwargs.update(self.family.request_kwargs(first.task_spec, first.width, first.height,
                                                      references))
+        if first.controls:
+            kwargs.update(self._control_kwargs(first, arrays, pairs))
         if "callback_on_step_end" in accepts:
             kwargs["callback_on_step_end"] = self._step_callback(samples)
         with (PIPELINE_LOCK, self.torch.inference_mode(), self._adapters(first.loras),
@@ -178,6 +188,30 @@ class RequestRunner:
                      first.num_frames)
         # An item with a non-finite image gets its error as its result; the others their pixels.
         return split_finite(lambda: to_uint8(made), [item.samples for item, _ in pairs])
+
+    def _control_kwargs(self, first, arrays: list, pairs: list[Pair]) -> dict[str, Any]:
+        """A ControlNet pipeline's keywords: each control's images, one per row, and its scale,
+        window and mode (one control as itself, several as lists, as diffusers takes them; the
+        call's requests share their controls but for the images)."""
+        from PIL import Image
+
+        controls = first.controls
+        images = [[Image.fromarray(a[CONTROLS][c]) for a, (item, _) in zip(arrays, pairs)
+                   for _ in range(item.samples)] for c in range(len(controls))]
+        one = len(controls) == 1
+        pick = (lambda values: values[0]) if one else list  # noqa: E731
+        stacks = self.family.control_stacks.get(first.task, BY_MODEL)
+        if not one and stacks == BY_ROW:
+            images = [list(row) for row in zip(*images)]
+        elif not one and stacks == SHARED:  # one request a call: its rows share its images
+            images = [model[0] for model in images]
+        kwargs = {self.family.control_image_kwarg[first.task]: images[0] if one else images,
+                  "controlnet_conditioning_scale": pick([c.scale for c in controls]),
+                  "control_guidance_start": pick([c.start for c in controls]),
+                  "control_guidance_end": pick([c.end for c in controls])}
+        if any(c.mode is not None for c in controls):
+            kwargs["control_mode"] = pick([c.mode for c in controls])
+        return kwargs
 
     def _sampler(self, pipe, request):
         """The call with the request's sampler (a batch shares it: it is a call field) in place
