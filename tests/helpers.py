@@ -16,14 +16,14 @@ def make_request(n: int = 1, *, request_id: str | None = None, width: int = 64, 
                  model: str = "tiny-sd", negative_prompt: str = "", task: str = "generate",
                  strength: float = 1.0, partial_images: int = 0, loras=(),
                  cost: float = 1.0, references: int = 0, scheduler: str = "",
-                 priority: int = 0) -> ImageRequest:
+                 priority: int = 0, controls=()) -> ImageRequest:
     rid = request_id or f"r{next(_ids)}"
     return ImageRequest(request_id=rid, model=model, width=width, height=height, task=task,
                         num_inference_steps=steps, guidance_scale=guidance, strength=strength,
                         prompt=prompt or f"prompt of {rid}", negative_prompt=negative_prompt,
                         seed=seed, n=n, partial_images=partial_images, loras=tuple(loras),
                         cost=cost, references=references, scheduler=scheduler,
-                        priority=priority)
+                        priority=priority, controls=tuple(controls))
 
 
 def run(c, d, errors=None, only=None, now=1.0, seconds=0.1, status=None):

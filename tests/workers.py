@@ -38,6 +38,7 @@ SECONDS = {
     "tests/test_client.py": 4, "tests/test_config.py": 4, "tests/test_instruction_edits.py": 4,
     "tests/test_priorities.py": 4, "tests/frontend/test_light.py": 2,
     "tests/test_memory_server.py": 2, "tests/models/test_random.py": 12,
+    "tests/test_controlnet_server.py": 20,
     # Its tests take their results from the Ray application's background run, which has ended
     # by the time they come (it keeps both cores' share busy from the session's start instead).
     "tests/test_ray.py": 1,
@@ -45,6 +46,7 @@ SECONDS = {
 # The pool's files (the pytest process alone), with their seconds: the heaviest go first.
 IN_PROCESS = {
     "tests/executor/test_process.py": 23, "tests/executor/test_qwen_image_edit.py": 22,
+    "tests/executor/test_controlnet.py": 20,
     "tests/executor/test_adapter_families.py": 21, "tests/executor/test_flux2.py": 19,
     "tests/executor/test_adapters.py": 18, "tests/executor/test_compiled.py": 16,
     "tests/executor/test_step_engine.py": 16, "tests/executor/test_adapter_rows.py": 15,

@@ -108,3 +108,25 @@ def test_strength_that_leaves_no_step_is_refused():
 def test_previews_are_only_made_for_a_stream():
     assert convert(partial_images=3).partial_images == 0
     assert convert(partial_images=3, stream=True).partial_images == 3
+
+
+CONTROL = {"model": "edges", "image": "aGk="}
+
+
+def test_controls_on_a_family_without_controlnet_are_refused():
+    with pytest.raises(APIError, match="takes no controls") as refused:
+        convert(controls=[CONTROL])
+    assert (refused.value.status, refused.value.param) == (400, "controls")
+
+
+def test_controls_where_no_control_model_is_served_are_refused():
+    from diffserve.model_info import ControlModelInfo
+
+    info = ModelInfo(**{**INFO.__dict__, "controls_supported": True})
+    with pytest.raises(APIError, match="serves no control model"):
+        convert(info=info, controls=[CONTROL])
+    served = ModelInfo(**{**info.__dict__, "control_models": [ControlModelInfo("edges", "ControlNetModel", 0, 0.5)],
+                          "task_modes": {"generate": "step", "generate+controls": "step"}})
+    r = convert(info=served, controls=[{**CONTROL, "scale": 0.5}], n=2)
+    assert r.controls[0].scale == 0.5 and r.cost == pytest.approx(2 * 1.5)  # with guidance
+    assert r.input_frames == 1 and r.mode_key == "generate+controls"

@@ -21,16 +21,42 @@ from diffserve.work import ImageRequest
 SIZE_BY_AREA = {"FluxKontextPipeline"}
 # Pipelines called for one prompt with the request's images: as one image, or as a list.
 ONE_PROMPT = {"QwenImageEditPipeline": "single", "QwenImageEditPlusPipeline": "list"}
+# diffusers' ControlNet pipeline of each (pipeline, task), the keyword of its control images,
+# and the class that stacks several control models.
+CONTROLNET = {
+    ("StableDiffusionPipeline", "generate"): ("StableDiffusionControlNetPipeline", "image"),
+    ("StableDiffusionPipeline", "image-to-image"): ("StableDiffusionControlNetImg2ImgPipeline",
+                                                    "control_image"),
+    ("StableDiffusionPipeline", "inpaint"): ("StableDiffusionControlNetInpaintPipeline",
+                                             "control_image"),
+    ("StableDiffusionXLPipeline", "generate"): ("StableDiffusionXLControlNetPipeline", "image"),
+    ("StableDiffusionXLPipeline", "image-to-image"): ("StableDiffusionXLControlNetImg2ImgPipeline",
+                                                      "control_image"),
+    ("StableDiffusionXLPipeline", "inpaint"): ("StableDiffusionXLControlNetInpaintPipeline",
+                                               "control_image"),
+    ("FluxPipeline", "generate"): ("FluxControlNetPipeline", "control_image"),
+    ("FluxPipeline", "image-to-image"): ("FluxControlNetImg2ImgPipeline", "control_image"),
+    ("FluxPipeline", "inpaint"): ("FluxControlNetInpaintPipeline", "control_image"),
+    ("QwenImagePipeline", "generate"): ("QwenImageControlNetPipeline", "control_image"),
+}
+MULTI_CONTROLNET = {"ControlNetModel": "MultiControlNetModel",
+                    "FluxControlNetModel": "FluxMultiControlNetModel",
+                    "QwenImageControlNetModel": "QwenImageMultiControlNetModel"}
 
 
 def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None, mask=None,
-         start: int = 0, stop: int | None = None, references=None) -> np.ndarray:
+         start: int = 0, stop: int | None = None, references=None, controls=None) -> np.ndarray:
     """Images ``start``..``stop-1`` of ``request`` from one call of the plain pipeline for its task
     (``pipelines``: task name -> pipeline, the loaded one where the task is missing), with the
     seeds the server uses (image i: seed + i) and nothing else shared. ``references``: an
-    instruction edit's images (fitted to the request's size), each row gets them."""
+    instruction edit's images (fitted to the request's size), each row gets them; ``controls``:
+    with the request's controls, their (control model, image) pairs: the call is then of
+    diffusers' ControlNet pipeline for the task, every row with those images."""
     stop = request.n if stop is None else stop
     pipe = pipelines.get(request.task, loaded.pipe)
+    control_kwargs = {}
+    if controls:
+        pipe, control_kwargs = controlnet_call(loaded, pipe, request, controls)
     accepts = set(inspect.signature(pipe.__call__).parameters)
     count = stop - start
     # The server's own keywords count (use_resolution_binning=False: the size asked for).
@@ -68,9 +94,32 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
     elif pictures:
         (picture,) = pictures  # one image a row
         kwargs["image"] = [picture] * count
+    kwargs.update(control_kwargs)
     with torch.inference_mode():
         output = pipe(**kwargs)
     return to_uint8(output.frames if request.num_frames else output.images)
+
+
+def controlnet_call(loaded: LoadedModel, pipe, request: ImageRequest, controls) -> tuple:
+    """diffusers' ControlNet pipeline for ``request``'s task, built from ``pipe``, and the
+    keywords of its controls: each model's one image for every row, scale, window and mode
+    (several models through diffusers' multi-ControlNet)."""
+    import diffusers
+
+    cls, keyword = CONTROLNET[(type(loaded.pipe).__name__, request.task)]
+    modules, images = [m for m, _ in controls], [Image.fromarray(i) for _, i in controls]
+    one = len(modules) == 1
+    net = modules[0] if one else getattr(diffusers, MULTI_CONTROLNET[type(modules[0]).__name__])(modules)
+    pick = (lambda values: values[0]) if one else list  # noqa: E731
+    spec = request.controls
+    kwargs = {keyword: pick(images), "controlnet_conditioning_scale": pick([c.scale for c in spec]),
+              "control_guidance_start": pick([c.start for c in spec]),
+              "control_guidance_end": pick([c.end for c in spec])}
+    if any(c.mode is not None for c in spec):
+        kwargs["control_mode"] = pick([c.mode for c in spec])
+    built = getattr(diffusers, cls).from_pipe(pipe, controlnet=net)
+    built.set_progress_bar_config(disable=True)
+    return built, kwargs
 
 
 def max_diff(a: np.ndarray, b: np.ndarray) -> int:
