@@ -153,3 +153,19 @@ def test_each_family_is_exact_with_and_without_controls(model, controls, stack):
     for r in rs:
         assert got[r.request_id].error is None, got[r.request_id].error
         assert max_diff(got[r.request_id].images, reference(rt, r)) <= 2, r.request_id
+
+
+def test_with_the_step_cache_forwards_with_controls_compute_every_row():
+    rt = build_runtime(ServerConfig(model="tiny-sd", device="cpu", torch_threads=1,
+                                    controlnet=("edges=tiny-sd-control",), step_cache="first-block",
+                                    skip_startup_check=True))
+    controlled = request(rt, "controlled", [Control("edges", 0.8)], num_inference_steps=8,
+                         cache_threshold=1.0)
+    early = request(rt, "early", [Control("edges", 0.8, 0.0, 0.5)], num_inference_steps=8,
+                    cache_threshold=1.0)
+    plain = request(rt, "plain", num_inference_steps=8)
+    got = stepped(rt, {0: [(r, frames_of(r)) for r in (controlled, plain)]})
+    assert got["controlled"].cached_steps == [0]  # a control acted at every one of its steps
+    for r in (controlled, plain):  # nothing was reused in their forwards: each is exact
+        assert max_diff(got[r.request_id].images, reference(rt, r)) <= 2, r.request_id
+    assert stepped(rt, {0: [(early, frames_of(early))]})["early"].cached_steps[0] > 0
