@@ -126,11 +126,11 @@ def run_follower(spec) -> None:
     :class:`~diffserve.executor.parallel.ranks.FollowerSpec`): join the group, load the model as
     the leader does, then make the leader's calls on its own step engine until told to stop (or
     the leader dies)."""
-    from diffserve.executor.parallel.topology import local_device, rank_title
+    from diffserve.executor.parallel.topology import rank_title
 
     processes.become(rank_title(spec.rank.group, spec.rank.rank), spec.parent_pid,
                      spec.config.log_level)
-    device = local_device(spec.rank.device)
+    device = spec.rank.device  # inside the operator's visible set, made current as it loads
     bound_openmp_spin()
     from diffserve.executor.model.loading import leave_out_unused_libraries
 

@@ -34,3 +34,17 @@ def test_a_dist_error_is_the_groups():
 ])
 def test_a_requests_own_error_is_not(error):
     assert not is_group_failure(error)
+
+
+@pytest.mark.parametrize("what", [
+    "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLGATHER, "
+    "NumelIn=4096, NumelOut=8192, Timeout(ms)=300000) ran for 300021 milliseconds before timing out.",
+    "NCCL communicator was aborted on rank 0.",
+    "NCCL error in: ProcessGroupNCCL.cpp:1935, remote process exited or there was a network error, "
+    "NCCL version 2.26.2 ncclRemoteError: A call failed possibly due to a network error",
+])
+def test_nccl_timeouts_and_aborts_are_the_groups(what):
+    """With asynchronous error handling on (set for a group's ranks), a timed-out NCCL collective
+    raises in the waiting rank; whatever type it comes as, the group restarts."""
+    assert is_group_failure(RuntimeError(what))
+

@@ -9,10 +9,9 @@ import dataclasses
 import logging
 
 from diffserve.config import ServerConfig
-from diffserve.executor.checks import startup, verdicts
+from diffserve.executor.checks import float32, startup, verdicts
 from diffserve.executor.families import UnsupportedMode
-from diffserve.executor.memory.layout import MemoryLayout
-from diffserve.models.registry import resolve_model
+from diffserve.executor.memory.budget import budget_of
 from diffserve.protocol import REQUEST_MODE, STEP_MODE
 from diffserve.tasks import GENERATE, TASKS
 from diffserve.work import WITH_CONTROLS
@@ -23,30 +22,24 @@ log = logging.getLogger(__name__)
 def check(rt, config: ServerConfig) -> None:
     """The start-up checks (:mod:`~diffserve.executor.checks.startup`), or their verdict from an
     earlier start of the same model and code (:mod:`~diffserve.executor.checks.verdicts`)."""
-    import torch
-
-    key = verdicts.key_for(resolve_model(config.model), {
-        "device": torch.device(rt.loaded.device).type, "dtype": rt.loaded.dtype,
-        "mode": rt.mode, "requested": config.batching_mode, "tasks": sorted(rt.pipelines),
-        "samplers": rt.info.schedulers, "compile": config.compile,
-        "step_cache": config.step_cache, "quantization": config.quantization,
-        "text_encoder_quantization": config.text_encoder_quantization,
-        "layout": MemoryLayout.of(config).describe(),
-        "adapters": sorted(config.lora_adapters.items())})
+    key = verdicts.key_of(rt, config)
     verdict = verdicts.recall(key)
     if rt.group is not None:  # every rank runs the checks' forwards together, or none does
         verdict = rt.group.broadcast(verdict)
+    # Where a half-precision model's float32 reference runs: asked once, for both checks.
+    where = (float32.DEVICE if rt.loaded.dtype == "float32" or verdict is not None
+             else float32.place(rt, budget_of(config, rt.loaded.device)))
     if verdict is not None:
         log.info("start-up checks: the verdict of an earlier start of this model and code")
     else:
-        found = startup.check(rt)
+        found = startup.check(rt, where)
         verdict = {"unavailable": found.unavailable, "fallback": found.fallback}
     apply_verdicts(rt, config, verdict["unavailable"], verdict["fallback"])
     if rt.info.schedulers:
         if "samplers" not in verdict:
             task = startup.checked_tasks(rt)[0]
             verdict["samplers"] = startup.samplers(rt, rt.info.schedulers, task,
-                                                      rt.task_modes[task] == STEP_MODE)
+                                                   rt.task_modes[task] == STEP_MODE, where)
         working, failing = verdict["samplers"]
         for name, reason in failing.items():
             log.info("sampler %s is not offered: %s", name, reason)

@@ -63,25 +63,54 @@ def extra_bytes(pipe) -> int:
                if type(t.data) is torch.Tensor and t.is_floating_point() and t.element_size() < 4)
 
 
-def fits(pipe, device) -> bool:
-    """Whether the float32 weights fit beside what ``device`` holds (always, off CUDA)."""
+DEVICE, HOST = "device", "host"  # where the float32 reference runs
+
+
+def fits(extra: int, free: int | None) -> bool:
+    """Whether ``extra`` bytes of float32 weights fit in ``free`` bytes (None: no limit), the
+    rest left to the call's own activations."""
+    return free is None or extra < free * 0.9
+
+
+def room(device, cap: int = 0) -> int | None:
+    """The bytes ``device`` can still give this executor: its free memory, less what a cap
+    leaves (``cap``: --device-memory-bytes or --gpu-memory-utilization's share, 0 for none; and
+    the process's own memory fraction, where one is set). None off CUDA (the host's memory is
+    not counted here)."""
     import torch
 
-    if torch.device(device).type != "cuda":
-        return True
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
-    return extra_bytes(pipe) < free * 0.9  # the call's own activations need the rest
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    limits = [free, int(fraction * total) - held] + ([cap - held] if cap else [])
+    return max(0, min(limits))
 
 
-def run(rt, requests: list, plain) -> dict:
+def place(rt, cap: int = 0) -> str:
+    """Where the float32 reference of ``rt``'s half-precision model runs: on its device where the
+    upcast weights fit in :func:`room`, else on the host. Asked once per start, for the main
+    check and the sampler check alike; a parallel group's leader answers for every rank (their
+    collectives must meet in the same forwards)."""
+    where = DEVICE if fits(extra_bytes(rt.loaded.pipe), room(rt.loaded.device, cap)) else HOST
+    if rt.group is not None:
+        where = rt.group.broadcast(where)
+    if where == HOST:
+        log.info("start-up check: the float32 reference does not fit on %s; it runs on the CPU",
+                 rt.loaded.device)
+    return where
+
+
+def run(rt, requests: list, plain, where: str = DEVICE) -> dict:
     """``plain(rt, request)`` (an outcome) for each request with the model in float32: request id
-    -> outcome. On the CPU where the device has no room for the float32 weights (known before
-    the cast where the device says what is free, else found by the cast or the call running
-    out of memory)."""
+    -> outcome. On the host where :func:`place` says so, or where the cast or the call still runs
+    out of memory on the device."""
     from diffserve.executor.memory.oom import is_out_of_memory, release
 
     pipe, found = rt.loaded.pipe, None
-    if fits(pipe, rt.loaded.device):
+    if where == DEVICE:
         try:
             with in_float32(pipe):
                 found = {r.request_id: plain(rt, r) for r in requests}
@@ -92,7 +121,8 @@ def run(rt, requests: list, plain) -> dict:
     if found is not None and not any(m in (o.error or "") for o in found.values()
                                       for m in ("OutOfMemoryError", *OOM_MESSAGES)):
         return found
-    log.info("start-up check: the float32 reference does not fit on %s; it runs on the CPU",
-             rt.loaded.device)
+    if where == DEVICE:
+        log.info("start-up check: the float32 reference ran out of memory on %s; it runs on the "
+                 "CPU", rt.loaded.device)
     with in_float32(pipe, "cpu"):
         return {r.request_id: plain(rt, r) for r in requests}

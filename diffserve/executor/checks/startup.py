@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from diffserve.executor.checks import float32
 from diffserve.executor.results import FAILURE
 from diffserve.policies.base import SetPolicy
 from diffserve.protocol import STEP_MODE
@@ -60,10 +61,12 @@ def checked_tasks(rt) -> list[str]:
     return [name for name in rt.pipelines if not TASKS[name].trajectory]
 
 
-def check(rt) -> TaskVerdicts:
+def check(rt, where: str = float32.DEVICE) -> TaskVerdicts:
     """Each task's plain pipeline on ``rt``'s model and, in step mode, the step engine against
     it; with control models served, each task with every one of them stacked as well (its
-    diffusers ControlNet pipeline against the step engine), as a mode key of its own."""
+    diffusers ControlNet pipeline against the step engine), as a mode key of its own.
+    ``where``: where a half-precision model's float32 reference runs
+    (:func:`~diffserve.executor.checks.float32.place`)."""
     verdicts = TaskVerdicts()
     requests = {name: _request(rt, name) for name in checked_tasks(rt)}
     if rt.controls:
@@ -82,7 +85,7 @@ def check(rt) -> TaskVerdicts:
     if rt.mode != STEP_MODE:
         return verdicts
     served = [request for key, request in requests.items() if key not in verdicts.unavailable]
-    judge = _judge(rt, served)
+    judge = _judge(rt, served, where)
     for request, stepped in zip(served, _stepped(rt, served)):
         why = judge(request, stepped, plain[request.mode_key])
         if why is not None:
@@ -90,14 +93,12 @@ def check(rt) -> TaskVerdicts:
     return verdicts
 
 
-def _judge(rt, requests: list[ImageRequest]):
+def _judge(rt, requests: list[ImageRequest], where: str):
     """``judge(request, stepped, plain)``: why the step engine's outcome is not the plain
     pipeline's, or None; by the rule of the served dtype (see the module's docstring)."""
     if rt.loaded.dtype == "float32":
         return lambda request, stepped, plain: _mismatch(stepped, plain)
-    from diffserve.executor.checks import float32 as float32_reference
-
-    reference = float32_reference.run(rt, requests, _plain)
+    reference = float32.run(rt, requests, _plain, where)
 
     def judge(request, stepped, plain):
         exact = reference[request.request_id]
@@ -127,7 +128,8 @@ def _mismatch(stepped, plain) -> str | None:
     return None
 
 
-def samplers(rt, names: list[str], task: str, step: bool) -> tuple[list[str], dict[str, str]]:
+def samplers(rt, names: list[str], task: str, step: bool,
+             where: str = float32.DEVICE) -> tuple[list[str], dict[str, str]]:
     """The samplers of ``names`` that work on ``rt``'s model for ``task`` (a short request each:
     the plain pipeline runs it, and where ``step`` the step engine matches it; in half precision
     both run in float32 for this), and why each other one does not. A scheduler diffusers calls compatible may
@@ -135,9 +137,7 @@ def samplers(rt, names: list[str], task: str, step: bool) -> tuple[list[str], di
     if rt.loaded.dtype != "float32":
         # Whether the step engine runs a sampler as diffusers does is a question of its code, not
         # of the dtype: answered in float32, by float32's rule.
-        from diffserve.executor.checks.float32 import in_float32
-
-        with in_float32(rt.loaded.pipe):
+        with float32.in_float32(rt.loaded.pipe, None if where == float32.DEVICE else "cpu"):
             return _samplers(rt, names, task, step, judge=lambda request, stepped, plain:
                              _mismatch(stepped, plain))
     return _samplers(rt, names, task, step)

@@ -6,10 +6,13 @@ executor although nothing they depend on changed. A verdict is kept in the cache
 (``$DIFFSERVE_CACHE_DIR``, default ``~/.cache/diffserve``) under a key made of everything the
 checks' outcome depends on:
 
-- the model directory: every file's relative path, size and modification time;
+- the model directory: every file's relative path, size and modification time; and the same of
+  every control model's directory (an embedded or hub one by its name);
 - diffserve's own source (a hash of every module of the package), and the versions of torch,
-  diffusers, transformers and peft;
-- the device type, dtype, batching mode, tasks, offered samplers and accelerator settings.
+  diffusers, transformers, peft and torchao;
+- the device: its type, and on a GPU its name and compute capability (kernels differ by card);
+- the dtype, batching mode, tasks, offered samplers, accelerator and memory settings, LoRA
+  adapters, and a parallel group's degrees (a group's forwards are not one device's).
 
 Any change to one of them is a new key, so the checks run again. A hub id (a model that is no
 local directory) is never remembered. Removing ``<cache>/startup-checks`` forgets every verdict.
@@ -32,7 +35,7 @@ from diffserve.models.embedded import cache_root
 
 log = logging.getLogger(__name__)
 
-LIBRARIES = ("torch", "diffusers", "transformers", "peft")
+LIBRARIES = ("torch", "diffusers", "transformers", "peft", "torchao")
 
 
 def _sha(*parts: str) -> str:
@@ -79,6 +82,36 @@ def key_for(model_dir: str, what: dict[str, Any]) -> str | None:
         return None
     return _sha(_model_fingerprint(path), _source_hash(), *_versions(),
                 json.dumps(what, sort_keys=True, default=str))
+
+
+def key_of(rt, config) -> str | None:
+    """The verdict's key for ``rt`` built from ``config`` (see the module's docstring)."""
+    import torch
+
+    from diffserve.executor.memory.layout import MemoryLayout
+    from diffserve.models.registry import resolve_model
+
+    device = torch.device(rt.loaded.device)
+    card = ({"name": torch.cuda.get_device_name(device),
+             "capability": list(torch.cuda.get_device_capability(device))}
+            if device.type == "cuda" else {})
+    controls = {name: _model_fingerprint(Path(path)) if Path(path).is_dir() else path
+                for name, path in _control_dirs(config, rt).items()}
+    return key_for(resolve_model(config.model), {
+        "device": device.type, **card, "dtype": rt.loaded.dtype, "mode": rt.mode,
+        "requested": config.batching_mode, "tasks": sorted(rt.pipelines),
+        "samplers": rt.info.schedulers, "compile": config.compile,
+        "step_cache": config.step_cache, "quantization": config.quantization,
+        "text_encoder_quantization": config.text_encoder_quantization,
+        "layout": MemoryLayout.of(config).describe(), "degrees": vars(config.degrees),
+        "adapters": sorted(config.lora_adapters.items()), "controls": controls})
+
+
+def _control_dirs(config, rt) -> dict[str, str]:
+    from diffserve.executor.control.models import control_paths
+    from diffserve.models.registry import resolve_controlnet
+
+    return {name: resolve_controlnet(path) for name, path in control_paths(config, rt.loaded).items()}
 
 
 def _file(key: str) -> Path:

@@ -26,7 +26,7 @@ from pathlib import Path
 from diffserve.config import ConfigError
 from diffserve.costs import NEVER
 from diffserve.executor.families import family_for
-from diffserve.executor.model.compat import one_device_per_cpu_rank
+from diffserve.executor.model.compat import on_rank_device, one_device_per_cpu_rank
 from diffserve.executor.parallel.topology import Group
 from diffserve.executor.pipeline import DENOISERS, declared_components, pipeline_class_of
 
@@ -86,7 +86,7 @@ def parallelize(pipe, family, group: Group) -> None:
     for denoiser in family.denoisers:
         config = ContextParallelConfig(ring_degree=d.ring, ulysses_degree=d.ulysses,
                                        ulysses_anything=d.ring == 1, mesh=group.model_mesh())
-        with one_device_per_cpu_rank():
+        with one_device_per_cpu_rank(), on_rank_device(group.spec.device):
             denoiser.enable_parallelism(config=config)
 
 
@@ -100,7 +100,8 @@ def tensor_parallel_denoisers(path: str, group: Group, dtype) -> dict:
     found = {}
     for name in (n for n in DENOISERS if n in declared):  # check_model refused the others
         cls = getattr(diffusers, declared[name])
-        found[name] = cls.from_pretrained(path, subfolder=name, torch_dtype=dtype,
-                                          parallel_config=TensorParallelConfig(
-                                              mesh=group.model_mesh()))
+        with on_rank_device(group.spec.device):
+            found[name] = cls.from_pretrained(path, subfolder=name, torch_dtype=dtype,
+                                              parallel_config=TensorParallelConfig(
+                                                  mesh=group.model_mesh()))
     return found

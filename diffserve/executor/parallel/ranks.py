@@ -33,7 +33,7 @@ import zmq
 from diffserve import processes
 from diffserve.config import ServerConfig
 from diffserve.executor.parallel.model import check_model
-from diffserve.executor.parallel.topology import Group, RankSpec, local_device, rank_title
+from diffserve.executor.parallel.topology import Group, RankSpec, rank_title
 from diffserve.launcher import free_port
 from diffserve.models.registry import resolve_model
 
@@ -90,11 +90,15 @@ class LeaderEngine:
         return getattr(self.engine, name)
 
     def admit(self, items, inputs, arrived=None):
-        # Input frames travel as arrays (a ZMQ frame is not picklable).
+        """Every rank admits ``items`` with the arrival times the leader reads off its own clock
+        (the planner's choices read them)."""
         import numpy as np
 
+        now = self.engine.clock()
+        arrived = {item.request.request_id: now - item.queued_s for item in items} | (arrived or {})
+        # Input frames travel as arrays (a ZMQ frame is not picklable).
         self.link.send("admit", items, [[np.frombuffer(f, np.uint8) for f in frames]
-                                        for frames in inputs])
+                                        for frames in inputs], arrived)
         return self.engine.admit(items, inputs, arrived)
 
     def cancel(self, request_ids) -> None:
@@ -139,7 +143,7 @@ def start_group(config: ServerConfig, index: int, devices: str, torch_threads: i
     ``entry(FollowerSpec)`` (named in ``ps``), and this process joined to them. Returns (this
     rank's device, the group, the control link, the other ranks' processes)."""
     devices = devices.split(",")
-    device = local_device(devices[0])  # before CUDA starts
+    device = devices[0]
     check_model(config, resolve_model(config.model), devices[0])
     degrees = config.degrees
     port = free_port()

@@ -17,6 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from diffserve.executor.parallel.failures import NCCL_ASYNC_ERROR_HANDLING
 from diffserve.topology import Degrees
 
 log = logging.getLogger(__name__)
@@ -46,14 +47,6 @@ def rank_title(group: int, rank: int) -> str:
     return f"diffserve::executor-{group}.r{rank}"
 
 
-def local_device(device: str) -> str:
-    """A GPU rank sees only its own GPU (``CUDA_VISIBLE_DEVICES``, set before torch starts): it is
-    ``cuda:0`` there, which is also the device diffusers picks for it (rank modulo the visible
-    count would otherwise pick another rank's)."""
-    if device.startswith("cuda:"):
-        os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-        return "cuda:0"
-    return device
 
 
 
@@ -69,6 +62,11 @@ class Group:
         self.rank = spec.rank
         self.torch, self.dist = torch, dist
         cuda = spec.device.startswith("cuda")
+        if cuda:  # unless the operator chose otherwise (failures.NCCL_ASYNC_ERROR_HANDLING)
+            for name, value in NCCL_ASYNC_ERROR_HANDLING.items():
+                os.environ.setdefault(name, value)
+            # Its own GPU, inside the operator's visible set, current before NCCL starts on it.
+            torch.cuda.set_device(torch.device(spec.device))
         # On GPUs, gloo beside NCCL for host tensors: diffusers' Ulysses attention all-gathers each
         # rank's sequence length before its all-to-alls, on the host where the group has gloo
         # (no device round trip and synchronisation per attention).
