@@ -7,10 +7,15 @@ and turns the budget into a bound on cost, the unit the scheduler already admits
 - **Per cost**: one generation of one image at the native size and the model's default guidance,
   then of two (one step each, the prompt encoding and the decode included), through the plain
   pipeline: the growth from one image to two, per unit of cost (:mod:`diffserve.costs`), and the
-  rest as a fixed part. On CUDA the allocator's peak; on a CPU an estimate: the bytes of every
-  module's outputs in the call (an upper bound: freed tensors count too). With a step cache,
-  each row's cached residual (the first block's output) is added to the per-cost bytes. Other
-  sizes are priced by their cost, which is proportional to their latent pixels.
+  rest as a fixed part (a call that fails stops the start; where the second image shows no
+  growth, the whole two-image call is counted as the images'). On CUDA the allocator's peak; on a
+  CPU an estimate: the bytes of every module's outputs in the call (an upper bound: freed tensors
+  count too). With a step cache, what an image's cache keeps (read off a real cache after one
+  step: the first block's image-stream signal and the remaining blocks' output, every row) is
+  added to the per-cost bytes; with encode and decode stages beside the loop, the decoder's
+  bytes for one forward's images are added to the fixed part (a decode runs beside the next
+  forward); the prompt cache's budget is held. Other sizes are priced by their cost, which is
+  proportional to their latent pixels.
 - **The bound**: ``(budget - held - fixed) / per cost``. It caps ``--max-batch-cost`` (one
   forward) and ``--max-running-cost`` (every set an executor holds) where it is the smaller; the
   executor decides it at start, and the scheduler's placement admits by it as by the configured
@@ -75,39 +80,101 @@ def measure(rt) -> Measured:
     import torch
 
     from diffserve.executor.model.device_stats import DeviceStats
-    from diffserve.work import ImageRequest, Work, WorkItem
 
     info, pipe = rt.info, rt.loaded.pipe
     modules = [*torch_modules(pipe).values(),  # and the control models beside them
                *(m.module for m in (rt.controls.models.values() if rt.controls else ()))]
     stats = DeviceStats(torch, rt.loaded.device)
-    cuda = stats.cuda
-    held = (torch.cuda.memory_allocated(stats.device) if cuda else
+    held = (torch.cuda.memory_allocated(stats.device) if stats.cuda else
             sum(module_bytes(m)[1] for m in modules))
-    runner, taken = rt.request_runner(), {}
-    row = RowBytes(rt.family.denoisers[0]) if rt.step_cache is not None else None
-    try:
-        for images in (1, 2):
-            request = ImageRequest(f"memory-{images}", info.name, info.width, info.height,
-                                   num_inference_steps=1, guidance_scale=info.default_guidance_scale,
-                                   prompt="a measure of memory", n=images, num_frames=info.num_frames)
-            counter = None if cuda else OutputBytes(modules)
-            base = stats.start()
-            try:
-                runner.execute(Work(0, [WorkItem(request, 0, images)]), [[]])
-            finally:
-                if counter is not None:
-                    counter.close()
-            taken[images] = stats.peak(base) if cuda else counter.total
-    finally:
-        if row is not None:
-            row.close()
+    held += rt.config.prompt_cache_bytes if rt.prompt_cache is not None else 0
+    taken, decoded = {}, {}
+    for images in (1, 2):
+        taken[images], decoded[images] = _generation(rt, stats, modules, images)
     unit = unit_cost(info)
-    per_cost = max(taken[2] - taken[1], 1) / unit
+    growth = taken[2] - taken[1]
+    # Growth from one image to two is what an image adds; where none shows (the allocator reused
+    # what the first call freed), every byte of the two-image call is counted as the images'.
+    per_cost = growth / unit if growth > 0 else taken[2] / (2 * unit)
     fixed = max(taken[1] - int(per_cost * unit), 0)
-    if row is not None:  # what the step cache keeps per row (a row's cost is 1 at the native size)
-        per_cost += row.bytes
+    if rt.step_cache is not None:  # what an image's step cache keeps while it runs
+        per_cost += cached_bytes(rt) / unit
+    if rt.threaded_stages:  # a decode runs beside the next forward: the images of one forward's
+        per_image = max(decoded[2] - decoded[1], decoded[1], 0)
+        fixed += int(per_image * info.max_batch_cost / unit)
     return Measured(held, fixed, per_cost)
+
+
+def _generation(rt, stats, modules, images: int) -> tuple[int, int]:
+    """(bytes a one-step generation of ``images`` native images takes, bytes its decode takes):
+    on CUDA the allocator's peaks, on a CPU the bytes of every module's outputs. A call that
+    fails leaves nothing to measure by: the start stops, saying why."""
+    from diffserve.work import ImageRequest, Work, WorkItem
+
+    info = rt.info
+    request = ImageRequest(f"memory-{images}", info.name, info.width, info.height,
+                           num_inference_steps=1, guidance_scale=info.default_guidance_scale,
+                           prompt="a measure of memory", n=images, num_frames=info.num_frames)
+    counter = None if stats.cuda else OutputBytes(modules)
+    decode = DecodeBytes(rt.loaded.pipe, stats, counter)
+    base = stats.start()
+    try:
+        (outcome,) = rt.request_runner().execute(Work(0, [WorkItem(request, 0, images)]), [[]])
+    finally:
+        decode.close()
+        if counter is not None:
+            counter.close()
+    if outcome.error:
+        raise ConfigError(f"the memory budget could not be measured: a generation of {images} "
+                          f"native image(s) failed: {outcome.error}")
+    return (stats.peak(base) if stats.cuda else counter.total), decode.bytes
+
+
+class DecodeBytes:
+    """The bytes the VAE's decoder takes in a call: on CUDA its peak above what was allocated as
+    it started, on a CPU the bytes of its modules' outputs (``counter``'s share of them)."""
+
+    def __init__(self, pipe, stats, counter) -> None:
+        self.bytes, self.stats, self.counter, self._base = 0, stats, counter, None
+        decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
+        self.handles = [] if decoder is None else [
+            decoder.register_forward_pre_hook(self._before),
+            decoder.register_forward_hook(self._after)]
+
+    def _before(self, module, args) -> None:
+        self._base = self.stats.start() if self.stats.cuda else self.counter.total
+
+    def _after(self, module, args, output) -> None:
+        if self.stats.cuda:
+            self.bytes += self.stats.peak(self._base)
+        else:
+            self.bytes += self.counter.total - self._base
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def cached_bytes(rt) -> float:
+    """What one image's step cache keeps (the first block's signal and the remaining blocks'
+    cached output, for each of its rows, as the step cache stores them), read off a real cache
+    after one step of a native-size request."""
+    from diffserve.work import ImageRequest, WorkItem
+
+    info = rt.info
+    request = ImageRequest("memory-cache", info.name, info.width, info.height,
+                           num_inference_steps=3, guidance_scale=info.default_guidance_scale,
+                           prompt="a measure of memory", num_frames=info.num_frames,
+                           cache_threshold=1.0)
+    engine = rt.step_engine()
+    try:
+        engine.admit([WorkItem(request, 0, 1)], [[]])
+        engine.step()
+        kept = sum(u.cache.nbytes for u in engine.units if u.cache is not None)
+    finally:
+        engine.abandon("measured")
+        engine.close()
+    return float(kept)
 
 
 def unit_cost(info) -> float:
@@ -115,30 +182,6 @@ def unit_cost(info) -> float:
     from diffserve.costs import image_cost, uses_cfg
 
     return image_cost(1, 1, 1, 1, uses_cfg(info.guidance_rule, info.default_guidance_scale, ""))
-
-
-class RowBytes:
-    """The bytes of one row of the denoiser's first block output (what the step cache keeps per
-    row), read by a forward hook on that block during the measuring calls."""
-
-    def __init__(self, denoiser) -> None:
-        import torch
-
-        self.bytes, self.handle = 0, None
-        lists = [m for m in denoiser.children() if isinstance(m, torch.nn.ModuleList)]
-        if lists and len(lists[0]):
-            self.handle = lists[0][0].register_forward_hook(self._read)
-
-    def _read(self, module, args, output) -> None:
-        import torch
-
-        out = output[0] if isinstance(output, (tuple, list)) else output
-        if isinstance(out, torch.Tensor) and not self.bytes:
-            self.bytes = out.numel() * out.element_size() // max(out.shape[0], 1)
-
-    def close(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
 
 
 def bound(rt, config) -> None:
