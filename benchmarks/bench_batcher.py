@@ -10,7 +10,7 @@ import random
 import sys
 import time
 
-import kit
+from kit import cli
 from diffserve.work import ImageRequest
 from diffserve.scheduler.batcher import Batcher
 
@@ -49,11 +49,11 @@ def run(args, depth: int | None, seed: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = kit.parser(__doc__, max_batch_size=8, repeats=3, output_file=None)
+    p = cli.parser(__doc__, max_batch_size=8, repeats=3, output_file=None)
     p.add_argument("--mode", choices=("request", "step"), default="request", help="Signatures of this mode.")
     p.add_argument("--cycles", type=int, default=20_000, help="Decisions per run.")
     p.add_argument("--delay-ms", type=float, default=8.0)
-    p.add_argument("--backlog-depth", type=kit.ints, default=[100, 1000, 10000], help="Comma-separated; empty: none.")
+    p.add_argument("--backlog-depth", type=cli.ints, default=[100, 1000, 10000], help="Comma-separated; empty: none.")
     p.add_argument("--target", type=float, default=20_000)
     p.add_argument("--strict", action="store_true", help="Exit 1 if a scenario misses the target.")
     args = p.parse_args(argv)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                         "decisions_per_s": best, "meets_target": best >= args.target})
         print(f"{results[-1]['scenario']:<16}{best:>12,.0f} decisions/s {1e6 / best:8.2f} us  "
               f"{'met' if best >= args.target else 'MISSED'} (target {args.target:,.0f})", flush=True)
-    kit.write_json(args.output_file, {"config": vars(args), "results": results})
+    cli.write_json(args.output_file, {"config": vars(args), "results": results})
     return 1 if args.strict and not all(r["meets_target"] for r in results) else 0
 
 

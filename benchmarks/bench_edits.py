@@ -16,7 +16,7 @@ import aiohttp
 import numpy as np
 from PIL import Image
 
-import kit
+from kit import in_process, loadgen, servers
 from diffserve.work import ImageRequest
 
 SPEED_UP = "speed-up, at once / one at a time"
@@ -28,7 +28,7 @@ async def edit(client: aiohttp.ClientSession, url: str, image: np.ndarray, i: in
                                                 "size": f"{a.side}x{a.side}", "num_inference_steps": str(a.steps)})
     Image.fromarray(image).save(png, format="PNG")
     form.add_field("image", png.getvalue(), filename="in.png", content_type="image/png")
-    return await kit.image(client, url, None, "/v1/images/edits", data=form)
+    return await loadgen.image(client, url, None, "/v1/images/edits", data=form)
 
 
 async def timed(url: str, a) -> tuple[float, float, list[np.ndarray], list[np.ndarray]]:
@@ -37,7 +37,7 @@ async def timed(url: str, a) -> tuple[float, float, list[np.ndarray], list[np.nd
     from diffserve.executor.checks.reference import sample_image
 
     images = [sample_image(a.side, seed=i)[0] for i in range(a.count)]
-    async with kit.session() as client:
+    async with loadgen.session() as client:
         await edit(client, url, images[0], 999, a)
         start = time.perf_counter()
         for i, image in enumerate(images):
@@ -47,11 +47,11 @@ async def timed(url: str, a) -> tuple[float, float, list[np.ndarray], list[np.nd
         return alone, time.perf_counter() - start, images, list(together)
 
 
-def edits(b: kit.Bench) -> dict[str, float | None]:
+def edits(b: servers.Bench) -> dict[str, float | None]:
     a = b.args
     with b.servers("edits", {"--batching-mode": "step", "--dynamic-batch-max-size": a.count}) as served:
         alone, at_once, images, made = asyncio.run(timed(served.urls[0], a))
-    ref = kit.reference(a.model, a.torch_threads)
+    ref = in_process.reference(a.model, a.torch_threads)
     for i, image in enumerate(images):
         if i not in EXPECTED:
             EXPECTED[i] = ref.images(ImageRequest(
@@ -64,8 +64,8 @@ def edits(b: kit.Bench) -> dict[str, float | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return kit.main(__doc__, {"edits": kit.Scenario(edits, [(SPEED_UP, ">=", 2.0)])}, argv, model="tiny-flux-kontext",
-                    rounds=3, steps=4, count=8, side=64, torch_threads=0)
+    return servers.main(__doc__, {"edits": servers.Scenario(edits, [(SPEED_UP, ">=", 2.0)])}, argv,
+                        model="tiny-flux-kontext", rounds=3, steps=4, count=8, side=64, torch_threads=0)
 
 
 if __name__ == "__main__":

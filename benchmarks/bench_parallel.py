@@ -3,6 +3,7 @@ speed-up on G H100s modelled for real-size FLUX.1-dev, Qwen-Image and Wan 2.1 14
 the shapes, time = FLOPs / (G x ``--tflops``) + bytes a rank sends / ``--link-gbs``, no overlap.
 
     python benchmarks/bench_parallel.py --model tiny-flux --ranks 2 --size 256x256 --batch 2
+    python benchmarks/bench_parallel.py --model random:flux.1-dev --ranks 8 --size 1024x1024   # 8 GPUs
     python benchmarks/bench_parallel.py --model none     # the modelled table alone
 """
 
@@ -18,13 +19,16 @@ import traceback
 from queue import Empty
 from types import SimpleNamespace
 
-import kit
+from kit import cli, in_process, stats
+from diffserve.executor.families import published_dtype
 from diffserve.executor.model.loading import leave_out_unused_libraries, load_model
 from diffserve.executor.parallel.model import parallelize
 from diffserve.executor.parallel.topology import Group, RankSpec
+from diffserve.executor.pipeline import pipeline_class_of
 from diffserve.topology import Degrees
 from diffserve.processes import bound_openmp_spin
 from diffserve.launcher import free_port
+from diffserve.models.registry import resolve_model
 
 # name: blocks, hidden, heads, MLP width, image (video) tokens, text tokens, joint (the text in
 # the self-attention's sequence), output channels per token; classifier-free guidance.
@@ -80,8 +84,9 @@ def count_collectives(world: int) -> dict:
     return seen
 
 
-def capture(loaded, width: int, height: int, batch: int, g: int):
-    """The denoiser, its first call's (args, kwargs) at this size, and :func:`model` of its shapes."""
+def capture(loaded, width: int, height: int, batch: int, g: int, frames: int | None = None):
+    """The denoiser, its first call's (args, kwargs) at this size (a video model's: ``frames``, by
+    default the model's), and :func:`model` of its shapes."""
     import torch
 
     pipe, box = loaded.pipe, {}
@@ -91,11 +96,11 @@ def capture(loaded, width: int, height: int, batch: int, g: int):
         box.update(args=args, kwargs=kwargs)
         raise StopIteration  # the pipeline goes no further
     handle = denoiser.register_forward_pre_hook(hook, with_kwargs=True)
-    frames = {"num_frames": loaded.defaults["num_frames"]} if "num_frames" in loaded.defaults else {}
+    video = {"num_frames": frames or loaded.defaults["num_frames"]} if "num_frames" in loaded.defaults else {}
     try:
         with torch.inference_mode(), contextlib.suppress(StopIteration):
-            pipe(prompt=kit.prompts()[:1] * batch, width=width, height=height, num_inference_steps=2,
-                 output_type="latent", generator=torch.Generator("cpu").manual_seed(0), **loaded.call_kwargs, **frames)
+            pipe(prompt=cli.prompts()[:1] * batch, width=width, height=height, num_inference_steps=2,
+                 output_type="latent", generator=torch.Generator("cpu").manual_seed(0), **loaded.call_kwargs, **video)
     finally:
         handle.remove()
     c, kw = denoiser.config, box["kwargs"]
@@ -111,7 +116,7 @@ def timed(torch, denoiser, args, kwargs, n: int, barrier=lambda: None) -> tuple[
     with torch.inference_mode():
         for _ in range(n):
             barrier()
-            seconds, out = kit.timed(lambda: denoiser(*args, **kwargs), torch.cuda.is_available())
+            seconds, out = in_process.timed(lambda: denoiser(*args, **kwargs), torch.cuda.is_available())
             times.append(seconds)
     return times, (out[0] if isinstance(out, tuple) else out.sample).float().cpu().numpy()
 
@@ -129,7 +134,7 @@ def rank_main(rank: int, world: int, port: int, build, args, queue) -> None:
         threads = max(1, args.torch_threads or (os.cpu_count() or 1) // world)
         group = Group(RankSpec(0, rank, Degrees(ulysses=world), (device,) * world, port, args.timeout))
         loaded = build(device=device, torch_threads=threads * world)
-        denoiser, a, kw, predicted = capture(loaded, *args.wh, args.batch, world)
+        denoiser, a, kw, predicted = capture(loaded, *args.wh, args.batch, world, args.frames)
         group.dist.barrier()  # every rank loaded: rank 0 has the machine, the others wait
         if rank == 0:
             times, result["out_1"] = timed(torch, denoiser, a, kw, args.warmup + args.repeats)
@@ -150,8 +155,16 @@ def rank_main(rank: int, world: int, port: int, build, args, queue) -> None:
             group.close()
 
 
+def loader(model: str):
+    """A rank's ``build``: ``model`` loaded as an executor loads it, in the dtype diffserve picks for
+    it on the rank's device (a random-weight architecture built there, ``random:NAME[:tiny]``)."""
+    published = published_dtype(pipeline_class_of(resolve_model(model)))
+    return functools.partial(load_model, model, published_dtype=published)
+
+
 def measure(build, args) -> dict:
-    """The figures of ``build(device=, torch_threads=) -> LoadedModel`` (picklable) on the ranks."""
+    """The figures of ``build(device=, torch_threads=) -> LoadedModel`` (picklable, e.g. :func:`loader`)
+    on the ranks."""
     ctx, port = multiprocessing.get_context("spawn"), free_port()
     queue = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(r, args.ranks, port, build, args, queue)) for r in range(args.ranks)]
@@ -172,7 +185,7 @@ def measure(build, args) -> dict:
     if errors := [r["error"] for r in ranks.values() if "error" in r]:
         raise RuntimeError(f"a rank failed:\n{errors[0]}")
     r = ranks[0]
-    t1, tg = kit.median(r.pop("times_1")), kit.median(r.pop("times_g"))
+    t1, tg = stats.median(r.pop("times_1")), stats.median(r.pop("times_g"))
     a2a = {f: sum(e[f] for k, e in r["collectives"].items() if "to_all" in k) for f in ("bytes", "sent")}
     return {"figures": {"forward ms, 1 rank": 1e3 * t1, f"forward ms, {args.ranks} ranks": 1e3 * tg,
                         "speed-up": t1 / tg, "max abs diff": float(abs(r.pop("out_1") - r.pop("out_g")).max()),
@@ -183,21 +196,22 @@ def measure(build, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = kit.parser(__doc__, model="tiny-flux", size="256x256", repeats=5, warmup=1, torch_threads=0, output_file=None)
-    p.add_argument("--ranks", type=kit.count, default=2, help="G, the Ulysses degree measured.")
-    p.add_argument("--batch", type=kit.count, default=1, help="Rows (images) of the forward.")
+    p = cli.parser(__doc__, model="tiny-flux", size="256x256", repeats=5, warmup=1, torch_threads=0, output_file=None)
+    p.add_argument("--ranks", type=cli.count, default=2, help="G, the Ulysses degree measured.")
+    p.add_argument("--batch", type=cli.count, default=1, help="Rows (images) of the forward.")
+    p.add_argument("--frames", type=cli.count, default=None, help="A video model's frames (None: the model's).")
     p.add_argument("--tflops", type=float, default=400.0, help="A GPU's effective bf16 TFLOP/s (the model).")
     p.add_argument("--link-gbs", type=float, default=900.0, help="GB/s a GPU sends at (NVLink 4: 900).")
     p.add_argument("--timeout", type=float, default=600.0, help="Longest wait for the ranks, s.")
     args = p.parse_args(argv)
     args.wh, result = tuple(int(v) for v in args.size.lower().split("x")), {"figures": {}}
     if args.model != "none":
-        result = measure(functools.partial(load_model, args.model), args)
+        result = measure(loader(args.model), args)
         print(f"{args.model} {args.size}, {args.batch} row(s), on {result['device']}: {result['collectives']}")
     result["modelled"] = modelled(args.tflops, args.link_gbs)
     print(f"\nModelled: a denoising step on H100s, {args.tflops:g} TFLOP/s bf16 each, {args.link_gbs:g} GB/s, "
-          f"no overlap\n\n{kit.table(result['modelled'])}")
-    kit.report("parallel", [result], args)
+          f"no overlap\n\n{stats.table(result['modelled'])}")
+    cli.report("parallel", [result], args)
     return 0
 
 

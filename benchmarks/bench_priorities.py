@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-import kit
+from kit import cli, in_process, loadgen, server_metrics, servers
 from diffserve.work import ImageRequest
 
 PRODUCT, TRAINER = "product-key", "trainer-key"
@@ -24,7 +24,7 @@ TARGETS = [("priority interactive p99 / alone", "<=", 1.5), ("batch img/s, prior
 
 async def generate(client, url, key, prompt, seed, steps) -> tuple[float, np.ndarray]:
     start = time.perf_counter()
-    image = await kit.image(client, url, {"prompt": prompt, "seed": seed, "num_inference_steps": steps},
+    image = await loadgen.image(client, url, {"prompt": prompt, "seed": seed, "num_inference_steps": steps},
                             headers=BEARER[key])
     return time.perf_counter() - start, image
 
@@ -32,7 +32,7 @@ async def generate(client, url, key, prompt, seed, steps) -> tuple[float, np.nda
 async def mixed(url, a, rate: float, seed: int) -> tuple[dict, dict[int, np.ndarray]]:
     """The batch class saturating, interactive arrivals at ``rate`` meanwhile: figures, batch images."""
     images, stop = {}, asyncio.Event()
-    async with kit.session() as client:
+    async with loadgen.session() as client:
         async def batch_client(i):
             while not stop.is_set():
                 images[i] = (await generate(client, url, TRAINER, f"batch job {i}", 1000 + i, a.batch_steps))[1]
@@ -41,7 +41,7 @@ async def mixed(url, a, rate: float, seed: int) -> tuple[dict, dict[int, np.ndar
         clients = [asyncio.ensure_future(batch_client(c)) for c in range(a.batch_clients)]
         await asyncio.sleep(a.settle_s)  # the batch class saturates first
         start, done_before = time.perf_counter(), len(images)
-        interactive = [t for t, _ in await kit.drive(
+        interactive = [t for t, _ in await loadgen.drive(
             lambda i: generate(client, url, PRODUCT, f"interactive {i}", i, a.interactive_steps),
             a.interactive_requests, rate, rng=random.Random(seed))]
         batch_rate = (len(images) - done_before) / (time.perf_counter() - start)
@@ -51,7 +51,7 @@ async def mixed(url, a, rate: float, seed: int) -> tuple[dict, dict[int, np.ndar
             "interactive p99 s": float(np.quantile(interactive, 0.99)), "batch img/s": batch_rate}, images
 
 
-def priorities(b: kit.Bench) -> dict[str, float | None]:
+def priorities(b: servers.Bench) -> dict[str, float | None]:
     a, f = b.args, {}
     for policy in ("fcfs", "priority"):
         trainer = f"{TRAINER}:10" if policy == "priority" else TRAINER
@@ -65,11 +65,12 @@ def priorities(b: kit.Bench) -> dict[str, float | None]:
                                       **interactive)["latency_s"]["p50"]
             figures, images = asyncio.run(mixed(url, a, f["capacity req/s"] * a.interactive_load / 100, b.round - 1))
             if policy == "priority":
-                f["preemptions"] = kit.total(kit.metrics(url), "diffserve_preemptions_total") or 0.0
+                samples = server_metrics.metrics(url)
+                f["preemptions"] = server_metrics.total(samples, "diffserve_preemptions_total") or 0.0
         f.update({f"{k}, {policy}": v for k, v in figures.items()})
         f[f"{policy} interactive p99 / alone"] = figures["interactive p99 s"] / f["alone s"]
     f["batch img/s, priority / fcfs"] = f["batch img/s, priority"] / f["batch img/s, fcfs"]
-    ref = kit.reference(a.model, a.torch_threads)
+    ref = in_process.reference(a.model, a.torch_threads)
     guidance = ref.loaded.defaults.get("guidance_scale", 5.0)
     diffs = [ref.diff(image, ref.images(ImageRequest(
         "ref", a.model, image.shape[1], image.shape[0], num_inference_steps=a.batch_steps, guidance_scale=guidance,
@@ -82,17 +83,17 @@ def priorities(b: kit.Bench) -> dict[str, float | None]:
 def arguments(p) -> None:
     p.add_argument("--interactive-steps", type=int, default=10)
     p.add_argument("--batch-steps", type=int, default=24)
-    p.add_argument("--batch-clients", type=kit.count, default=16)
+    p.add_argument("--batch-clients", type=cli.count, default=16)
     p.add_argument("--interactive-load", type=float, default=30.0, help="%% of the interactive capacity.")
-    p.add_argument("--interactive-requests", type=kit.count, default=60)
-    p.add_argument("--alone-requests", type=kit.count, default=10)
+    p.add_argument("--interactive-requests", type=cli.count, default=60)
+    p.add_argument("--alone-requests", type=cli.count, default=10)
     p.add_argument("--aging", type=float, default=30.0, help="The servers' --priority-aging-s.")
     p.add_argument("--settle-s", type=float, default=2.0, help="The batch class alone first, s.")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return kit.main(__doc__, {"priorities": kit.Scenario(priorities, TARGETS)}, argv, arguments, model="shapes",
-                    rounds=3, max_batch_size=8, torch_threads=0)
+    return servers.main(__doc__, {"priorities": servers.Scenario(priorities, TARGETS)}, argv, arguments,
+                        model="shapes", rounds=3, max_batch_size=8, torch_threads=0)
 
 
 if __name__ == "__main__":

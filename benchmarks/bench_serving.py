@@ -13,7 +13,7 @@ import math
 import sys
 from dataclasses import fields
 
-import kit
+from kit import cli, loadgen
 
 
 def format_report(r: dict) -> str:
@@ -50,17 +50,17 @@ def format_report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = kit.parser(__doc__, size=None, steps=None, warmup=2, output_file=None)
+    p = cli.parser(__doc__, size=None, steps=None, warmup=2, output_file=None)
     p.add_argument("--base-url", dest="base_urls", metavar="URL", action="append", help="Server address; repeat "
                    "(or comma-separate) for round-robin over several. Default: http://127.0.0.1:8000.")
-    p.add_argument("--num-prompts", "--num-requests", type=kit.count, default=200, help="Requests after warm-up.")
-    p.add_argument("--max-concurrency", type=kit.count, default=None, help="Most in flight (default: no limit).")
+    p.add_argument("--num-prompts", "--num-requests", type=cli.count, default=200, help="Requests after warm-up.")
+    p.add_argument("--max-concurrency", type=cli.count, default=None, help="Most in flight (default: no limit).")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s (seeded); inf: at once.")
-    p.add_argument("--mixed-steps", type=kit.ints, help="Comma-separated step counts; each request draws one (seeded).")
-    p.add_argument("--sizes", type=kit.names, default=None, help='Sizes to mix, e.g. "32x32,48x48": in '
+    p.add_argument("--mixed-steps", type=cli.ints, help="Comma-separated step counts; each request draws one (seeded).")
+    p.add_argument("--sizes", type=cli.names, default=None, help='Sizes to mix, e.g. "32x32,48x48": in '
                    "turn, or drawn with --size-weights; latency is reported per size.")
-    p.add_argument("--size-weights", type=kit.floats, help='Draw --sizes with these weights (seeded), e.g. "9,1".')
-    p.add_argument("--models", type=kit.names, help="`model` of request i: the (i mod count)-th (e.g. LoRA adapters).")
+    p.add_argument("--size-weights", type=cli.floats, help='Draw --sizes with these weights (seeded), e.g. "9,1".')
+    p.add_argument("--models", type=cli.names, help="`model` of request i: the (i mod count)-th (e.g. LoRA adapters).")
     p.add_argument("--n", type=int, default=1, help="Images per request.")
     p.add_argument("--seed", type=int, default=0, help="Seeds prompts, arrivals, step draws, images.")
     p.add_argument("--output-format", choices=("png", "jpeg", "webp"), default=None)
@@ -69,16 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", dest="timeout_s", type=float, default=600.0, help="Per-request timeout, s.")
     p.add_argument("--label", default=None, help="Name of this run in the report and JSON.")
     args = p.parse_args(argv)
-    args.base_urls = [u for arg in args.base_urls or ["http://127.0.0.1:8000"] for u in kit.names(arg)]
+    args.base_urls = [u for arg in args.base_urls or ["http://127.0.0.1:8000"] for u in cli.names(arg)]
     try:
         if not isinstance(args.extra_body, dict):
             raise ValueError("--extra-body must be a JSON object")
-        load = kit.Load(**{f.name: getattr(args, f.name) for f in fields(kit.Load) if hasattr(args, f.name)})
-        result = asyncio.run(kit.run_load(load))
+        load = loadgen.Load(**{f.name: getattr(args, f.name) for f in fields(loadgen.Load) if hasattr(args, f.name)})
+        result = asyncio.run(loadgen.run_load(load))
     except (ValueError, RuntimeError, OSError) as error:
         print(f"bench_serving.py: error: {error}", file=sys.stderr)
         return 1
-    return kit.done(args, result, format_report(result), code=0 if result["completed"] else 1)
+    return cli.done(args, result, format_report(result), code=0 if result["completed"] else 1)
 
 
 if __name__ == "__main__":

@@ -12,49 +12,66 @@ import functools
 import sys
 import time
 
+import numpy as np
+
 import bench_edits
-import kit
+from kit import cli, in_process, server_metrics, servers, stats
 
 GAP = "longest gap / median gap"
 ENCODES = "prompt encodings for one prompt"
-RUNTIME = functools.cache(kit.runtime)  # one per model and thread count, for every run and round
+RUNTIME = functools.cache(in_process.runtime)  # one per model and thread count, for every run and round
 
 
-def gap_run(a, model: str, stages: bool) -> dict:
-    """One run of the engine (see ``gaps``): its forwards' gaps."""
-    from diffserve.executor.checks.reference import sample_image
-
-    rt = RUNTIME(model, a.torch_threads, skip_startup_check=True)
-    engine, info = rt.step_engine(stages=stages), rt.info
+def arrivals(rt, stages: bool, its: list, every: int, inputs=lambda item: []) -> dict:
+    """Work items ``its`` through a step engine over ``rt``, one arriving every ``every`` steps,
+    with the encode and decode stages on or off: the denoiser's longest pause between two
+    forwards while requests are left running, against the median pause before forwards of as
+    many requests (a forward of more rows is longer); images/s; the p99 latency from a request's
+    arrival (the start of its step) to the end of the step it finished in."""
+    engine = rt.step_engine(stages=stages)
     forwards: list[list] = []  # per forward: [when, requests in it, requests running after its step]
+    begun, finished = [time.perf_counter()], {}  # begun[k]: when step k began (the one before ended)
 
     def timed(units, predict=engine._predict):
         forwards.append([time.perf_counter(), len(engine.units), 0])
         return predict(units)
 
     def each(out):
+        begun.append(time.perf_counter())
+        finished.update((o.item.request.request_id, begun[-1]) for o in out.finished)
         if out.samples:
             forwards[-1][2] = len(engine.units)
 
     engine._predict = timed
-    edits = "edit" in info.tasks and "generate" not in info.tasks
-    image = sample_image(info.width)[0]
-    its = kit.items(rt, a.count, "r", a.steps or 8, guidance_scale=4.0, negative_prompt="blurry",
-                    **({"task": "edit", "references": 1} if edits else {}),
-                    **({"num_frames": 5} if info.num_frames else {}))
-    total, outcomes = kit.timed(lambda: kit.stepped(engine, {a.every * i: [item] for i, item in enumerate(its)}, each,
-                                                    lambda item: [image] if edits else []))
+    outcomes = in_process.stepped(engine, {every * i: [item] for i, item in enumerate(its)}, each, inputs)
     engine.close()
     assert all(o.status == "finished" for o in outcomes), [o.error for o in outcomes]
-    # Against the median gap before forwards of as many requests: a forward of more rows is longer.
+    total = begun[-1] - begun[0]
     gaps = [(t1 - t0, size) for (t0, _, left), (t1, size, _) in zip(forwards, forwards[1:]) if left]
-    by_size = {n: kit.median([g for g, m in gaps if m == n]) for _, n in gaps}
+    by_size = {n: stats.median([g for g, m in gaps if m == n]) for _, n in gaps}
     worst = max(gaps, key=lambda gap: gap[0] / by_size[gap[1]])
+    latencies = [finished[item.request.request_id] - begun[every * i] for i, item in enumerate(its)]
     return {"ratio": worst[0] / by_size[worst[1]], "max_ms": worst[0] * 1e3,
-            "median_ms": by_size[worst[1]] * 1e3, "total_s": total}
+            "median_ms": by_size[worst[1]] * 1e3, "total_s": total, "images_per_s": len(its) / total,
+            "p99_s": float(np.percentile(latencies, 99))}
 
 
-def gaps(b: kit.Bench) -> dict[str, float | None]:
+def gap_run(a, model: str, stages: bool) -> dict:
+    """One run of the engine (see ``gaps``): :func:`arrivals` of --count requests, one every
+    --every steps, with guidance and a negative prompt (an edit model's with an input image)."""
+    from diffserve.executor.checks.reference import sample_image
+
+    rt = RUNTIME(model, a.torch_threads, skip_startup_check=True)
+    info = rt.info
+    edits = "edit" in info.tasks and "generate" not in info.tasks
+    image = sample_image(info.width)[0]
+    its = in_process.items(rt, a.count, "r", a.steps or 8, guidance_scale=4.0, negative_prompt="blurry",
+                           **({"task": "edit", "references": 1} if edits else {}),
+                           **({"num_frames": 5} if info.num_frames else {}))
+    return arrivals(rt, stages, its, a.every, lambda item: [image] if edits else [])
+
+
+def gaps(b: servers.Bench) -> dict[str, float | None]:
     figures = {}
     for model in b.args.models:
         for stages in (True, False):
@@ -67,17 +84,17 @@ def gaps(b: kit.Bench) -> dict[str, float | None]:
     return figures
 
 
-def prompt(b: kit.Bench) -> dict[str, float | None]:
+def prompt(b: servers.Bench) -> dict[str, float | None]:
     with b.servers("prompt", {"--batching-mode": "step", "--dynamic-batch-max-size": b.args.count}) as served:
-        before = kit.metrics(served.urls[0])
+        before = server_metrics.metrics(served.urls[0])
         b.load(served, "one prompt", num_prompts=b.args.count, warmup=0, steps=b.args.steps or 4,
                extra_body={"prompt": f"one prompt, round {b.round}"})  # all at once, seeds apart
-        after = kit.metrics(served.urls[0])
-    cache = functools.partial(kit.change, before, after, "diffserve_prompt_cache_requests_total")
+        after = server_metrics.metrics(served.urls[0])
+    cache = functools.partial(server_metrics.change, before, after, "diffserve_prompt_cache_requests_total")
     return {ENCODES: cache(outcome="miss"), "prompt cache hits": cache(outcome="hit")}
 
 
-def edits(b: kit.Bench) -> dict[str, float | None]:
+def edits(b: servers.Bench) -> dict[str, float | None]:
     a, figures = b.args, {}
     a.steps = a.steps or 4
     for stages in ("on", "off"):
@@ -91,18 +108,20 @@ def edits(b: kit.Bench) -> dict[str, float | None]:
 
 
 def arguments(p) -> None:
-    p.add_argument("--models", type=kit.names, default=["tiny-qwen-image", "tiny-qwen-image-edit", "tiny-wan"],
+    p.add_argument("--models", type=cli.names, default=["tiny-qwen-image", "tiny-qwen-image-edit", "tiny-wan"],
                    help="gaps: the models, each with the stages on and off.")
     p.add_argument("--edit-model", default="tiny-qwen-image-edit", help="edits: the model.")
-    p.add_argument("--every", type=kit.count, default=3, help="gaps: steps between two arrivals.")
+    p.add_argument("--every", type=cli.count, default=3, help="gaps: steps between two arrivals.")
     p.add_argument("--steps", type=int, default=None, help="Denoising steps per request (gaps: 8, else 4).")
 
 
 def main(argv: list[str] | None = None) -> int:
     on = [(f"{GAP}, {m}, stages on", "<=", 1.5) for m in ("tiny-qwen-image", "tiny-qwen-image-edit", "tiny-wan")]
-    return kit.main(__doc__, {"gaps": kit.Scenario(gaps, on), "prompt": kit.Scenario(prompt, [(ENCODES, "<=", 1)]),
-                              "edits": kit.Scenario(edits, [("one at a time / at once, stages on", ">=", 1.0)])},
-                    argv, arguments, rounds=3, count=8, side=64, torch_threads=1)
+    edits_on = ("one at a time / at once, stages on", ">=", 1.0)
+    return servers.main(__doc__, {"gaps": servers.Scenario(gaps, on),
+                                  "prompt": servers.Scenario(prompt, [(ENCODES, "<=", 1)]),
+                                  "edits": servers.Scenario(edits, [edits_on])},
+                        argv, arguments, rounds=3, count=8, side=64, torch_threads=1)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import kit
+from kit import cli, servers
 
 
 def stat_fields(pid: int) -> list[str]:
@@ -35,7 +35,7 @@ def processes(root: int) -> dict[str, int]:
 
 
 def one_start(args) -> dict[str, float]:
-    server = kit.server("--model", args.model, "--torch-threads", "1", *args.extra, env={"OMP_NUM_THREADS": "1"})
+    server = servers.server("--model", args.model, "--torch-threads", "1", *args.extra, env={"OMP_NUM_THREADS": "1"})
     started = time.monotonic()
     with server:
         found = {"ready_s": time.monotonic() - started}
@@ -46,10 +46,10 @@ def one_start(args) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = kit.parser(__doc__, model="tiny-sd", rounds=3, output_file=None)
+    p = cli.parser(__doc__, model="tiny-sd", rounds=3, output_file=None)
     p.add_argument("extra", nargs="*", help="more `diffserve serve` arguments (after --)")
     args = p.parse_args(argv)
-    kit.report("startup", [{"figures": one_start(args)} for _ in range(args.rounds)], args)
+    cli.report("startup", [{"figures": one_start(args)} for _ in range(args.rounds)], args)
     return 0
 
 

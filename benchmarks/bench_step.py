@@ -11,32 +11,34 @@ import os
 import sys
 from statistics import median
 
-import kit
+from kit import cli, in_process
 from diffserve.processes import bound_openmp_spin
 
 
 def runtime(args, **config):
-    return kit.runtime(args.model, args.torch_threads, batching_mode="step", skip_startup_check=True, **config)
+    return in_process.runtime(args.model, args.torch_threads, batching_mode="step", skip_startup_check=True, **config)
 
 
-def median_step(args, rt, batch: int, tag: str, hits: bool = False, **fields) -> float:
-    """The median of --repeats steps of ``batch`` requests admitted together (neither the first step
-    nor the last, which decodes); ``hits``: of those whose every row reused its cache."""
+def median_step(rt, batch: int, tag: str, repeats: int, hits: bool = False, **fields) -> float:
+    """The median of ``repeats`` steps of ``batch`` requests admitted together (neither the first
+    step nor the last, which decodes); ``hits``: of those whose every row reused its cache;
+    ``fields`` over the requests' own (e.g. their size)."""
     steps = []
-    kit.stepped(rt.step_engine(), {0: kit.items(rt, batch, tag, args.repeats + 2, **fields)}, steps.append)
+    its = in_process.items(rt, batch, tag, repeats + 2, **fields)
+    in_process.stepped(rt.step_engine(), {0: its}, steps.append)
     return median(out.seconds for out in steps[1:-1] if not (hits and out.cache_misses))
 
 
 def compiled(args, batches: list[int]) -> list[dict]:
     eager = runtime(args)
-    warm_up_s, fast = kit.timed(lambda: runtime(args, compile=True))  # warms the native buckets up
+    warm_up_s, fast = in_process.timed(lambda: runtime(args, compile=True))  # warms the native buckets up
     for batch in batches:  # buckets the warm-up did not reach compile here, untimed
-        kit.run(fast, kit.items(fast, batch, "warm", 3))
+        in_process.run(fast, in_process.items(fast, batch, "warm", 3))
     graphs, by_round = fast.compiled.take_new(), {batch: {"eager": [], "compiled": []} for batch in batches}
     for _ in range(args.rounds):  # the two alternate, so that drift hits both alike
         for name, rt in (("eager", eager), ("compiled", fast)):
             for batch in batches:
-                by_round[batch][name].append(median_step(args, rt, batch, name))
+                by_round[batch][name].append(median_step(rt, batch, name, args.repeats))
     rows = [{"batch": batch, **{f"{name} step ms": 1000 * median(t[name]) for name in t},
              "speed-up": median(t["eager"]) / median(t["compiled"]), **{f"{name} by round": t[name] for name in t}}
             for batch, t in by_round.items()]
@@ -56,7 +58,7 @@ def quantized(args, batches: list[int]) -> list[dict]:
                "denoiser weights MB unquantized": logical / 1e6, "process resident MB after loading": resident_mb(),
                "resident MB added by loading": resident_mb() - before}
         for batch in batches:
-            times = [median_step(args, rt, batch, scheme) for _ in range(args.rounds)]
+            times = [median_step(rt, batch, scheme, args.repeats) for _ in range(args.rounds)]
             row[f"step ms, batch {batch}"] = 1000 * median(times)
             row[f"step ms by round, batch {batch}"] = [1000 * t for t in times]
         results.append(row)
@@ -69,9 +71,9 @@ def ceiling(args, batches: list[int]) -> list[dict]:
     for batch in batches:
         computing, hitting = [], []
         for _ in range(args.rounds):
-            computing.append(median_step(args, rt, batch, "all", cache_threshold=0.0))
+            computing.append(median_step(rt, batch, "all", args.repeats, cache_threshold=0.0))
             # A threshold no change reaches: every step past the first hits (the last computes).
-            hitting.append(median_step(args, rt, batch, "hit", hits=True, cache_threshold=1e9))
+            hitting.append(median_step(rt, batch, "hit", args.repeats, hits=True, cache_threshold=1e9))
         c, h = median(computing), median(hitting)
         results.append({"batch": batch, "step ms, every row computes": 1000 * c, "step ms, every row hits": 1000 * h,
                         "ceiling (all hit)": c / h, "by round": {"computes": computing, "hits": hitting}})
@@ -81,7 +83,8 @@ def ceiling(args, batches: list[int]) -> list[dict]:
 def offloads(args, batches: list[int]) -> list[dict]:
     modes, results = {mode: runtime(args, offload=mode) for mode in ("none", "layer", "model")}, []
     for batch in batches:
-        times = {mode: [median_step(args, rt, batch, mode) for _ in range(args.rounds)] for mode, rt in modes.items()}
+        times = {mode: [median_step(rt, batch, mode, args.repeats) for _ in range(args.rounds)]
+                 for mode, rt in modes.items()}
         results.append({"batch": batch, **{f"{m} step ms": 1000 * median(t) for m, t in times.items()},
                         **{f"{m} / none": median(t) / median(times["none"]) for m, t in times.items()}})
     return results
@@ -96,16 +99,16 @@ WHAT = {"compile": compiled, "quantization": quantized, "cache": ceiling, "offlo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = kit.parser(__doc__, model="shapes", batch_sizes=[1, 8], repeats=10, rounds=3, torch_threads=0, output_file=None)
+    p = cli.parser(__doc__, model="shapes", batch_sizes=[1, 8], repeats=10, rounds=3, torch_threads=0, output_file=None)
     p.add_argument("what", choices=WHAT)
     args = p.parse_args(argv)
     bound_openmp_spin()  # as the executor does, before torch loads
     import torch
 
     report = {"what": args.what, "model": args.model, "args": vars(args), "torch_threads": torch.get_num_threads(),
-              **kit.machine(), "results": WHAT[args.what](args, args.batch_sizes),
+              **cli.machine(), "results": WHAT[args.what](args, args.batch_sizes),
               "load_average_after": os.getloadavg()}
-    return kit.done(args, report, report["results"])
+    return cli.done(args, report, report["results"])
 
 
 if __name__ == "__main__":

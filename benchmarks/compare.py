@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-import kit
-from kit import Bench, Scenario, ms, ratio
+from kit import cli, loadgen, server_metrics, servers, stats
+from kit.servers import Bench, Scenario
+from kit.stats import ms, ratio
 from diffserve.models.random.loras import write_lora
 
 STEP_OVER_REQUEST = "step/request"
@@ -108,20 +109,20 @@ def lora(b: Bench) -> dict[str, float | None]:
         for i, name in enumerate(names):
             if not (root / name).exists():
                 write_lora(a.model, root / name, rank=rank, seed=i, weight_scale=0.2)
-        served = {"--lora-modules": [f"{n}={root / n}" for n in names], "--max-loras": max(most, 4),
-                  "--max-lora-rank": rank}
-        with b.servers(f"step, {tag}", {"--batching-mode": "step", **served}) as servers:
+        flags = {"--lora-modules": [f"{n}={root / n}" for n in names], "--max-loras": max(most, 4),
+                 "--max-lora-rank": rank}
+        with b.servers(f"step, {tag}", {"--batching-mode": "step", **flags}) as served:
             for k in a.lora_counts:
                 models = names[:k] or None
-                sat = b.load(servers, f"step k={k} {tag} saturated", max_concurrency=a.concurrency, models=models)
+                sat = b.load(served, f"step k={k} {tag} saturated", max_concurrency=a.concurrency, models=models)
                 f[f"saturated img/s, {k} adapters, step, {tag}"] = sat["images_per_s"]
                 if k == 0:
                     rate = sat["requests_per_s"] * a.lora_load / 100
                 if k in (0, most):
-                    lat = b.load(servers, f"step k={k} {tag} @{a.lora_load}%", request_rate=rate, models=models)
+                    lat = b.load(served, f"step k={k} {tag} @{a.lora_load}%", request_rate=rate, models=models)
                     f[f"p99 ms @{a.lora_load}%, {k} adapters, {tag}"] = ms(lat["latency_s"]["p99"])
-        with b.servers(f"request, {tag}", {"--batching-mode": "request", **served}) as servers:
-            sat = b.load(servers, f"request k={most} {tag} saturated", max_concurrency=a.concurrency, models=names)
+        with b.servers(f"request, {tag}", {"--batching-mode": "request", **flags}) as served:
+            sat = b.load(served, f"request k={most} {tag} saturated", max_concurrency=a.concurrency, models=names)
             f[f"saturated img/s, {most} adapters, request, {tag}"] = sat["images_per_s"]
         with_most, without = (f.get(f"saturated img/s, {k} adapters, step, {tag}") for k in (most, 0))
         f[f"saturated img/s, {most} adapters / none, {tag}"] = ratio(with_most, without)
@@ -213,12 +214,12 @@ def rollout(b: Bench) -> dict[str, float | None]:
 
 def rollout_layout(b: Bench, url: str, name: str, per_request: int) -> dict[str, float | None]:
     """``per_request`` samples a request: a warm-up, then ``--rollout-repeats`` timed repeats."""
-    a, n, prompts = b.args, b.args.rollout_n, kit.prompts()[:b.args.rollout_prompts]
+    a, n, prompts = b.args, b.args.rollout_n, cli.prompts()[:b.args.rollout_prompts]
     common = {**({"num_inference_steps": a.steps} if a.steps else {}), **({"size": a.size} if a.size else {})}
     samples = len(prompts) * n
 
     async def send_all(bodies: list[dict]) -> tuple[list[float | None], float]:
-        async with kit.session() as session:
+        async with loadgen.session() as session:
             async def one(i: int) -> float | None:  # its latency, None if it failed
                 start = time.perf_counter()
                 async with session.post(f"{url}/v1/rollouts", json=bodies[i]) as response:
@@ -226,7 +227,7 @@ def rollout_layout(b: Bench, url: str, name: str, per_request: int) -> dict[str,
                     return time.perf_counter() - start if response.status == 200 else None
 
             start = time.perf_counter()
-            return await kit.drive(one, len(bodies)), time.perf_counter() - start
+            return await loadgen.drive(one, len(bodies)), time.perf_counter() - start
 
     walls, lasts, failed = [], [], 0
     for repeat in range(a.rollout_repeats + 1):  # the first is the warm-up
@@ -241,7 +242,7 @@ def rollout_layout(b: Bench, url: str, name: str, per_request: int) -> dict[str,
     b.runs.append({"label": name, "round": b.round, "completed": len(walls) * samples, "failed": failed,
                    "walls_s": walls, "last_sample_s": lasts, "config": {"num_prompts": len(walls) * samples + failed}})
     b.failed |= failed > 0
-    rate, last = ratio(samples, kit.median(walls)), ms(kit.median(lasts))
+    rate, last = ratio(samples, stats.median(walls)), ms(stats.median(lasts))
     print(f"[{name}] {rate or 0:.2f} samples/s, last sample of a group {last or 0:.0f} ms, failed {failed}", flush=True)
     return {f"samples/s, {name}": rate, f"last sample of a group ms, {name}": last}
 
@@ -256,18 +257,18 @@ def cache(b: Bench) -> dict[str, float | None]:
         config = {"--batching-mode": "step", "--step-cache": "first-block", "--cache-threshold": threshold}
         with b.servers(name, config) as served:
             url = served.urls[0]
-            before = kit.metrics(url)
+            before = server_metrics.metrics(url)
             result = b.load(served, name, max_concurrency=a.concurrency)
-            after = kit.metrics(url)
+            after = server_metrics.metrics(url)
             images = asyncio.run(sample(url, a.cache_images, a.steps, a.size))
         f[f"img/s, {name}"] = result["images_per_s"]
-        hit, miss = (kit.change(before, after, "diffserve_step_cache_rows_total", outcome=k) or 0.0
+        hit, miss = (server_metrics.change(before, after, "diffserve_step_cache_rows_total", outcome=k) or 0.0
                      for k in ("hit", "miss"))
         f[f"rows that hit, {name}"] = hit / (hit + miss) if hit + miss else None
         if twins is None:
             twins = images
             continue
-        scores = [kit.psnr(x, y) for x, y in zip(images, twins)]
+        scores = [stats.psnr(x, y) for x, y in zip(images, twins)]
         f[f"PSNR min dB, {name}"], f[f"PSNR median dB, {name}"] = min(scores), float(np.median(scores))
         f[f"img/s, {name} / uncached"] = ratio(result["images_per_s"], f["img/s, threshold 0"])
     f[BEST] = max((f[f"img/s, threshold {t:g} / uncached"] for t in thresholds[1:]
@@ -279,26 +280,26 @@ def cache(b: Bench) -> dict[str, float | None]:
 async def sample(url: str, count: int, steps: int | None, size: str | None) -> list[np.ndarray]:
     """``count`` images of fixed prompts and seeds, requested together."""
     extra = {**({"num_inference_steps": steps} if steps else {}), **({"size": size} if size else {})}
-    async with kit.session() as client:
-        return await kit.drive(lambda i: kit.image(
+    async with loadgen.session() as client:
+        return await loadgen.drive(lambda i: loadgen.image(
             client, url, {"prompt": f"a coloured shape, number {i}", "seed": 7919 * i, **extra}), count)
 
 
 def arguments(p) -> None:
-    p.add_argument("--loads", type=kit.counts, default=[25, 50, 80, 100], help="modes: %% of saturation.")
-    p.add_argument("--mixed-steps", type=kit.counts, default=[8, 32], help="modes: step counts to mix.")
-    p.add_argument("--idle-requests", type=kit.count, default=32, help="modes, overhead: requests at concurrency 1.")
-    p.add_argument("--lora-counts", type=kit.ints, default=[0, 1, 4, 16], help="lora: distinct adapters.")
-    p.add_argument("--lora-ranks", type=kit.ints, default=[8, 64], help="lora: adapter ranks.")
+    p.add_argument("--loads", type=cli.counts, default=[25, 50, 80, 100], help="modes: %% of saturation.")
+    p.add_argument("--mixed-steps", type=cli.counts, default=[8, 32], help="modes: step counts to mix.")
+    p.add_argument("--idle-requests", type=cli.count, default=32, help="modes, overhead: requests at concurrency 1.")
+    p.add_argument("--lora-counts", type=cli.ints, default=[0, 1, 4, 16], help="lora: distinct adapters.")
+    p.add_argument("--lora-ranks", type=cli.ints, default=[8, 64], help="lora: adapter ranks.")
     p.add_argument("--lora-load", type=int, default=70, help="lora: %% of saturation for the p99.")
-    p.add_argument("--sizes", type=kit.names, help='sizes: the two sizes to mix, e.g. "32x32,48x48" (required).')
+    p.add_argument("--sizes", type=cli.names, help='sizes: the two sizes to mix, e.g. "32x32,48x48" (required).')
     p.add_argument("--sizes-load", type=int, default=60, help="sizes, rules: %% of request mode's saturation.")
-    p.add_argument("--set-policies", type=kit.names, default=["fair", "srpt", "oldest"], help="rules: step mode's.")
+    p.add_argument("--set-policies", type=cli.names, default=["fair", "srpt", "oldest"], help="rules: step mode's.")
     p.add_argument("--guidance-scale", type=float, help="rules: the requests' guidance_scale (None: the model's).")
     p.add_argument("--rollout-prompts", type=int, default=4, help="rollout: prompts (groups).")
     p.add_argument("--rollout-n", type=int, default=16, help="rollout: samples per prompt (the servers' --max-n).")
     p.add_argument("--rollout-repeats", type=int, default=3, help="rollout: timed repeats per layout.")
-    p.add_argument("--cache-thresholds", type=kit.floats, default=[0.1, 0.3], help="cache: the thresholds besides 0.")
+    p.add_argument("--cache-thresholds", type=cli.floats, default=[0.1, 0.3], help="cache: the thresholds besides 0.")
     p.add_argument("--cache-images", type=int, default=16, help="cache: images compared with their uncached twins.")
 
 
@@ -328,9 +329,9 @@ SCENARIOS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    return kit.main(__doc__, SCENARIOS, argv, arguments, size=None, steps=None, num_requests=128, concurrency=32,
-                    warmup=4, max_batch_size=8, batch_delay_ms=8.0, set_policy=None, scheduling_policy=None,
-                    batching_mode=None, torch_threads=0, tree=None)
+    return servers.main(__doc__, SCENARIOS, argv, arguments, size=None, steps=None, num_requests=128, concurrency=32,
+                        warmup=4, max_batch_size=8, batch_delay_ms=8.0, set_policy=None, scheduling_policy=None,
+                        batching_mode=None, torch_threads=0, tree=None)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""One command for a GPU machine: real-size FLUX.1-dev, Qwen-Image and Wan 2.1 14B, random weights
-built in memory, served as an executor serves them, by section (``--only``): first-day, exactness,
-throughput, accelerators, stages, weights, memory, parallel (2+ GPUs); ``--tiny``: the embedded tiny
-models on the CPU, the same code in seconds. A section is a function under ``@section``;
-docs/benchmarks.md says what each figure is.
+"""One command for a GPU machine: FLUX.1-dev, Qwen-Image and Wan 2.1 14B at their published sizes
+with random weights (the model source ``random:NAME``), built as an executor builds them, by
+section (``--only``): first-day, exactness, throughput, accelerators, stages, weights, memory,
+parallel (2+ GPUs); ``--tiny``: the same architectures scaled down (``random:NAME:tiny``) on the
+CPU, the same code in seconds. A section is a function under ``@section``; where another tool
+measures the same, the section calls that tool's measurement (bench_offline, bench_step,
+bench_stages, bench_parallel). docs/benchmarks.md says what each figure is.
 
     python benchmarks/gpu_check.py --output-file gpu-check.json
     python benchmarks/gpu_check.py --only first-day,exactness --families flux
@@ -10,7 +12,6 @@ docs/benchmarks.md says what each figure is.
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
 import shutil
@@ -23,21 +24,22 @@ from importlib.metadata import version
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
-
+import bench_offline
 import bench_parallel
-import kit
-from tools.real_size import loaded_family, skeleton
+import bench_stages
+import bench_step
+from kit import cli, in_process, stats
 from diffserve import shared_tensors
 from diffserve.control import PATH, SHARED, WeightSource
 from diffserve.executor.memory import oom as memory
-from diffserve.executor import runtime
 
-FAMILIES, IMAGES = ("flux", "qwen-image", "wan"), ("flux", "qwen-image")
+# Each family's model: a released architecture with random weights (with --tiny, at its tiny scale).
+FAMILIES = {"flux": "random:flux.1-dev", "qwen-image": "random:qwen-image", "wan": "random:wan2.1-14b"}
+IMAGES = ("flux", "qwen-image")
 SECTIONS: dict[str, SimpleNamespace] = {}
 
 
-def section(name: str, needs: str = "", families: tuple = FAMILIES):
+def section(name: str, needs: str = "", families: tuple = tuple(FAMILIES)):
     """Register ``run(ctx, family) -> figures`` as section ``name``; ``needs``: "cuda" or "gpus"."""
     return lambda run: SECTIONS.setdefault(name, SimpleNamespace(run=run, needs=needs, families=families)).run
 
@@ -58,7 +60,7 @@ def first_day(ctx, family: str) -> dict:
         rt = ctx.runtime(family, skip_startup_check=True)
     fig.update({"dtype": rt.loaded.dtype, "load and check s": time.perf_counter() - start, "mode": rt.mode,
                 "task modes": rt.task_modes, "fallback": rt.fallback, "unavailable": rt.unavailable})
-    failed = failures(kit.run(rt, kit.items(rt, 1, "finite")))
+    failed = failures(in_process.run(rt, ctx.items(rt, family, 1, "finite")))
     fig.update({"non-finite": failed.count("non_finite_output"), "failed": failed})
     host, rows, denoiser = [], [], rt.family.denoisers[0]  # a step: the denoiser by perf_counter alone, the timer
     hooks = [denoiser.register_forward_pre_hook(lambda *a: host.append(-time.perf_counter())),
@@ -68,28 +70,30 @@ def first_day(ctx, family: str) -> dict:
         if out.samples:
             rows.append((sum(host), out.seconds - out.host_seconds, out.seconds))
             host.clear()
-    kit.stepped(rt.step_engine(), {0: kit.items(rt, ctx.args.batch, "timing", max(4, ctx.args.steps))}, timed)
+    its = ctx.items(rt, family, ctx.args.batch, "timing", max(4, ctx.args.steps))
+    in_process.stepped(rt.step_engine(), {0: its}, timed)
     for hook in hooks:
         hook.remove()
     for i, name in enumerate(("denoiser ms, perf_counter alone", "denoiser+VAE ms, StepTimer", "step ms, synced")):
         fig[name] = 1e3 * statistics.median(r[i] for r in rows[1:-1])  # neither the first step nor the decode
-    fig["out-of-memory split"] = (oom_split(ctx, rt) if ctx.cuda else "skipped: needs CUDA") \
+    fig["out-of-memory split"] = (oom_split(ctx, rt, family) if ctx.cuda else "skipped: needs CUDA") \
         if family in IMAGES else "images only"
     return fig
 
 
-def oom_split(ctx, rt) -> dict:
+def oom_split(ctx, rt, family: str) -> dict:
     torch = ctx.torch
     torch.cuda.empty_cache()
     retries, release = [], memory.release
-    cap = torch.cuda.memory_allocated() + 2.5e9 * ctx.peak(lambda: kit.run(rt, kit.items(rt, 1, "1", 2), "request"))
+    one, _ = ctx.peak(lambda: in_process.run(rt, ctx.items(rt, family, 1, "1", 2), "request"))
+    cap = torch.cuda.memory_allocated() + 2.5e9 * one
     memory.release = lambda error: retries.append(memory.is_out_of_memory(error)) or release(error)
     fig = {"cap GB": cap / 1e9, "requests": 8}
     try:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
         for mode in ("request", "step"):
             retries.clear()
-            failed = failures(kit.run(rt, kit.items(rt, 8, mode, 2), mode))
+            failed = failures(in_process.run(rt, ctx.items(rt, family, 8, mode, 2), mode))
             fig.update({f"{mode}: out-of-memory retries": sum(retries), f"{mode}: failed": failed})
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
@@ -102,36 +106,38 @@ def exactness(ctx, family: str) -> dict:
     from diffserve.executor.checks.reference import solo
 
     rt = ctx.runtime(family, dtype="bfloat16", skip_startup_check=True)
-    its = kit.items(rt, 4, "exact")  # two join the running set after its first step
-    served = {o.item.request.request_id: o.images for o in kit.stepped(rt.step_engine(), {0: its[:2], 1: its[2:]})}
+    its = ctx.items(rt, family, 4, "exact")  # two join the running set after its first step
+    stepped = in_process.stepped(rt.step_engine(), {0: its[:2], 1: its[2:]})
+    served = {o.item.request.request_id: o.images for o in stepped}
     pairs = [(served[i.request.request_id].astype(int), solo(rt.loaded, rt.pipelines, i.request)) for i in its]
     return {"dtype": rt.loaded.dtype, "worst pixel diff": max(int(abs(a - b).max()) for a, b in pairs),
             "mean pixel diff": statistics.mean(float(abs(a - b).mean()) for a, b in pairs),
-            "worst PSNR dB": min(kit.psnr(a, b) for a, b in pairs)}
+            "worst PSNR dB": min(stats.psnr(a, b) for a, b in pairs)}
 
 
 @section("throughput", families=IMAGES)
 def throughput(ctx, family: str) -> dict:
+    """bench_offline.py's measurement in each mode: --batch requests at once, one untimed run,
+    then --repeats timed; the weights' memory and each mode's peak above it."""
     rt, b = ctx.runtime(family, skip_startup_check=True), ctx.args.batch
     fig = {"weights GB": ctx.torch.cuda.memory_allocated() / 1e9} if ctx.cuda else {}
-    for mode in ("request", "step"):  # the first run of each warms up
-        runs = [kit.timed(lambda m=mode: ctx.peak(lambda: kit.run(rt, kit.items(rt, b, m), m)))
-                for _ in range(1 + ctx.args.repeats)]
-        fig.update({f"img/s, {mode}": b / statistics.median(t for t, _ in runs[1:]),
-                    f"peak GB above, {mode}": runs[-1][1]})
+    for mode in ("request", "step"):
+        peak, row = ctx.peak(lambda m=mode: bench_offline.measure(rt, m, b, ctx.args.steps, 1, ctx.args.repeats,
+                                                                  **ctx.fields[family]))
+        fig.update({f"img/s, {mode}": row["images_per_s"], f"peak GB above, {mode}": peak})
     return {**fig, "step / request": fig["img/s, step"] / fig["img/s, request"]}
 
 
 @section("accelerators", needs="cuda")
 def accelerators(ctx, family: str) -> dict:
-    fig = {}
-    for name, config in (("eager", {}), ("compile", {"compile": True, "dynamic_batch_max_size": ctx.args.batch}),
+    """Each build's start (the start-up compile included) and bench_step.py's median step."""
+    fig, b = {}, ctx.args.batch
+    for name, config in (("eager", {}), ("compile", {"compile": True, "dynamic_batch_max_size": b}),
                          ("fp8", {"quantization": "fp8-weight-only"})):
-        steps = []
-        fig[f"{name}: start s"], rt = kit.timed(lambda c=config: ctx.runtime(family, skip_startup_check=True, **c))
-        kit.stepped(rt.step_engine(), {0: kit.items(rt, ctx.args.batch, name)},
-                    lambda out, s=steps: out.samples and s.append(out.seconds))
-        fig[f"{name}: step ms"] = 1e3 * statistics.median(steps[1:-1])
+        fig[f"{name}: start s"], rt = in_process.timed(
+            lambda c=config: ctx.runtime(family, skip_startup_check=True, **c))
+        fig[f"{name}: step ms"] = 1e3 * bench_step.median_step(rt, b, name, max(1, ctx.args.steps - 2),
+                                                               **ctx.fields[family])
         del rt
         ctx.free()
     return {**fig, "compile speed-up": fig["eager: step ms"] / fig["compile: step ms"],
@@ -140,22 +146,16 @@ def accelerators(ctx, family: str) -> dict:
 
 @section("stages", families=IMAGES)
 def stages(ctx, family: str) -> dict:
-    """Twice --batch requests, one arriving every other step, with the encode and decode stages
-    on (their own CUDA streams) and off: images/s and p99 latency."""
+    """bench_stages.py's arrivals: twice --batch requests, one arriving every other step, with the
+    encode and decode stages on (their own CUDA streams) and off: images/s, p99 latency, and the
+    denoiser's longest pause against its median."""
     rt, runs = ctx.runtime(family, skip_startup_check=True), {True: [], False: []}
     for on in (True, False) * (1 + ctx.args.repeats):  # the first of each warms up
-        engine, its = rt.step_engine(stages=on), kit.items(rt, 2 * ctx.args.batch, f"stages-{on}")
-        ends, left = [time.perf_counter()], {}  # ends[k]: when step k began, as the request before it came
-
-        def each(out):
-            ends.append(time.perf_counter())
-            left.update((o.item.request.request_id, ends[-1]) for o in out.finished)
-        kit.stepped(engine, {2 * i: [item] for i, item in enumerate(its)}, each)
-        engine.close()
-        runs[on].append((len(its) / (ends[-1] - ends[0]), float(np.percentile(
-            [left[item.request.request_id] - ends[2 * i] for i, item in enumerate(its)], 99))))
-    fig = {f"{what}, stages {'on' if on else 'off'}": statistics.median(r[i] for r in runs[on][1:])
-           for on in (True, False) for i, what in enumerate(("img/s", "p99 s"))}
+        its = ctx.items(rt, family, 2 * ctx.args.batch, f"stages-{on}")
+        runs[on].append(bench_stages.arrivals(rt, on, its, 2))
+    fig = {f"{what}, stages {'on' if on else 'off'}": statistics.median(r[key] for r in runs[on][1:])
+           for on in (True, False)
+           for what, key in (("img/s", "images_per_s"), ("p99 s", "p99_s"), (bench_stages.GAP, "ratio"))}
     return {**fig, "img/s, on / off": fig["img/s, stages on"] / fig["img/s, stages off"]}
 
 
@@ -182,17 +182,16 @@ def weights(ctx, family: str) -> dict:
 
 @section("memory", needs="cuda", families=IMAGES)
 def offloaded(ctx, family: str) -> dict:
-    """Each --offload mode: the device's peak memory (the weights it holds included) and a step's
-    time, at batch 1 and 8."""
+    """Each --offload mode: the device's peak memory (the weights it holds included) and
+    bench_step.py's median step (of 2), at batch 1 and 8."""
     fig, cuda = {}, ctx.torch.cuda
     for mode in ("none", "layer", "model"):
         rt = ctx.runtime(family, skip_startup_check=True, offload=mode)
         for batch in (1, 8):
-            steps = []
             cuda.reset_peak_memory_stats()
-            kit.stepped(rt.step_engine(), {0: kit.items(rt, batch, mode, 4)}, steps.append)
+            step = bench_step.median_step(rt, batch, mode, 2, **ctx.fields[family])
             fig[f"{mode}: peak GB, batch {batch}"] = cuda.max_memory_allocated() / 1e9
-            fig[f"{mode}: step ms, batch {batch}"] = 1e3 * statistics.median(o.seconds for o in steps[1:-1])
+            fig[f"{mode}: step ms, batch {batch}"] = 1e3 * step
         del rt
         ctx.free()
     return fig
@@ -200,10 +199,12 @@ def offloaded(ctx, family: str) -> dict:
 
 @section("parallel", needs="gpus")
 def parallel(ctx, family: str) -> dict:
+    """bench_parallel.py's measurement of the denoiser at --size (Wan: --video), one row."""
     ranks = max(g for g in (2, 4, 8) if g <= ctx.gpus)  # each divides 24 (FLUX.1, Qwen-Image) and 40 (Wan) heads
-    args = SimpleNamespace(ranks=ranks, wh=ctx.sizes[family][:2], batch=1, warmup=1, repeats=3, torch_threads=0,
-                           timeout=600.0)
-    result = bench_parallel.measure(functools.partial(loaded_family, family, ctx.args.tiny, ctx.sizes[family]), args)
+    width, height, frames = ctx.sizes[family]
+    args = SimpleNamespace(ranks=ranks, wh=(width, height), frames=frames or None, batch=1, warmup=1, repeats=3,
+                           torch_threads=0, timeout=600.0)
+    result = bench_parallel.measure(bench_parallel.loader(ctx.model(family)), args)
     return {**result["figures"], "collectives": result["collectives"]}
 
 
@@ -215,29 +216,33 @@ class Context:
         self.cuda = torch.cuda.is_available() and not args.tiny
         self.gpus, self.device = (torch.cuda.device_count(), "cuda:0") if self.cuda else (0, "cpu")
         image, video = (tuple(int(v) for v in text.split("x")) for text in (args.size + "x0", args.video))
-        self.sizes = {f: video if f == "wan" else image for f in FAMILIES}
+        self.sizes = {f: video if f == "wan" else image for f in FAMILIES}  # (width, height, frames)
+        # What each family's requests set over the model's defaults: the size, and a video's frames.
+        self.fields = {f: {"width": w, "height": h, **({"num_frames": frames} if frames else {})}
+                       for f, (w, h, frames) in self.sizes.items()}
+
+    def model(self, family: str) -> str:
+        return FAMILIES[family] + (":tiny" if self.args.tiny else "")
 
     def runtime(self, family: str, **config):
-        model, made = skeleton(family, self.args.tiny, self.sizes[family], self.device, self.args.steps)
-        load = runtime.load_model  # given the modules made here (the scheme applied as they are)
-        # Offloaded components are built on the host, where the hooks keep them.
-        on = "cpu" if config.get("offload", "none") != "none" else None
-        runtime.load_model = lambda *a: load(*a[:5], "none", lambda path, dtype: made(dtype, a[5], on), *a[7:])
-        try:
-            return kit.runtime(model, self.args.torch_threads, device=self.device, **config)
-        finally:
-            runtime.load_model = load
+        """``family``'s model on this run's device, built as an executor builds it (``config``:
+        ServerConfig's fields; quantization and offloading are the loader's)."""
+        return in_process.runtime(self.model(family), self.args.torch_threads, device=self.device, **config)
 
-    def peak(self, run) -> float | None:
-        """GB that ``run()`` took at its peak above what was allocated before (CUDA)."""
+    def items(self, rt, family: str, n: int, tag: str, steps: int | None = None, **fields) -> list:
+        """``n`` work items at this run's size for ``family`` and --steps (or ``steps``)."""
+        return in_process.items(rt, n, tag, steps or self.args.steps, **self.fields[family], **fields)
+
+    def peak(self, run) -> tuple[float | None, object]:
+        """(GB that ``run()`` took at its peak above what was allocated before (CUDA), its result)."""
         cuda = self.torch.cuda if self.cuda else None
         base = cuda and (cuda.reset_peak_memory_stats(), cuda.memory_allocated())[1]
-        run()
-        return cuda and (cuda.max_memory_allocated() - base) / 1e9
+        result = run()
+        return cuda and (cuda.max_memory_allocated() - base) / 1e9, result
 
     def timed(self, run) -> float:
         """Seconds ``run()`` took, the device's queued work included."""
-        return kit.timed(run, self.cuda)[0]
+        return in_process.timed(run, self.cuda)[0]
 
     def free(self) -> None:
         gc.collect()
@@ -262,17 +267,19 @@ def run_section(ctx, name: str) -> dict:
              **({"error": fig["error"].strip().splitlines()[-1][:80]} if "error" in fig else {})}
             for f, fig in families.items()]
     return {"status": "ran", "seconds": time.perf_counter() - start, "families": families,
-            "table": kit.table(rows) if rows else ""}
+            "table": stats.table(rows) if rows else ""}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = kit.parser(__doc__, steps=None, repeats=2, torch_threads=0, output_file=None)
-    p.add_argument("--only", type=kit.names, default=list(SECTIONS), help=f"Of {', '.join(SECTIONS)}.")
-    p.add_argument("--families", type=kit.names, default=list(FAMILIES), help=f"Of {', '.join(FAMILIES)}.")
-    p.add_argument("--tiny", action="store_true", help="The embedded tiny models on the CPU (a smoke run).")
+    p = cli.parser(__doc__, steps=None, repeats=2, torch_threads=0, output_file=None)
+    p.add_argument("--only", type=cli.names, default=list(SECTIONS), help=f"Of {', '.join(SECTIONS)}.")
+    p.add_argument("--families", type=cli.names, default=list(FAMILIES),
+                   help=f"Of {', '.join(f'{f} ({m})' for f, m in FAMILIES.items())}.")
+    p.add_argument("--tiny", action="store_true", help="Each model at its tiny scale (random:NAME:tiny), on the "
+                                                       "CPU (a smoke run).")
     p.add_argument("--size", help="Images' WIDTHxHEIGHT (default 1024x1024; tiny: 64x64).")
     p.add_argument("--video", help="Wan's WIDTHxHEIGHTxFRAMES (default 832x480x33; tiny: 32x32x9).")
-    p.add_argument("--batch", type=kit.count, help="Requests at once (default 4; tiny: 2); steps default 8 (2).")
+    p.add_argument("--batch", type=cli.count, help="Requests at once (default 4; tiny: 2); steps default 8 (2).")
     args = p.parse_args(argv)
     if unknown := (set(args.only) - set(SECTIONS)) | (set(args.families) - set(FAMILIES)):
         p.error(f"unknown: {', '.join(sorted(unknown))}")
@@ -282,12 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(args)
     report = {"device": ctx.torch.cuda.get_device_name(0) if ctx.cuda else "cpu", "gpus": ctx.gpus,
               **{name: version(name) for name in ("torch", "diffusers", "transformers")}, "config": vars(args),
-              **kit.machine(), "sections": {name: run_section(ctx, name) for name in args.only}}
+              "models": {f: ctx.model(f) for f in args.families}, **cli.machine(),
+              "sections": {name: run_section(ctx, name) for name in args.only}}
     shown = f"\n{report['device']}, torch {report['torch']}, diffusers {report['diffusers']}" + "".join(
         f"\n\n{name}: {r['status']}" + (f", {r['seconds']:.0f} s\n\n{r['table']}" if "table" in r else "")
         for name, r in report["sections"].items())
     failed = any("error" in fig for r in report["sections"].values() for fig in r.get("families", {}).values())
-    return kit.done(args, report, shown, int(failed))
+    return cli.done(args, report, shown, int(failed))
 
 
 if __name__ == "__main__":

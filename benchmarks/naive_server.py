@@ -1,6 +1,7 @@
 """BASELINE ONLY - not part of diffserve: the server people commonly write around a diffusers
 pipeline (after the diffusers example server), for comparison: one pipeline call per request in a
-thread pool, a fresh scheduler per request, tokenizers shared (docs/benchmark-tools.md).
+thread pool, a fresh scheduler per request, tokenizers shared (docs/benchmark-tools.md). The
+weights are in the dtype diffserve picks for the model (on a GPU its family's published one).
 
     python benchmarks/naive_server.py --model tiny-sd --port 8001
 """
@@ -16,10 +17,14 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-import kit
+from kit import cli
 from diffserve.config import DEFAULT_MODEL
+from diffserve.executor.families import published_dtype
+from diffserve.executor.model.devices import resolve_dtype
 from diffserve.executor.model.loading import quiet_libraries
+from diffserve.executor.pipeline import pipeline_class_of
 from diffserve.frontend.encode import encode_image
+from diffserve.models import random as random_weights
 from diffserve.models.registry import resolve_model, serving_defaults
 
 
@@ -41,8 +46,11 @@ def create_app(model: str) -> FastAPI:
     async def lifespan(app: FastAPI):  # /health answers once this has loaded the model
         quiet_libraries()
         path = resolve_model(model)
-        device, dtype = ("cuda", torch.float16) if torch.cuda.is_available() else ("cpu", torch.float32)
-        state.update(pipe=DiffusionPipeline.from_pretrained(path, dtype=dtype).to(device),
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = getattr(torch, resolve_dtype("auto", device, published_dtype(pipeline_class_of(path))))
+        # A random-weight architecture (random:NAME) has no weights on disk: its modules are built.
+        built = random_weights.build(path, device, dtype) if random_weights.marker(path) else {}
+        state.update(pipe=DiffusionPipeline.from_pretrained(path, dtype=dtype, **built).to(device),
                      defaults=serving_defaults(path))
         yield
 
@@ -80,7 +88,7 @@ def create_app(model: str) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = kit.parser("BASELINE ONLY: a naive diffusers server.", model=DEFAULT_MODEL)
+    p = cli.parser("BASELINE ONLY: a naive diffusers server.", model=DEFAULT_MODEL)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     args = p.parse_args(argv)

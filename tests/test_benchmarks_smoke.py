@@ -41,7 +41,7 @@ def run_tool(tool: str, *args: str, timeout: float = 300, expect_rc: int = 0) ->
 
 
 def check(result: dict, out: Path, name: str) -> dict:
-    """A kit.main tool's report (``out``: its --output-dir), checked for what every such report
+    """A kit.servers.main tool's report (``out``: its --output-dir), checked for what every such report
     holds."""
     assert (out / f"{name}.md").read_text().startswith(f"# {name}:")
     assert json.loads((out / f"{name}.json").read_text()) == result
@@ -401,11 +401,15 @@ def test_bench_weights(in_process):
 
 
 def test_gpu_check_tiny_runs_every_section(tmp_path):
-    """gpu_check --tiny: every section's code on the embedded tiny models, built in memory as the
-    real sizes are; what needs CUDA or two GPUs says so."""
+    """gpu_check --tiny: every section's code on the released architectures at their tiny scale
+    (random:NAME:tiny), built in memory as the published sizes are; what needs CUDA or two GPUs
+    says so."""
     out = tmp_path / "gpu-check.json"
     done = run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out))
-    sections = json.loads(out.read_text())["sections"]
+    report = json.loads(out.read_text())
+    assert report["models"] == {"flux": "random:flux.1-dev:tiny", "qwen-image": "random:qwen-image:tiny",
+                                "wan": "random:wan2.1-14b:tiny"}
+    sections = report["sections"]
     assert list(sections) == ["first-day", "exactness", "throughput", "accelerators", "stages", "weights",
                               "memory", "parallel"]
     assert sections["accelerators"] == sections["memory"] == {"status": "skipped: needs CUDA"}
@@ -423,6 +427,7 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
     assert set(sections["throughput"]["families"]) == {"flux", "qwen-image"}
     for fig in sections["stages"]["families"].values():
         assert fig["img/s, stages on"] > 0 and fig["p99 s, stages off"] > 0
+        assert fig["longest gap / median gap, stages on"] >= 1 and fig["longest gap / median gap, stages off"] >= 1
     for fig in sections["weights"]["families"].values():
         assert fig["update from disk s"] > 0 and fig["update from shared memory s"] > 0 and fig["wake s"] >= 0
     assert "accelerators: skipped: needs CUDA" in done.stdout and "| flux | float32 |" in done.stdout

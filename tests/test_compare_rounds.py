@@ -12,7 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 compare = pytest.importorskip("compare")
-kit = pytest.importorskip("kit")
+stats = pytest.importorskip("kit.stats")
+servers = pytest.importorskip("kit.servers")
 
 TARGETS = compare.SCENARIOS["modes"].targets
 SATURATED = "saturated img/s, step/request"
@@ -21,13 +22,13 @@ IDLE_STEP = "idle overhead ms, step"
 
 
 def test_median_ratio_and_judge():
-    assert kit.median([3.0, None, 1.0, 2.0]) == 2.0
-    assert kit.median([None]) is None
-    assert kit.ratio(3.0, 4.0) == 0.75
-    assert kit.ratio(None, 4.0) is None and kit.ratio(3.0, 0.0) is None
-    assert kit.judge(0.95, ">=", 0.95) is True and kit.judge(0.94, ">=", 0.95) is False
-    assert kit.judge(0.7, "<=", 0.7) is True and kit.judge(0.71, "<=", 0.7) is False
-    assert kit.judge(None, "<=", 0.7) is None
+    assert stats.median([3.0, None, 1.0, 2.0]) == 2.0
+    assert stats.median([None]) is None
+    assert stats.ratio(3.0, 4.0) == 0.75
+    assert stats.ratio(None, 4.0) is None and stats.ratio(3.0, 0.0) is None
+    assert stats.judge(0.95, ">=", 0.95) is True and stats.judge(0.94, ">=", 0.95) is False
+    assert stats.judge(0.7, "<=", 0.7) is True and stats.judge(0.71, "<=", 0.7) is False
+    assert stats.judge(None, "<=", 0.7) is None
 
 
 def test_rounds_become_medians_and_targets_are_judged_on_them():
@@ -38,7 +39,7 @@ def test_rounds_become_medians_and_targets_are_judged_on_them():
                P99_50: 0.9, IDLE_STEP: 6.0},
               {"saturated img/s, step": 5.0, "saturated img/s, request": 5.5, SATURATED: 5 / 5.5,
                P99_50: 0.65, IDLE_STEP: None}]
-    summary = kit.summarize(rounds, TARGETS)
+    summary = stats.summarize(rounds, TARGETS)
     assert summary["medians"]["saturated img/s, step"] == 10.0
     assert summary["medians"][SATURATED] == pytest.approx(20 / 21)
     assert summary["by_round"][P99_50] == [0.6, 0.9, 0.65]
@@ -49,7 +50,7 @@ def test_rounds_become_medians_and_targets_are_judged_on_them():
     assert verdicts[IDLE_STEP] is True  # 5 ms <= 5 ms
     assert verdicts["short mean ms (mixed), step/request"] is None  # never measured
 
-    table = kit.format_table(summary, TARGETS)
+    table = stats.format_table(summary, TARGETS)
     lines = table.splitlines()
     assert lines[0] == "| figure | median | by round | target | verdict |"
     assert f"| {SATURATED} | 0.952 | 1, 0.952, 0.909 | >= 0.95 | met |" in lines
@@ -58,13 +59,13 @@ def test_rounds_become_medians_and_targets_are_judged_on_them():
 
 
 def test_a_missed_target_says_so():
-    summary = kit.summarize([{P99_50: 0.8}, {P99_50: 0.9}], TARGETS)
+    summary = stats.summarize([{P99_50: 0.8}, {P99_50: 0.9}], TARGETS)
     assert summary["verdicts"][P99_50] is False
-    assert f"| {P99_50} | 0.85 | 0.8, 0.9 | <= 0.7 | **MISSED** |" in kit.format_table(summary, TARGETS)
+    assert f"| {P99_50} | 0.85 | 0.8, 0.9 | <= 0.7 | **MISSED** |" in stats.format_table(summary, TARGETS)
 
 
 class FakeBench:
-    """Stands in for kit.Bench: no servers; each load answers synthetic figures and is logged."""
+    """Stands in for kit.servers.Bench: no servers; each load answers synthetic figures and is logged."""
 
     def __init__(self) -> None:
         self.args = argparse.Namespace(concurrency=32, loads=[50, 80], mixed_steps=[8, 32], steps=None,
@@ -73,7 +74,7 @@ class FakeBench:
 
     @contextlib.contextmanager
     def servers(self, name, *configs):
-        yield kit.Served(["http://fake"], True)
+        yield servers.Served(["http://fake"], True)
 
     def load(self, served, label: str, **overrides) -> dict:
         self.calls.append((label, overrides))
@@ -103,7 +104,7 @@ def test_modes_derives_loads_ratios_and_idle_overhead_from_its_measurements():
     assert f["short mean ms (mixed), step/request"] == pytest.approx(0.25)
     # 61.5 ms at the client - 50 ms executing - 8 ms delay.
     assert f[IDLE_STEP] == pytest.approx(3.5)
-    verdicts = kit.summarize([f], TARGETS)["verdicts"]
+    verdicts = stats.summarize([f], TARGETS)["verdicts"]
     assert all(verdicts.values()), verdicts
 
 

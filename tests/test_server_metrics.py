@@ -1,5 +1,5 @@
-"""benchmarks/kit.py's /metrics reading: what two snapshots, summed over servers, say about a run
-(pure functions on synthetic exposition text, no server)."""
+"""benchmarks/kit/server_metrics.py's /metrics reading: what two snapshots, summed over servers,
+say about a run (pure functions on synthetic exposition text, no server)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-kit = pytest.importorskip("kit")
+server_metrics = pytest.importorskip("kit.server_metrics")
 
 
 def exposition(dispatches: list[int], queue_s: float, busy_s: float, request_exec_s: float,
@@ -44,13 +44,13 @@ def exposition(dispatches: list[int], queue_s: float, busy_s: float, request_exe
 
 
 def test_the_change_between_snapshots_describes_only_the_run():
-    before = kit.parse_metrics(exposition([1, 1], queue_s=0.02, busy_s=0.2, request_exec_s=0.2,
-                                             latency_s=0.25, requests=2))
+    before = server_metrics.parse_metrics(exposition([1, 1], queue_s=0.02, busy_s=0.2, request_exec_s=0.2,
+                                                        latency_s=0.25, requests=2))
     # The run: one dispatch of 8 and one of 4 (1.3 s busy) for 12 single-image requests.
-    after = kit.parse_metrics(exposition([1, 1, 8, 4], queue_s=0.02 + 12 * 0.1, busy_s=0.2 + 1.3,
-                                            request_exec_s=0.2 + 12 * 0.7, latency_s=0.25 + 12 * 0.8,
-                                            requests=14))
-    d = kit.metrics_delta(before, after, duration_s=2.0, client_mean_latency_s=0.81)
+    after = server_metrics.parse_metrics(exposition([1, 1, 8, 4], queue_s=0.02 + 12 * 0.1, busy_s=0.2 + 1.3,
+                                                       request_exec_s=0.2 + 12 * 0.7, latency_s=0.25 + 12 * 0.8,
+                                                       requests=14))
+    d = server_metrics.metrics_delta(before, after, duration_s=2.0, client_mean_latency_s=0.81)
     assert d["batching_mode"] == "step" and d["executors"] == 1
     assert d["dispatches"] == 2 and d["mean_batch_size"] == 6
     assert d["dispatches_by_reason"] == {"full": 1, "delay": 1}
@@ -69,11 +69,11 @@ def test_the_change_between_snapshots_describes_only_the_run():
 def test_snapshots_of_several_servers_are_summed():
     one = exposition([8, 8], queue_s=0.2, busy_s=1.0, request_exec_s=1.6, latency_s=2.0, requests=16)
     two = exposition([4], queue_s=0.1, busy_s=0.6, request_exec_s=0.4, latency_s=0.6, requests=4)
-    summed = kit.parse_metrics(two, kit.parse_metrics(one))
-    assert kit.total(summed, "diffserve_batch_size_count") == 3
-    assert kit.total(summed, "diffserve_requests_total", status="success") == 20
-    empty = kit.parse_metrics(exposition([], 0, 0, 0, 0, 0))
-    d = kit.metrics_delta(empty, summed, duration_s=1.0)
+    summed = server_metrics.parse_metrics(two, server_metrics.parse_metrics(one))
+    assert server_metrics.total(summed, "diffserve_batch_size_count") == 3
+    assert server_metrics.total(summed, "diffserve_requests_total", status="success") == 20
+    empty = server_metrics.parse_metrics(exposition([], 0, 0, 0, 0, 0))
+    d = server_metrics.metrics_delta(empty, summed, duration_s=1.0)
     assert d["dispatches"] == 3 and d["mean_batch_size"] == pytest.approx(20 / 3)
     # Two executors (one per server) busy 1.6 s of 2 executor-seconds.
     assert d["executors"] == 2 and d["executor_busy_fraction"] == pytest.approx(0.8)
@@ -82,11 +82,11 @@ def test_snapshots_of_several_servers_are_summed():
 
 
 def test_labels_are_matched_not_guessed():
-    samples = kit.parse_metrics('# TYPE x counter\nx_total{a="1",b="2"} 3\nx_total{a="1",b="3"} 4\n')
-    assert kit.total(samples, "x_total") == 7
-    assert kit.total(samples, "x_total", b="3") == 4
-    assert kit.total(samples, "x_total", a="2") is None
+    samples = server_metrics.parse_metrics('# TYPE x counter\nx_total{a="1",b="2"} 3\nx_total{a="1",b="3"} 4\n')
+    assert server_metrics.total(samples, "x_total") == 7
+    assert server_metrics.total(samples, "x_total", b="3") == 4
+    assert server_metrics.total(samples, "x_total", a="2") is None
 
 
 def test_no_snapshot_no_figures():
-    assert kit.metrics_delta(None, {}, 1.0) is None
+    assert server_metrics.metrics_delta(None, {}, 1.0) is None
