@@ -195,10 +195,13 @@ def bound(rt, config) -> None:
     allowed = left / m.per_cost if left > 0 else 0.0
     one = unit_cost(info)
     if allowed < one:
+        cache = (f" (the prompt cache may hold {config.prompt_cache_bytes / 1e6:.1f} MB of it, "
+                 "--prompt-cache-bytes)" if rt.prompt_cache is not None else "")
         raise ConfigError(f"the memory budget of {budget / 1e6:.1f} MB does not hold one image "
-                          f"at the native size: the model holds {m.held / 1e6:.1f} MB, a call "
-                          f"{m.fixed / 1e6:.1f} MB more, and an image {m.per_cost * one / 1e6:.1f} "
-                          "MB; raise the budget, or offload (--offload)")
+                          f"at the native size: the model holds {m.held / 1e6:.1f} MB{cache}, a "
+                          f"call {m.fixed / 1e6:.1f} MB more, and an image "
+                          f"{m.per_cost * one / 1e6:.1f} MB; raise the budget, or offload "
+                          "(--offload)")
     batch, running = min(info.max_batch_cost, allowed), min(info.max_running_cost, allowed)
     rt.info = dataclasses.replace(info, max_batch_cost=batch, max_running_cost=running,
                                   memory_budget_bytes=budget, memory_cost_bound=allowed,
