@@ -143,6 +143,9 @@ def _serving(config) -> Iterator[str]:
     if config.enable_weight_updates and not config.weights_dir:
         yield ("--enable-weight-updates needs --weights-dir, the one directory weight updates "
                "from disk may come from")
+    if config.enable_weight_updates and config.compile:
+        yield ("--enable-weight-updates with --compile: a sleep puts the weights in new storage, "
+               "which graphs captured over the old would not see")
     if config.enable_weight_updates and config.quantization != "none":
         yield (f"--enable-weight-updates with --quantization {config.quantization}: an update "
                "would have to be quantized again as it is applied, which is not done; serve the "

@@ -139,7 +139,11 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
                  prompt_cache=PromptCache(config.prompt_cache_bytes)
                  if config.prompt_cache_bytes else None, controls=controls)
     if config.enable_weight_updates:
-        rt.weights = Weights(loaded.pipe, resolve_model(config.model), loaded.device, loaded.dtype)
+        rt.weights = Weights(loaded.pipe, resolve_model(config.model), loaded.device, loaded.dtype,
+                             lambda: {f"controlnet {name}": m.module
+                                      for name, m in (controls.models.items() if controls else ())},
+                             lambda: [c for c in (rt.prompt_cache, adapters and adapters.rows.gathered)
+                                      if c])
     rt.info = rt.describe()
     if not config.skip_startup_check:
         checks.check(rt, config)

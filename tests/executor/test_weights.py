@@ -141,3 +141,57 @@ def test_level_2_frees_every_weight_and_the_wake_brings_back_the_current_version
     again = images(rt)
     assert all(np.array_equal(again[r], made[r]) for r in made)
     step(rt, SYNC, version=BASE_VERSION)
+
+
+def test_a_prepared_update_holds_its_files_manifest_not_its_tensors(rt, tmp_path):
+    """An update is streamed tensor by tensor at the commit: until then a rank holds what the
+    files' headers say (shapes, dtypes), never the tensors themselves (8 ranks each holding a
+    whole update would be 8 copies in host memory)."""
+    from diffserve.executor.tensors import tensors_in
+
+    state = trained(rt, 0.01, seed=6)
+    save_file(state, str(tmp_path / "streamed.safetensors"))
+    step(rt, PREPARE, WeightSource(PATH, str(tmp_path / "streamed.safetensors")))
+    assert not list(tensors_in(rt.weights.staged, objects=True))
+    step(rt, COMMIT, version="s")
+    assert_close(images(rt), expected(state))
+    step(rt, SYNC, version=BASE_VERSION)
+
+
+def test_a_host_copy_holds_each_dtype_in_one_buffer_and_restores_the_same_parameters():
+    from diffserve.executor.rl.sleep import HostCopy
+
+    module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4))
+    module[1].register_buffer("steps", torch.arange(3))
+    before = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    params = list(module.parameters())
+    copy = HostCopy(module)
+    assert sorted(map(str, copy.buffers)) == ["torch.float32", "torch.int64"]
+    floats = copy.buffers[torch.float32]
+    assert all(p.untyped_storage().data_ptr() == floats.untyped_storage().data_ptr() for p in params)
+    copy.restore()
+    assert list(module.parameters()) == params  # the same Parameter objects (PEFT, graphs)
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("layout", [{"text_encoder_device": "cpu", "vae_device": "cpu"},
+                                    {"offload": "model"}])
+def test_level_1_with_placement_and_offload_serves_the_same_images_after_the_wake(layout, tmp_path):
+    """Every component back where placement or offloading put it; the prompt cache's encodings
+    are dropped while asleep. (On a CPU every place is the host: a GPU's check is gpu_check's
+    ``rent`` section.)"""
+    from diffserve.executor.rl.sleep import offloaded
+
+    rt = build_runtime(ServerConfig(model=MODEL, skip_startup_check=True, enable_weight_updates=True,
+                                    weights_dir=str(tmp_path), **layout), torch_threads=1)
+    before = images(rt)
+    assert len(rt.prompt_cache) > 0
+    where = {n: str(next(m.parameters()).device) for n, m in rt.weights.modules().items()}
+    step(rt, SLEEP, level=1)
+    assert len(rt.prompt_cache) == 0
+    if "offload" in layout:  # streamed by diffusers' hooks: left to them
+        assert all(offloaded(m) for m in rt.weights.modules().values())
+    step(rt, WAKE)
+    assert {n: str(next(m.parameters()).device) for n, m in rt.weights.modules().items()} == where
+    after = images(rt)
+    assert all(np.array_equal(after[r], before[r]) for r in before)

@@ -18,12 +18,15 @@ import gc
 import logging
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from diffserve.control import BASE_VERSION, COMMIT, DISCARD, PREPARE, SLEEP, SYNC, WAKE, \
     WeightResult, WeightSource, WeightStep
 
 from diffserve.executor.pipeline import denoisers, torch_modules
+from diffserve.executor.rl.sleep import Sleep, free
+from diffserve.models import random as random_weights
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,12 @@ class WeightError(ValueError):
     def __init__(self, message: str, status: int = 400, code: str = "invalid_weights") -> None:
         super().__init__(message)
         self.status, self.code = status, code
+
+
+# safetensors' dtype names, as torch's
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
 def canonical(name: str) -> str:
@@ -45,10 +54,13 @@ def is_adapter_weight(name: str) -> bool:
 
 
 class Weights:
-    def __init__(self, pipe, model_path: str, device: str, dtype: str) -> None:
+    def __init__(self, pipe, model_path: str, device: str, dtype: str, others=lambda: {},
+                 caches=lambda: []) -> None:
         """``pipe``: the served pipeline; ``model_path``: where --model's files are (what SYNC
-        and a wake from level 2 reload)."""
+        and a wake from level 2 reload); ``others()``: modules beside the pipeline that sleep
+        with it (the control models), by name; ``caches()``: what a sleep drops."""
         self.pipe, self.model_path, self.device, self.dtype = pipe, model_path, device, dtype
+        self._level1 = Sleep(lambda: {**self.modules(), **others()}, caches)
         self.version = BASE_VERSION
         self.sources: list[WeightSource] = []  # since the model's own weights, in order
         self.staged: tuple[WeightSource, dict, bool] | None = None  # prepared, not committed
@@ -71,10 +83,12 @@ class Weights:
 
     # -- an update ---------------------------------------------------------------------------
 
-    def read(self, source: WeightSource) -> dict[str, dict[str, Any]]:
-        """The source's tensors (on the host), by denoiser."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+    def read(self, source: WeightSource) -> dict[str, list[tuple[Path, dict[str, tuple]]]]:
+        """The source's manifest, by denoiser: each safetensors file with its keys' (shape,
+        dtype), read off the files' headers: no tensor is loaded until COMMIT streams them in,
+        one at a time (a rank never holds a whole update in host memory)."""
+        import torch
+        from safetensors import SafetensorError, safe_open
 
         path, denoisers = Path(source.path), self.denoisers()
         if path.is_file():
@@ -92,68 +106,79 @@ class Weights:
                                   f"({', '.join(denoisers)}): give a directory in diffusers' "
                                   "layout, a folder per denoiser")
             layout = {next(iter(denoisers)): layout[None]}
-        tensors: dict[str, dict[str, Any]] = {}
+        manifest: dict[str, list[tuple[Path, dict[str, tuple]]]] = {}
         for name, files in layout.items():
             if not files:
                 raise WeightError(f"no .safetensors file for the {name} in {source.path!r}")
-            state = tensors.setdefault(name, {})
             for file in files:
                 try:
-                    state.update(load_file(str(file)))
+                    with safe_open(str(file), framework="pt") as f:
+                        keys = {key: (tuple(f.get_slice(key).get_shape()),
+                                      getattr(torch, SAFETENSORS_DTYPES.get(
+                                          f.get_slice(key).get_dtype(), "uint8")))
+                                for key in f.keys()}
                 except (SafetensorError, OSError, ValueError) as error:
                     raise WeightError(f"{file.name} could not be read as safetensors: "
                                       f"{error}") from None
-        return tensors
+                manifest.setdefault(name, []).append((file, keys))
+        return manifest
 
-    def check(self, tensors: dict[str, dict[str, Any]]) -> bool:
-        """Refuse what does not fit (naming the first offending key); whether the tensors hold
+    def check(self, manifest: dict[str, list[tuple[Path, dict[str, tuple]]]]) -> bool:
+        """Refuse what does not fit (naming the first offending key); whether the update holds
         every weight of every denoiser."""
         denoisers, full = self.denoisers(), True
         for name, module in denoisers.items():
-            params, state = self.params(module), tensors.get(name, {})
-            shapes = self._shapes.get(name, {})
-            for key, tensor in state.items():
-                param = params.get(key)
-                if param is None:
-                    raise WeightError(f"{name}: {key!r} is not a weight of the model's {name}")
-                shape, dtype = shapes.get(key, (tuple(param.shape), param.dtype))
-                if tuple(tensor.shape) != shape:
-                    raise WeightError(f"{name}: {key!r} has shape {list(tensor.shape)}, the "
-                                      f"model's is {list(shape)}")
-                if tensor.is_floating_point() != dtype.is_floating_point:
-                    raise WeightError(f"{name}: {key!r} is {tensor.dtype}, the model's is {dtype}")
-            full &= set(state) >= set(params)
+            params, shapes, keys = self.params(module), self._shapes.get(name, {}), set()
+            for _, entries in manifest.get(name, []):
+                for key, (shape, theirs) in entries.items():
+                    param = params.get(key)
+                    if param is None:
+                        raise WeightError(f"{name}: {key!r} is not a weight of the model's {name}")
+                    mine, dtype = shapes.get(key, (tuple(param.shape), param.dtype))
+                    if shape != mine:
+                        raise WeightError(f"{name}: {key!r} has shape {list(shape)}, the "
+                                          f"model's is {list(mine)}")
+                    if theirs.is_floating_point != dtype.is_floating_point:
+                        raise WeightError(f"{name}: {key!r} is {theirs}, the model's is {dtype}")
+                    keys.add(key)
+            full &= keys >= set(params)
         return full
 
     def prepare(self, source: WeightSource) -> bool:
-        """Read and check ``source``, kept until COMMIT or DISCARD; whether it is full."""
-        tensors = self.read(source)
-        full = self.check(tensors)
-        self.staged = (source, tensors, full)
+        """Read and check ``source``'s manifest, kept until COMMIT or DISCARD; whether it is
+        full."""
+        manifest = self.read(source)
+        full = self.check(manifest)
+        self.staged = (source, manifest, full)
         return full
 
     def commit(self, version: str) -> None:
         """Apply what PREPARE kept (asleep at level 2: at the wake, with the others)."""
         if self.staged is None:
             raise WeightError("nothing was prepared to commit", 409, "no_update_prepared")
-        source, tensors, full = self.staged
+        source, manifest, full = self.staged
         if self.sleeping != 2:
-            self._copy(tensors)
+            self._copy(manifest)
         self.sources = [source] if full else [*self.sources, source]
         self.version, self.staged = version, None
 
     def discard(self) -> None:
         self.staged = None
 
-    def _copy(self, tensors: dict[str, dict[str, Any]]) -> None:
+    def _copy(self, manifest: dict[str, list[tuple[Path, dict[str, tuple]]]]) -> None:
+        """Each tensor of the update read from its file and copied into its parameter in turn
+        (cast to the parameter's dtype), so that the host holds one tensor at a time."""
         import torch
+        from safetensors import safe_open
 
         denoisers = self.denoisers()
         with torch.no_grad():
-            for name, state in tensors.items():
+            for name, files in manifest.items():
                 params = self.params(denoisers[name])
-                for key, tensor in state.items():
-                    params[key].copy_(tensor)
+                for file, keys in files:
+                    with safe_open(str(file), framework="pt") as f:
+                        for key in keys:
+                            params[key].copy_(f.get_tensor(key))
 
     # -- a whole state -----------------------------------------------------------------------
 
@@ -167,9 +192,9 @@ class Weights:
             return
         self._reload(self.denoisers())
         for source in sources:
-            tensors = self.read(source)
-            self.check(tensors)
-            self._copy(tensors)
+            manifest = self.read(source)
+            self.check(manifest)
+            self._copy(manifest)
         self.sources, self.version = list(sources), version
 
     def _reload(self, modules: dict[str, Any]) -> None:
@@ -182,8 +207,12 @@ class Weights:
         allow_processors_without_torchvision()
         skip = {name: None for name in self.modules() if name not in modules}
         try:
-            fresh = DiffusionPipeline.from_pretrained(self.model_path, dtype=getattr(torch, self.dtype),
-                                                      **skip)
+            if random_weights.marker(self.model_path) is not None:  # its seeds, not its files
+                fresh = SimpleNamespace(components=random_weights.build(
+                    self.model_path, "cpu", getattr(torch, self.dtype)))
+            else:
+                fresh = DiffusionPipeline.from_pretrained(
+                    self.model_path, dtype=getattr(torch, self.dtype), **skip)
         except Exception as error:  # noqa: BLE001 - said as what it is
             raise WeightError(f"the model's own weights could not be read again from "
                               f"{self.model_path}: {type(error).__name__}: {error}", 500,
@@ -202,16 +231,15 @@ class Weights:
     # -- sleeping ----------------------------------------------------------------------------
 
     def sleep(self, level: int) -> None:
-        """Level 1: every weight to host memory (on a GPU); level 2: every weight dropped (what
-        wakes reloads is the current version). The device's cached memory goes back."""
+        """Level 1: every weight to host memory, each component back where it was at the wake
+        (:mod:`diffserve.executor.rl.sleep`); level 2: every weight dropped (what the wake
+        reloads is the current version). The device's cached memory goes back."""
         import torch
 
         if self.sleeping:
             return
         if level == 1:
-            if torch.device(self.device).type != "cpu":
-                for module in self.modules().values():
-                    module.to("cpu")
+            self._level1.sleep()
         else:
             for name, module in self.modules().items():
                 shapes = self._shapes.setdefault(name, {})
@@ -223,11 +251,7 @@ class Weights:
 
     def wake(self) -> None:
         if self.sleeping == 1:
-            import torch
-
-            if torch.device(self.device).type != "cpu":
-                for module in self.modules().values():
-                    module.to(self.device)
+            self._level1.wake()
         elif self.sleeping == 2:
             sources, version = self.sources, self.version
             self.sleeping = 0
@@ -238,11 +262,7 @@ class Weights:
         self.sleeping = 0
 
     def _free(self) -> None:
-        import torch
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free()
 
 
 def run_step(weights: Weights | None, step: WeightStep) -> WeightResult:
