@@ -30,3 +30,17 @@ def test_auto_dtype_is_the_familys_on_a_gpu_and_float32_on_the_cpu():
     assert resolve_dtype("auto", "cuda:0", None, bf16_supported=True) == "bfloat16"
     assert resolve_dtype("auto", "cpu", flux) == "float32"
     assert resolve_dtype("float16", "cuda:0", flux) == "float16"  # the operator's choice
+
+
+def test_auto_dtype_asks_for_native_bfloat16_only(monkeypatch):
+    """A T4 or V100 answers True when emulation counts: auto must pick float16 there."""
+    import torch
+
+    def emulating_card(including_emulation: bool = True) -> bool:
+        return including_emulation  # bfloat16 only by emulation
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", emulating_card)
+    flux = family_for("FluxPipeline").published_dtype
+    assert resolve_dtype("auto", "cuda:0", flux) == "float16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert resolve_dtype("auto", "cuda:0", flux) == "bfloat16"

@@ -48,3 +48,63 @@ def test_nccl_timeouts_and_aborts_are_the_groups(what):
     raises in the waiting rank; whatever type it comes as, the group restarts."""
     assert is_group_failure(RuntimeError(what))
 
+
+
+class Recorder:
+    """A step engine's calls, recorded; its clock and its plan are its own (each rank's would
+    differ: the leader's must be what every rank uses)."""
+
+    def __init__(self, now: float, plan) -> None:
+        self.now, self.next_plan, self.calls = now, plan, []
+
+    def __bool__(self) -> bool:
+        return True
+
+    def clock(self) -> float:
+        return self.now
+
+    def plan(self):
+        return self.next_plan
+
+    def admit(self, items, inputs, arrived=None):
+        self.calls.append(("admit", [i.request.request_id for i in items], arrived))
+
+    def step(self, plan=None):
+        self.calls.append(("step", plan if plan is not None else self.plan()))
+
+
+def test_followers_use_the_leaders_arrival_times_and_plan():
+    """Over the group's real control sockets: a follower whose clock and planner would answer
+    differently admits with the leader's arrival times and runs the leader's plan."""
+    import threading
+    from types import SimpleNamespace
+
+    import zmq
+
+    from diffserve.executor.parallel.ranks import LeaderEngine, Link, follow
+
+    ctx = zmq.Context()
+    link = Link(ctx, 1)
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(link.addresses[0])
+    leader = Recorder(now=100.0, plan=("rows", [0, 1]))
+    follower = Recorder(now=7.5, plan=("rows", [1]))
+    thread = threading.Thread(target=follow, args=(pull, follower, None, None), daemon=True)
+    thread.start()
+    try:
+        engine = LeaderEngine(leader, link)
+        items = [SimpleNamespace(request=SimpleNamespace(request_id=f"r{i}"), queued_s=i * 0.5)
+                 for i in range(2)]
+        engine.admit(items, [[], []])
+        engine.step()
+        link.close()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        arrived = {"r0": 100.0, "r1": 99.5}
+        assert leader.calls == follower.calls == [("admit", ["r0", "r1"], arrived),
+                                                  ("step", ("rows", [0, 1]))]
+    finally:
+        pull.close()
+        for sock in link.sockets:
+            sock.close()
+        ctx.term()

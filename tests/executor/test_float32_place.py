@@ -1,0 +1,74 @@
+"""Where a half-precision model's float32 reference runs: the device's room (its free memory,
+less a configured cap and the process's memory fraction) against what the upcast adds, asked once
+per start and, in a parallel group, the leader's answer on every rank."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from diffserve.executor.checks import float32
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def card(monkeypatch):
+    """An 80 GB card's answers, as torch.cuda gives them; the test sets what is free."""
+    state = {"free": 60 * GiB, "total": 80 * GiB, "reserved": 10 * GiB, "fraction": 1.0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"],
+                                                                         state["total"]))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction",
+                        lambda device=None: state["fraction"])
+    return state
+
+
+def test_room_is_the_least_of_free_memory_the_cap_and_the_fraction(card):
+    assert float32.room("cuda:0") == 60 * GiB
+    assert float32.room("cuda:0", cap=40 * GiB) == 30 * GiB  # the cap counts what is held
+    card["fraction"] = 0.5  # an 80 GB card emulated on a larger one, or a shared node's share
+    assert float32.room("cuda:0") == 30 * GiB
+    card["fraction"], card["free"] = 1.0, 5 * GiB
+    assert float32.room("cuda:0", cap=70 * GiB) == 5 * GiB
+    card["reserved"] = 75 * GiB  # held past the cap: no room, never negative
+    assert float32.room("cuda:0", cap=70 * GiB) == 0
+    assert float32.room("cpu") is None
+
+
+def _runtime(device="cuda:0", group=None):
+    linear = torch.nn.Linear(1024, 1024).to(torch.bfloat16)
+    pipe = SimpleNamespace(components={"transformer": linear})
+    return SimpleNamespace(loaded=SimpleNamespace(pipe=pipe, device=device), group=group)
+
+
+def test_the_reference_runs_on_the_host_where_the_upcast_does_not_fit(card):
+    rt = _runtime()
+    extra = float32.extra_bytes(rt.loaded.pipe)
+    assert extra == (1024 * 1024 + 1024) * 2  # bfloat16 to float32: two bytes a value more
+    card["free"] = extra * 2
+    assert float32.place(rt) == float32.DEVICE
+    card["free"] = extra  # the upcast alone would take it all: nothing left for activations
+    assert float32.place(rt) == float32.HOST
+    card["free"] = extra * 2
+    assert float32.place(rt, cap=card["reserved"] + extra) == float32.HOST
+    assert float32.place(_runtime("cpu")) == float32.DEVICE  # the host's own memory
+
+
+class Leader:
+    """A group whose leader answered ``answer``: every rank takes it, whatever its own."""
+
+    def __init__(self, answer: str) -> None:
+        self.answer, self.asked = answer, []
+
+    def broadcast(self, value):
+        self.asked.append(value)
+        return self.answer
+
+
+def test_every_rank_takes_the_leaders_answer(card):
+    group = Leader(float32.HOST)
+    assert float32.place(_runtime(group=group)) == float32.HOST
+    assert group.asked == [float32.DEVICE]  # this rank alone would have said device
