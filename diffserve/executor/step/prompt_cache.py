@@ -4,9 +4,11 @@ prompt sent as separate requests), a negative prompt every request repeats, retr
 An entry is one prompt's encoding (its positive row and, with classifier-free guidance, its
 negative row), exactly as the family's encoder made it. Its key is everything that encoding
 depends on: the prompt and the negative prompt (or none), whether guidance runs, the adapter
-stack by version (a replaced adapter is a new key), the weights' version, and, where the text
-encoder also sees input images (Qwen-Image-Edit's vision-language encoder), a hash of those
-images. The model and the encoder's settings are the executor's own and never change under it.
+stack by version (a replaced adapter is a new key), and, where the text encoder also sees input
+images (Qwen-Image-Edit's vision-language encoder), a hash of those images. The model and the
+encoder's settings are the executor's own and never change under it: a weight update replaces the
+denoiser's weights only, so the encodings stay the encoder's (a level-1 sleep drops them with the
+rest of the device's memory).
 Least recently used entries go first once the entries' tensors pass ``--prompt-cache-bytes``.
 """
 
@@ -42,24 +44,23 @@ def image_hash(images) -> str | None:
     return h.hexdigest()
 
 
-def prompt_key(request, cfg: bool, negative: bool, stack, images, version: str = "") -> tuple:
+def prompt_key(request, cfg: bool, negative: bool, stack, images) -> tuple:
     """Everything one request's prompt encoding depends on (see the module's docstring)."""
     return (request.prompt, request.negative_prompt if negative else None, cfg, tuple(stack),
-            image_hash(images), version)
+            image_hash(images))
 
 
 class PromptCache:
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
         self.nbytes = 0
-        self.version = ""  # the weights' version (a weight update is a new key)
         self._kept: OrderedDict[tuple, tuple[Encoded, int]] = OrderedDict()
         # The encode stage looks up and keeps; the loop takes the counts.
         self._lock = threading.Lock()
         self._hits = self._misses = 0  # requests, since the last take_counts()
 
     def key(self, request, cfg: bool, negative: bool, stack, images) -> tuple:
-        return prompt_key(request, cfg, negative, stack, images, self.version)
+        return prompt_key(request, cfg, negative, stack, images)
 
     def lookup(self, keys: list[tuple]) -> list[Encoded | None]:
         """Each key's kept encoding, or None. A request counts as a hit where its encoding was
