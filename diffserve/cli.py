@@ -11,8 +11,13 @@ from diffserve.config import ConfigError, ServerConfig
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    for f in dataclasses.fields(ServerConfig):
+    from diffserve.config_speed import SpeedOptions
+
+    speed = {f.name for f in dataclasses.fields(SpeedOptions)}
+    group = parser.add_argument_group("speed (step cache, compilation, quantization, attention)")
+    for f in sorted(dataclasses.fields(ServerConfig), key=lambda f: f.name in speed):
         meta = f.metadata
+        target = group if f.name in speed else parser
         bounds = []
         if meta.get("ge") is not None:
             bounds.append(f">= {meta['ge']:g}")
@@ -25,13 +30,13 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         flag, kind = "--" + f.name.replace("_", "-"), type(f.default)
         help_text = f"{meta['help']} Default: {default}.{extra}"
         if kind is bool:  # a switch; unset stays None so the environment or default applies
-            parser.add_argument(flag, dest=f.name, action="store_const", const=True, default=None,
+            target.add_argument(flag, dest=f.name, action="store_const", const=True, default=None,
                                 help=help_text)
         elif kind is tuple:  # several values after one flag, or the flag repeated
-            parser.add_argument(flag, dest=f.name, nargs="+", action="extend", default=None,
+            target.add_argument(flag, dest=f.name, nargs="+", action="extend", default=None,
                                 metavar=meta.get("metavar") or "VALUE", help=help_text)
         else:
-            parser.add_argument(
+            target.add_argument(
                 flag, dest=f.name, type=kind, choices=meta.get("choices"), default=None,
                 metavar=None if meta.get("choices") else meta.get("metavar") or kind.__name__.upper(),
                 help=help_text)

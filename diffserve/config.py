@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from diffserve import config_rules, topology
+from diffserve.config_fields import option, parse_value  # noqa: F401 - parse_value: the CLI's
 from diffserve.config_rules import ConfigError, named_paths
+from diffserve.config_speed import SpeedOptions
 from diffserve.policies import QUEUE_POLICIES, SET_POLICIES
 from diffserve.topology import Degrees
 
@@ -23,17 +25,8 @@ OTHER_ADAPTERS = "other"  # and adapters past the label bound
 RESERVED_ADAPTER_NAMES = (NO_ADAPTER, OTHER_ADAPTERS)
 
 
-def option(default: Any, help: str, *, ge: float | None = None, le: float | None = None,
-           choices: tuple[str, ...] | None = None, env: str | None = None,
-           metavar: str | None = None) -> Any:
-    """A config field with its help text and bounds kept beside the default. A tuple default
-    makes a flag that takes several values; a bool default, a switch."""
-    return field(default=default, metadata={"help": help, "ge": ge, "le": le,
-                                            "choices": choices, "env": env, "metavar": metavar})
-
-
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(SpeedOptions):
     model: str = option(DEFAULT_MODEL,
                         "Model to serve: an embedded model name (see `diffserve models`), a local "
                         "diffusers pipeline directory, or a hub id (needs a network).")
@@ -162,15 +155,6 @@ class ServerConfig:
                                 ge=0, le=1024)
     startup_timeout_s: float = option(600.0, "Longest wait for the model to load before giving up.",
                                       ge=1, le=86_400)
-    step_cache: str = option(
-        "off", "Step mode: first-block runs every row through the denoiser's first block and, per "
-        "image, reuses its cached output of the remaining blocks when that block's signal changed "
-        "less than the request's cache_threshold since its last computed step; those rows skip "
-        "the remaining blocks. Each image decides alone; the first and last steps always "
-        "compute.", choices=("off", "first-block"))
-    cache_threshold: float = option(
-        0.0, "--step-cache: the threshold of requests that set no cache_threshold (0: never "
-        "reuse).", ge=0, le=1)
     stages: str = option(
         "auto", "Step mode: where prompts are encoded, input images VAE-encoded and finished "
         "images decoded. on: on a thread of its own each (the encode and the decode stage; on "
@@ -182,18 +166,6 @@ class ServerConfig:
         512 << 20, "Step mode: most bytes of prompt encodings kept for the next request that "
         "asks for the same prompt, negative prompt, adapters (by version) and input images "
         "(least recently used first out). 0 = none kept.", ge=0, le=1 << 40)
-    compile: bool = option(
-        False, "torch.compile the denoiser's repeated blocks, rows padded to power-of-two "
-        "buckets (CUDA graphs per bucket on CUDA); the native size's buckets compile at start, "
-        "others when first needed.")
-    quantization: str = option(
-        "none", "Quantize the denoiser's linear weights through diffusers' torchao config: "
-        "int8-weight-only (CPU and GPU), fp8-weight-only (GPU). Needs the quantization extra "
-        "(torchao).", choices=("none", "int8-weight-only", "fp8-weight-only"))
-    text_encoder_quantization: str = option(
-        "none", "Quantize the text encoders' linear weights through transformers' torchao config "
-        "(the denoiser's schemes): int8-weight-only (CPU and GPU), fp8-weight-only (GPU).",
-        choices=("none", "int8-weight-only", "fp8-weight-only"))
     offload: str = option(
         "none", "Keep components in host memory and bring them to the device for their use "
         "(diffusers' group offloading): layer streams the denoiser's blocks onto the device one "
@@ -374,21 +346,3 @@ class ServerConfig:
             elif env and os.environ.get(env):
                 merged[f.name] = parse_value(f, os.environ[env])
         return cls(**merged)
-
-
-def parse_value(f: dataclasses.Field, text: str) -> Any:
-    """Convert a string to the field's type (the type of its default): a switch from
-    true/false, several values from a whitespace- or comma-separated list."""
-    kind = type(f.default)
-    flag = f"--{f.name.replace('_', '-')}"
-    if kind is bool:
-        lowered = text.strip().lower()
-        if lowered not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            raise ConfigError(f"{flag}={text!r} is not true or false")
-        return lowered in ("1", "true", "yes", "on")
-    if kind is tuple:
-        return tuple(part for part in text.replace(",", " ").split() if part)
-    try:
-        return kind(text)
-    except ValueError:
-        raise ConfigError(f"{flag}={text!r} is not a valid {kind.__name__}") from None

@@ -36,7 +36,7 @@ def named_paths(entries: tuple[str, ...], flag: str, reserved: tuple[str, ...] =
 
 
 def problems(config) -> Iterator[str]:
-    for rules in (_parallel, _memory, _devices, _serving):
+    for rules in (_parallel, _memory, _devices, _serving, _speed):
         yield from rules(config)
 
 
@@ -150,3 +150,13 @@ def _serving(config) -> Iterator[str]:
         yield (f"--enable-weight-updates with --quantization {config.quantization}: an update "
                "would have to be quantized again as it is applied, which is not done; serve the "
                "trained model unquantized")
+
+
+def _speed(config) -> Iterator[str]:
+    compiled = (("--compile-rows", config.compile_rows != "exact"),
+                ("--cuda-graphs", config.cuda_graphs != "off"))
+    for flag, given in compiled:
+        if given and not config.compile:
+            yield f"{flag} shapes what --compile compiles; it needs --compile"
+    if config.quantization_scope != "auto" and config.quantization == "none":
+        yield f"--quantization-scope {config.quantization_scope} needs --quantization"

@@ -4,6 +4,7 @@ requests against, what the scheduler admits by, and what ``/v1/models`` shows.""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from diffserve.costs import ABOVE_ONE
 
@@ -92,6 +93,9 @@ class ModelInfo:
     controls_supported: bool = False
     control_models: list[ControlModelInfo] = field(default_factory=list)
     max_controls: int = 0  # --max-controls-per-request
+    # What makes a step faster, as chosen and measured at start: the attention backend (and
+    # auto's timings), quantization, the model's FLOPs a step (diffserve.executor.accel).
+    speed: dict[str, Any] = field(default_factory=dict)
 
     def control_model(self, name: str) -> ControlModelInfo | None:
         return next((m for m in self.control_models if m.name == name), None)

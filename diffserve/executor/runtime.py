@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from diffserve.config import ServerConfig
+from diffserve.executor.accel import attention, quantized
 from diffserve.executor.accel.setup import compiled_for, step_cache_for, warm_up
 from diffserve.executor.checks import apply as checks
 from diffserve.executor.control.models import control_paths, load_controls
@@ -58,6 +59,9 @@ class Runtime:
     prompt_cache: Any = None  # diffserve.executor.step.prompt_cache.PromptCache, where one is kept
     weights: Any = None  # diffserve.executor.rl.weights.Weights, with --enable-weight-updates
     controls: Any = None  # diffserve.executor.control.models.ControlModels, where any are served
+    # What was chosen and measured for speed (the attention backend, quantization, FLOPs), as
+    # /v1/models shows it.
+    speed: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def task_modes(self) -> dict[str, str]:
@@ -77,11 +81,12 @@ class Runtime:
 
     def describe(self) -> ModelInfo:
         """The model info of what is served now."""
-        return model_info(self.loaded, self.config, self.mode, type(self.family) if self.family
+        info = model_info(self.loaded, self.config, self.mode, type(self.family) if self.family
                           else None, list(self.pipelines),
                           list(self.adapters.current) if self.adapters else [],
                           self.task_modes, self.unavailable, self.group,
                           self.controls.describe() if self.controls else [])
+        return dataclasses.replace(info, speed=dict(self.speed))
 
     @property
     def threaded_stages(self) -> bool:
@@ -121,7 +126,8 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
                         (lambda path, dtype: tensor_parallel_denoisers(path, group, dtype))
                         if tensor_parallel else None, MemoryLayout.of(config),
                         config.text_encoder_quantization,
-                        published_dtype(pipeline_class_of(resolve_model(config.model))))
+                        published_dtype(pipeline_class_of(resolve_model(config.model))),
+                        config.quantization_scope)
     family_cls = family_for(loaded.pipeline_class)
     mode = resolve_mode(config.batching_mode, family_cls, loaded.pipeline_class)
     pipelines = task_pipelines(loaded.pipe, family_cls)
@@ -132,12 +138,16 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
         family.controls = controls
     if group is not None:
         parallelize(loaded.pipe, family, group)
-    adapters = served_adapters(loaded.pipe, config, on_adapter_event)
-    compiled = compiled_for(config, loaded, family)  # before the step cache wraps the blocks
-    rt = Runtime(loaded, family, pipelines, mode, None, adapters, token_counter(loaded.pipe),
-                 config, step_cache_for(config, family, mode, group), compiled, group=group,
-                 prompt_cache=PromptCache(config.prompt_cache_bytes)
+    rt = Runtime(loaded, family, pipelines, mode, None, None, token_counter(loaded.pipe),
+                 config, group=group, prompt_cache=PromptCache(config.prompt_cache_bytes)
                  if config.prompt_cache_bytes else None, controls=controls)
+    rt.info = rt.describe()
+    rt.speed["quantization"] = quantized.quantize(rt, config)  # before PEFT wraps the layers
+    rt.adapters = adapters = served_adapters(loaded.pipe, config, on_adapter_event)
+    # Timed on the plain blocks, before compilation and the step cache wrap them (in this order).
+    rt.speed["attention"] = attention.choose(rt, config.attention_backend).describe()
+    rt.compiled = compiled_for(config, loaded, family)
+    rt.step_cache = step_cache_for(config, family, mode, group)
     if config.enable_weight_updates:
         rt.weights = Weights(loaded.pipe, resolve_model(config.model), loaded.device, loaded.dtype,
                              lambda: {f"controlnet {name}": m.module

@@ -35,7 +35,8 @@ def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, 
                     weight_version=engine.status.weight_version,
                     random_weights=info.random_weights,
                     controls=[dataclasses.asdict(m) for m in info.control_models],
-                    max_controls=info.max_controls if info.controls_supported else 0)
+                    max_controls=info.max_controls if info.controls_supported else 0,
+                    speed=info.speed)
         return ModelList(data=[ModelCard(id=info.name, **card),
                                *(ModelCard(id=name, parent=info.name, **card)
                                  for name in engine.adapters)])

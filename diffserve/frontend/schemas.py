@@ -184,6 +184,11 @@ class ModelCard(BaseModel):
                                  "control).")
     max_controls: int = Field(0, description="The most controls one request may stack (0: the "
                               "model takes none).")
+    speed: dict = Field(default_factory=dict, description="What makes a step faster, as chosen "
+                        "and measured at start: attention (the backend; with auto, each "
+                        "candidate's step in ms and those left out, with why), quantization "
+                        "(scheme, scope, PSNR against the unquantized model), flops (the "
+                        "model's FLOPs a step of one native-size image, the device's peak).")
 
 
 class LoadLoraAdapter(BaseModel):

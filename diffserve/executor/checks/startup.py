@@ -149,7 +149,7 @@ def _samplers(rt, names: list[str], task: str, step: bool, judge=None):
     working, why = [], {}
     runs = [r for r, o in zip(requests, plain) if not o.error]
     judged = dict(zip(runs, _stepped(rt, runs))) if step and runs else {}
-    judge = judge or (_judge(rt, runs) if judged else None)
+    judge = judge or (_judge(rt, runs, float32.DEVICE) if judged else None)
     for request, outcome in zip(requests, plain):
         failed = outcome.error or (judged[request].error if request in judged else None)
         if failed:

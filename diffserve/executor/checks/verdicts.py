@@ -11,8 +11,9 @@ checks' outcome depends on:
 - diffserve's own source (a hash of every module of the package), and the versions of torch,
   diffusers, transformers, peft and torchao;
 - the device: its type, and on a GPU its name and compute capability (kernels differ by card);
-- the dtype, batching mode, tasks, offered samplers, accelerator and memory settings, LoRA
-  adapters, and a parallel group's degrees (a group's forwards are not one device's).
+- the dtype, batching mode, tasks, offered samplers, accelerator and memory settings (the
+  attention backend as chosen, ``auto`` resolved), LoRA adapters, and a parallel group's degrees
+  (a group's forwards are not one device's).
 
 Any change to one of them is a new key, so the checks run again. A hub id (a model that is no
 local directory) is never remembered. Removing ``<cache>/startup-checks`` forgets every verdict.
@@ -102,6 +103,9 @@ def key_of(rt, config) -> str | None:
         "requested": config.batching_mode, "tasks": sorted(rt.pipelines),
         "samplers": rt.info.schedulers, "compile": config.compile,
         "step_cache": config.step_cache, "quantization": config.quantization,
+        "quantization_scope": config.quantization_scope, "compile_rows": config.compile_rows,
+        "cuda_graphs": config.cuda_graphs,
+        "attention": rt.speed.get("attention", {}).get("backend", "native"),
         "text_encoder_quantization": config.text_encoder_quantization,
         "layout": MemoryLayout.of(config).describe(), "degrees": vars(config.degrees),
         "adapters": sorted(config.lora_adapters.items()), "controls": controls})

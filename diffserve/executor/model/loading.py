@@ -91,9 +91,12 @@ class LoadedModel:
 def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_threads: int = 0,
                index: int = 0, quantization: str = "none", components=None, layout=None,
                text_encoder_quantization: str = "none",
-               published_dtype: str | None = None) -> LoadedModel:
+               published_dtype: str | None = None,
+               quantization_scope: str = "auto") -> LoadedModel:
     """``quantization``: a scheme of :mod:`diffserve.executor.model.quantization` for the denoiser
-    (``text_encoder_quantization`` for the text encoders); ``components(path, dtype)``: pipeline
+    (``text_encoder_quantization`` for the text encoders; ``quantization_scope``: where its
+    scope is ``blocks``, the denoiser is quantized once built, by the caller:
+    :func:`~diffserve.executor.model.quantization.quantize_blocks`); ``components(path, dtype)``: pipeline
     components loaded beforehand (a tensor-parallel denoiser, sharded as it loads), by name;
     ``layout``: a :class:`~diffserve.executor.memory.layout.MemoryLayout` (offloading,
     placement, tiling), applied instead of moving everything to ``device``;
@@ -120,9 +123,11 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
         quantized = None
         built = random_weights.build(path, device if layout is None or layout.plain else "cpu",
                                      getattr(torch, dtype))
-        quant.quantize_built(quantization, text_encoder_quantization, built, device)
+        quant.quantize_built(quantization, text_encoder_quantization, built, device,
+                             quantization_scope)
     else:
-        quantized = quant.pipeline_config(quantization, path, device, text_encoder_quantization)
+        quantized = quant.pipeline_config(quantization, path, device, text_encoder_quantization,
+                                          quantization_scope)
         built = {}
     prebuilt = {**built, **(components(path, getattr(torch, dtype)) if components else {})}
     pipe = DiffusionPipeline.from_pretrained(path, dtype=getattr(torch, dtype), **prebuilt,
@@ -133,7 +138,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
     else:
         layout.apply(pipe, device)
         log.info("memory layout: %s", layout.describe())
-    if quantization != "none":
+    if quantization != "none" and quant.scope_of(quantization, quantization_scope) == "all":
         quant.log_weights(quantization, list(denoisers(pipe).values()))
     pipe.set_progress_bar_config(disable=True)
     accepts = frozenset(inspect.signature(pipe.__call__).parameters)
