@@ -249,10 +249,9 @@ class StepLoop:
             except ProtocolError as error:  # that work cannot be read: answer its items, go on
                 log.error("%s", error)
                 malformed += [Outcome.failed(item, f"malformed work: {error}", 0.0) for item in msg.items]
-        start = time.perf_counter()
+        admitted = []  # the admission's device time is read with the next step's (deferred)
+        self.engine.timer.begin(lambda seconds, inner: self.io.count_admission(seconds, *admitted))
         failed = malformed + self.engine.admit(items, inputs)
-        # Read once the device has done the admission's work (prompts, input images), so that
-        # the next step is not charged for it.
-        self.io.count_admission(self.engine.timer.done() - start,
-                                len(items) + len(malformed) - len(failed))
+        admitted.append(len(items) + len(malformed) - len(failed))
+        self.engine.timer.end(keep=1 if self.engine else 0)
         self.io.send_outcomes(failed)

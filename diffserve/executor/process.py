@@ -97,7 +97,8 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
     if rt.mode == STEP_MODE:
         # What the start-up check sent to request mode runs as whole calls between two steps.
         calls = REQUEST_MODE in rt.task_modes.values()
-        engine = rt.step_engine(stages=rt.threaded_stages)
+        # The host plans the next step while the device runs this one: times read a step late.
+        engine = rt.step_engine(stages=rt.threaded_stages, defer_timing=True)
         loop = StepLoop(engine if link is None else LeaderEngine(engine, link), io, rt.adapters,
                         RequestLoop(rt.request_runner, io, rt.adapters, nested=True)
                         if calls else None,

@@ -57,6 +57,10 @@ class Member:
         self.stepped_s += seconds
         self.steps += 1
 
+    def charge(self, seconds: float) -> None:
+        """A step's seconds read after the step (its count was taken by :meth:`stepped`)."""
+        self.stepped_s += seconds
+
 
 class SetPolicy:
     """Picks which running set the next denoising step advances (``sets``: every non-empty set's

@@ -1,5 +1,6 @@
-"""--compile: the denoisers' repeated blocks compiled once per class, rows padded to power-of-two
-buckets; images equal eager ones, and steady traffic compiles nothing new.
+"""--compile: the denoisers' repeated blocks compiled once per class, rows as a dynamic dimension
+(exact) or padded to power-of-two buckets; images equal eager ones, and steady traffic compiles
+nothing new.
 
 The default suite traces with dynamo's "eager" backend (the same graphs, guards and buckets,
 no code generation: seconds); the inductor cases, which generate and build C++ (minutes on a
@@ -51,10 +52,16 @@ def run(engine, plan):
     return images
 
 
-def check_compiled(model: str, backend: str, tolerance: int, with_cache: bool = False):
+def check_compiled(model: str, backend: str, tolerance: int, with_cache: bool = False,
+                   rows: str = "exact"):
     fam = family_of(model)
     eager = run(StepEngine(fam), traffic(model, "eager"))
-    compiled = CompiledBlocks(fam.denoisers, "cpu", backend=backend)
+    compiled = CompiledBlocks(fam.denoisers, "cpu", backend=backend, rows=rows)
+    seen = []  # the rows each compiled call ran
+    for cls, fn in dict(compiled._compiled).items():
+        compiled._compiled[cls] = lambda block, *a, fn=fn, **kw: (
+            seen.append(next(t for t in (*a, *kw.values()) if hasattr(t, "shape")).shape[0]),
+            fn(block, *a, **kw))[1]
     cache = StepCache(fam.denoisers) if with_cache else None
     try:
         engine = StepEngine(fam, step_cache=cache)
@@ -66,6 +73,9 @@ def check_compiled(model: str, backend: str, tolerance: int, with_cache: bool = 
         if cache is not None:
             cache.close()
         compiled.close()
+    powers = {r for r in seen if r & (r - 1) == 0}
+    # Exact rows run as themselves (3 rows as 3, not a bucket of 4); buckets only as powers of 2.
+    assert (seen and powers != set(seen)) if rows == "exact" else powers == set(seen), seen
     for rid, image in eager.items():
         assert max_diff(first[rid], image) <= tolerance, (model, rid)
         assert max_diff(again[rid], image) <= tolerance, (model, rid)
@@ -73,8 +83,9 @@ def check_compiled(model: str, backend: str, tolerance: int, with_cache: bool = 
 
 # The UNet's graph capture takes ~17 s on a 2-core machine: the default suite runs the MM-DiT's.
 @pytest.mark.parametrize("model", [pytest.param("tiny-sd", marks=pytest.mark.slow), "tiny-flux"])
-def test_compiled_buckets_equal_eager_and_do_not_recompile(model):
-    check_compiled(model, "eager", 2, with_cache=model == "tiny-flux")
+@pytest.mark.parametrize("rows", ["exact", pytest.param("buckets", marks=pytest.mark.slow)])
+def test_compiled_blocks_equal_eager_and_do_not_recompile(model, rows):
+    check_compiled(model, "eager", 2, with_cache=model == "tiny-flux", rows=rows)
 
 
 def test_padding_rows_are_discarded():
@@ -86,7 +97,7 @@ def test_padding_rows_are_discarded():
                   txt_ids=torch.zeros(8, 3), img_ids=torch.zeros(16, 3), return_dict=False)
     with torch.inference_mode():
         expected = transformer(x, **kwargs)[0]
-        compiled = CompiledBlocks([transformer], "cpu", backend="eager")
+        compiled = CompiledBlocks([transformer], "cpu", backend="eager", rows="buckets")
         try:
             got = transformer(x, **kwargs)[0]  # 3 rows run as a bucket of 4
         finally:

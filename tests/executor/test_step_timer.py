@@ -1,6 +1,6 @@
-"""A step's time as the device spent it: on the CPU the clock around the work; on CUDA (a
-stand-in here, no GPU in CI) events around each span, one wait for the device at the end of the
-step, and the events read only after it."""
+"""A step's time as the device spent it: on the CPU the clock around the work, known at once; on
+CUDA (a stand-in here, no GPU in CI) events around the lap and each span, read only once a later
+lap is queued, so that the host never waits for the device between two steps."""
 
 from __future__ import annotations
 
@@ -19,41 +19,66 @@ class FakeClock:
         return self.now
 
 
-def test_on_the_cpu_spans_are_the_clock_around_them():
-    clock = FakeClock()
+def test_on_the_cpu_a_laps_time_is_the_clock_around_it_known_at_once():
+    clock, laps = FakeClock(), []
     timer = StepTimer(torch, "cpu", clock)
+    with timer.span():  # outside a lap: counts nowhere
+        clock.now += 5.0
+    timer.begin(lambda seconds, inner: laps.append((seconds, inner)))
     with timer.span():
         clock.now += 0.25
     clock.now += 1.0  # host work
     with timer.span():
         clock.now += 0.5
-    assert timer.done() == 1.75 and timer.take_inner() == 0.75
-    assert timer.take_inner() == 0.0  # taken
+    timer.end(keep=1)
+    assert laps == [(1.75, 0.75)]
 
 
-def test_on_cuda_the_events_are_read_after_one_wait_at_the_end_of_the_step():
-    log = []
+class FakeCuda:
+    """Events that know whether the device has reached them: ``finished`` counts the events
+    the device has passed; reading one it has not passed without waiting is an error."""
 
-    class Event:
-        def __init__(self, enable_timing):
-            self.at = None
+    def __init__(self) -> None:
+        self.log, self.recorded, self.finished = [], 0, 0
+        cuda = self
 
-        def record(self):
-            log.append("record")
-            self.at = len(log)
+        class Event:
+            def __init__(self, enable_timing):
+                self.at = None
 
-        def elapsed_time(self, end):
-            assert log[-1] == "synchronize", "an event read before the device finished"
-            return 100.0 * (end.at - self.at)  # milliseconds
+            def record(self):
+                cuda.recorded += 1
+                self.at = cuda.recorded
 
-    cuda = SimpleNamespace(Event=Event, synchronize=lambda device: log.append("synchronize"))
-    fake = SimpleNamespace(cuda=cuda, device=torch.device)
-    clock = FakeClock()
-    timer = StepTimer(fake, "cuda:1", clock)
-    with timer.span():
-        log.append("forward queued")
-    with timer.span():
-        log.append("decode queued")
-    clock.now = 3.0
-    assert timer.done() == 3.0 and log.count("synchronize") == 1
-    assert timer.take_inner() == 0.4  # two spans of two log entries each, 100 ms apart
+            def synchronize(self):
+                cuda.log.append(f"wait for event {self.at}")
+                cuda.finished = max(cuda.finished, self.at)
+
+            def elapsed_time(self, end):
+                assert end.at <= cuda.finished, "an event read before the device reached it"
+                return 100.0 * (end.at - self.at)  # milliseconds
+
+        self.Event = Event
+
+    def synchronize(self, device=None):
+        raise AssertionError("a lap never waits for the whole device")
+
+
+def test_on_cuda_a_lap_is_read_a_lap_later_without_waiting_for_the_device():
+    fake = FakeCuda()
+    timer = StepTimer(SimpleNamespace(cuda=fake, device=torch.device), "cuda:1", FakeClock())
+    laps = []
+    for step in range(3):
+        timer.begin(lambda seconds, inner, step=step: laps.append((step, seconds, inner)))
+        with timer.span():  # the forward
+            pass
+        with timer.span():  # a decode
+            pass
+        timer.end(keep=1)
+        # Step k's time is known once step k+1 is queued; the newest stays unread.
+        assert [lap[0] for lap in laps] == list(range(step))
+    timer.collect(keep=0)  # nothing more to queue: read the last
+    assert [lap[0] for lap in laps] == [0, 1, 2]
+    # Each lap: start, two spans of two events, end: 5 events 100 ms apart; spans 0.1 s each.
+    assert all(abs(seconds - 0.5) < 1e-9 and abs(inner - 0.2) < 1e-9 for _, seconds, inner in laps)
+    assert fake.log == ["wait for event 6", "wait for event 12", "wait for event 18"]

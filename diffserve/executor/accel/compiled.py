@@ -1,19 +1,26 @@
-"""``--compile``: torch.compile of the denoiser's repeated blocks, rows padded to buckets.
+"""``--compile``: torch.compile of the denoiser's repeated blocks, for a batch whose rows change
+at every step.
 
 Regional compilation, as diffusers' ``compile_repeated_blocks``: each repeated block class (the
 transformer blocks; a UNet's transformer and ResNet blocks) is compiled once and every instance
 runs the same graph, so compiling costs one block's time rather than the whole model's. A
 forward's row count changes whenever a request joins or leaves (and, with the step cache, with
-the rows that miss), so a block's rows are padded to the next power of two (1, 2, 4, 8, ...)
-with copies of its last row, which are discarded: each bucket compiles once per shape
-(``dynamic=False``), and steady traffic causes no recompilation.
+the rows that miss), so the rows cannot be a static shape:
 
-- At start-up the engine runs one step per bucket at the model's native size, up to the rows
-  one forward may carry (``--max-batch-cost``), so those compile before the first client is
-  served (the time is logged). Other sizes, and bucket sizes the native size never reached,
-  compile when first needed (logged as such). ``diffserve_compiles_total{when}`` counts both.
-- On CUDA, ``mode="reduce-overhead"`` captures a CUDA graph per bucket; the rows a block returns
-  are copied out of the graph's buffers, which its next replay overwrites.
+- ``--compile-rows exact`` (the default): the rows are a dynamic dimension of the graph
+  (``maybe_mark_dynamic``): a forward computes its own rows and nothing more, and a block's
+  output is the graph's own (no copy). A size compiles twice at most: once for one row (which
+  torch specialises) and once for any other count.
+- ``--compile-rows buckets``: rows padded to the next power of two (1, 2, 4, 8, ...) with copies
+  of the last row, discarded after: each bucket is a static graph of its own (``dynamic=False``),
+  which CUDA graphs need; 3 rows cost 4 and 5 cost 8. ``--cuda-graphs on`` captures a CUDA graph
+  per bucket (``mode="reduce-overhead"``), whose output buffers its next replay overwrites, so
+  the rows a block returns are copied out.
+
+Either way steady traffic causes no recompilation. At start-up the engine runs one step per
+bucket (exact: one and two images) at the model's native size, up to the rows one forward may
+carry (``--max-batch-cost``), so those compile before the first client is served (the time is
+logged); other sizes compile when first needed. ``diffserve_compiles_total{when}`` counts both.
 """
 
 from __future__ import annotations
@@ -46,12 +53,17 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-class CompiledBlocks:
-    """The repeated blocks of ``denoisers``, each class compiled once, rows padded to buckets.
-    ``backend``: torch.compile's (inductor; the tests also use "eager", which traces and guards
-    the same way without generating code)."""
+EXACT, BUCKETS = "exact", "buckets"
 
-    def __init__(self, denoisers: list, device: str, backend: str = "inductor") -> None:
+
+class CompiledBlocks:
+    """The repeated blocks of ``denoisers``, each class compiled once; ``rows``: ``exact`` (a
+    dynamic row dimension) or ``buckets`` (padded to powers of two); ``graphs``: CUDA graphs per
+    bucket (CUDA, buckets only). ``backend``: torch.compile's (inductor; the tests also use
+    "eager", which traces and guards the same way without generating code)."""
+
+    def __init__(self, denoisers: list, device: str, backend: str = "inductor",
+                 rows: str = EXACT, graphs: bool = False) -> None:
         import torch
 
         # Every bucket of every size in use is a graph of its own; the default limit (8) would
@@ -59,8 +71,10 @@ class CompiledBlocks:
         torch._dynamo.config.recompile_limit = GRAPHS_KEPT
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 4 * GRAPHS_KEPT)
-        self.cuda = str(device).startswith("cuda")
-        mode = "reduce-overhead" if self.cuda and backend == "inductor" else None
+        self.rows = BUCKETS if graphs else rows
+        # Copies out of a CUDA graph's buffers, which the next replay overwrites.
+        self.copy = graphs and str(device).startswith("cuda") and backend == "inductor"
+        mode = "reduce-overhead" if self.copy else None
         self._compiled: dict[type, object] = {}
         self._wrapped = []
         self._seen = self._start = graphs_compiled()
@@ -72,14 +86,27 @@ class CompiledBlocks:
                     continue
                 cls = type(module)
                 if cls not in self._compiled:
-                    self._compiled[cls] = torch.compile(cls.forward, backend=backend, mode=mode,
-                                                        dynamic=False)
-                self._wrapped.append(wrap_forward(module, partial(self._padded, kind, module)))
+                    self._compiled[cls] = torch.compile(
+                        cls.forward, backend=backend, mode=mode,
+                        dynamic=False if self.rows == BUCKETS else None)
+                around = self._padded if self.rows == BUCKETS else self._exact
+                self._wrapped.append(wrap_forward(module, partial(around, kind, module)))
         if not self._wrapped:
             names = ", ".join(type(d).__name__ for d in denoisers)
             raise ValueError(f"--compile: {names} has no repeated block the server knows")
-        log.info("--compile: %d blocks of %s, rows in power-of-two buckets", len(self._wrapped),
-                 ", ".join(sorted(c.__name__ for c in self._compiled)))
+        log.info("--compile: %d blocks of %s, %s", len(self._wrapped),
+                 ", ".join(sorted(c.__name__ for c in self._compiled)),
+                 "rows as a dynamic dimension" if self.rows == EXACT else
+                 "rows in power-of-two buckets" + (", a CUDA graph each" if self.copy else ""))
+
+    def _exact(self, kind: BlockKind, block, original, args, kwargs):
+        from torch._dynamo import maybe_mark_dynamic
+
+        rows = rows_of(block, kind, args, kwargs)
+        if rows > 1:  # one row is specialised by torch anyway; marking it would only warn
+            map_rows(block, args, kwargs, rows, kind.shared,
+                     lambda t: maybe_mark_dynamic(t, 0) or t)
+        return self._compiled[type(block)](block, *args, **kwargs)
 
     def _padded(self, kind: BlockKind, block, original, args, kwargs):
         rows = rows_of(block, kind, args, kwargs)
@@ -89,7 +116,7 @@ class CompiledBlocks:
             args, kwargs = map_rows(block, args, kwargs, rows, kind.shared,
                                     lambda t: _pad_rows(t, extra))
         out = self._compiled[type(block)](block, *args, **kwargs)
-        return _cut(out, padded, rows, self.cuda)
+        return _cut(out, padded, rows, self.copy)
 
     def take_new(self) -> int:
         """Graphs compiled since the last call."""
@@ -126,8 +153,9 @@ def _cut(out, padded: int, rows: int, copy: bool):
 
 def warm_up(rt, engine) -> float:
     """Compile the native size's buckets: one step of each, through ``engine``, with as many
-    images as make that bucket's rows (up to the most one forward carries at the native size).
-    The seconds it took."""
+    images as make that bucket's rows (up to the most one forward carries at the native size;
+    exact rows: one image and two, the specialised graph and the dynamic one). The seconds it
+    took."""
     from diffserve.costs import uses_cfg
     from diffserve.work import ImageRequest, WorkItem
 
@@ -135,7 +163,8 @@ def warm_up(rt, engine) -> float:
     per_image = 2 if uses_cfg(info.guidance_rule, info.default_guidance_scale, "") else 1
     most = max(per_image, int(info.max_batch_cost or per_image))
     start, rows = time.perf_counter(), per_image
-    while rows <= bucket(most):
+    last = bucket(most) if rt.compiled.rows == BUCKETS else min(2 * per_image, bucket(most))
+    while rows <= last:
         images = max(1, min(rows, most) // per_image)
         request = ImageRequest(f"compile-warm-up-{rows}", info.name, info.width, info.height,
                                num_inference_steps=1, guidance_scale=info.default_guidance_scale,

@@ -40,7 +40,8 @@ def compiled_for(config: ServerConfig, loaded, family):
 
     denoisers = family.denoisers if family is not None else [
         getattr(loaded.pipe, "unet", None) or loaded.pipe.transformer]
-    return CompiledBlocks(denoisers, loaded.device)
+    return CompiledBlocks(denoisers, loaded.device, rows=config.compile_rows,
+                          graphs=config.cuda_graphs == "on")
 
 
 def warm_up(rt) -> None:

@@ -397,9 +397,11 @@ class Family:
         return self.pipe.vae.decode(latents, return_dict=False)[0]
 
     def postprocess(self, image) -> np.ndarray:
+        # Denormalised on the device and made uint8 there: a quarter of float32's bytes cross
+        # to the host, and the host does not convert them.
         pixels = self.pipe.image_processor.postprocess(
-            image, output_type="np", do_denormalize=[True] * image.shape[0])
-        return to_uint8(pixels)
+            image, output_type="pt", do_denormalize=[True] * image.shape[0])
+        return to_uint8(pixels.permute(0, 2, 3, 1))
 
     # -- shared helpers --------------------------------------------------------------------
 

@@ -25,7 +25,10 @@ class NonFiniteOutput(RuntimeError):
 def to_uint8(pixels) -> np.ndarray:
     """Float pixels in [0, 1] (k, H, W, 3, or k frames of them) to contiguous uint8, the one
     rounding rule everywhere. Raises :class:`NonFiniteOutput` where an image has a pixel that
-    is not finite, checked once per image (NaN would round to 0: a black image)."""
+    is not finite, checked once per image (NaN would round to 0: a black image). A torch tensor
+    is converted where it is (on its device), in float32 as the host would."""
+    if hasattr(pixels, "permute"):
+        return _tensor_to_uint8(pixels)
     pixels = np.asarray(pixels)
     finite = np.isfinite(pixels.reshape(len(pixels), -1)).all(axis=1) if pixels.ndim else True
     with np.errstate(invalid="ignore"):  # a non-finite image is reported, not cast quietly
@@ -50,3 +53,15 @@ def split_finite(decode, sizes: list[int]) -> list:
             parts.append(NonFiniteOutput(rows) if rows else part)
             start += size
         return parts
+
+
+def _tensor_to_uint8(pixels) -> np.ndarray:
+    import torch
+
+    pixels = pixels.float()  # the host's rule: float32, clip, scale, round half to even
+    finite = torch.isfinite(pixels.reshape(len(pixels), -1)).all(dim=1)
+    converted = (pixels.clamp(0.0, 1.0) * 255.0).round().to(torch.uint8).contiguous().cpu().numpy()
+    finite = finite.cpu().numpy()
+    if not np.all(finite):
+        raise NonFiniteOutput([int(i) for i in np.flatnonzero(~finite)], converted)
+    return converted

@@ -58,6 +58,18 @@ class QwenImage(PackedFlow):
         return self.transform(latents, timesteps, cond, [self.grid(width, height)],
                               control[0] if control is not None else None)
 
+    _mask_seen: tuple = (None, None)  # the last forward's mask, and what mask_of made of it
+
+    def mask_of(self, cond):
+        """The forward's text mask, or None where every row's prompt fills it, as the pipeline
+        drops an all-true mask: attention without a mask may run on the flash kernels. A set's
+        conditioning is the same object from step to step while its rows stay, so the device is
+        asked (a synchronisation) once per change of rows, not at every step."""
+        mask = cond.prompt_embeds_mask
+        if mask is not self._mask_seen[0]:
+            self._mask_seen = (mask, None if mask is None or bool(mask.all()) else mask)
+        return self._mask_seen[1]
+
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """An image's token grid as the transformer's position ids take it (one frame)."""
         scale = self.pipe.vae_scale_factor
@@ -68,7 +80,7 @@ class QwenImage(PackedFlow):
         ``control``: a ControlNet's residual for each block (or None)."""
         return self.pipe.transformer(
             hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000, guidance=None,
-            encoder_hidden_states_mask=cond.prompt_embeds_mask,
+            encoder_hidden_states_mask=self.mask_of(cond),
             encoder_hidden_states=cond.prompt_embeds, img_shapes=[grids] * latents.shape[0],
             **({"controlnet_block_samples": control} if control else {}), return_dict=False)[0]
 
@@ -103,7 +115,7 @@ class QwenImage(PackedFlow):
         samples = module(
             hidden_states=latents, controlnet_cond=control_cond, conditioning_scale=1.0,
             timestep=timesteps.to(latents.dtype) / 1000, encoder_hidden_states=cond.prompt_embeds,
-            encoder_hidden_states_mask=cond.prompt_embeds_mask,
+            encoder_hidden_states_mask=self.mask_of(cond),
             img_shapes=[[self.grid(width, height)]] * latents.shape[0], return_dict=False)
         return (list(samples),)
 

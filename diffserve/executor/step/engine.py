@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
+from functools import partial
 from typing import Any, Callable
 
 from diffserve.executor.control.rows import narrowed, residuals
@@ -47,7 +48,7 @@ from diffserve.executor.step.planner import Planner, StepPlan
 from diffserve.executor.step.set_inputs import SetInputs
 from diffserve.executor.step.stage_work import StageWork, TakenBack
 from diffserve.executor.step.timer import StepTimer
-from diffserve.executor.step.units import StepOutput, Unit, Waiting, batch_key_of
+from diffserve.executor.step.units import StepOutput, StepTime, Unit, Waiting, batch_key_of
 from diffserve.policies import SetPolicy
 from diffserve.policies.base import Member
 from diffserve.policies.fair import TimeFair
@@ -61,7 +62,8 @@ class StepEngine:
     def __init__(self, family: Family, count_tokens: Callable[[str], int] = lambda p: 0,
                  clock: Callable[[], float] = time.perf_counter, adapters=None,
                  policy: SetPolicy | None = None, step_cache=None, cache_threshold: float = 0.0,
-                 group=None, stages: bool = False, prompt_cache=None) -> None:
+                 group=None, stages: bool = False, prompt_cache=None,
+                 defer_timing: bool = False) -> None:
         """``adapters``: the :class:`~diffserve.executor.lora.store.AdapterStore`, if any.
         ``policy``: which running set a step advances (default: time-fair). ``step_cache``: a
         :class:`~diffserve.executor.accel.step_cache.StepCache` over the family's denoisers, and
@@ -69,7 +71,9 @@ class StepEngine:
         of (:class:`~diffserve.executor.parallel.topology.Group`), if any. ``stages``: encode and
         decode on threads of their own beside the step loop (else inline, on it);
         ``prompt_cache``: a :class:`~diffserve.executor.step.prompt_cache.PromptCache`, if
-        any."""
+        any. ``defer_timing``: on CUDA, a step's time is read a step later (in the next
+        output's ``timed``), so that the host never waits for the device between steps (the
+        serving loop); else each output carries its own step's time."""
         self.family, self.group, self.clock = family, group, clock
         self.adapters, self.step_cache = adapters, step_cache
         self._cfg_parallel = group is not None and group.degrees.cfg > 1
@@ -80,8 +84,10 @@ class StepEngine:
         self.members = Members(family, adapters, clock, lambda key: self._inputs.pop(key, None))
         self.builder = UnitBuilder(family, count_tokens, self.members.rows, step_cache,
                                    cache_threshold, prompt_cache)
-        # A step's time as the device spent it (on CUDA: events, and one wait at its end).
+        # A step's time as the device spent it (on CUDA: events, read a step later if deferred).
         self.timer = StepTimer(family.torch, family.device, clock)
+        self._keep_laps = 1 if defer_timing else 0
+        self._timed: list[StepTime] = []  # steps whose time became known since the last output
         self.stage_work = StageWork(family, self.builder, self.timer, clock, stages)
         if adapters is not None:
             family.row_scope.listen(adapters.rows.narrow)
@@ -243,8 +249,6 @@ class StepEngine:
         retirements."""
         if not self.units:
             return
-        start = self.clock()
-        self.timer.take_inner()  # what admissions' decodes took is not this step's
         units = [u for u in self.units if u.batch_key == plan.advance]
         if not units:
             # The set it planned for was to be opened by a join that did not fit: the set of the
@@ -252,8 +256,10 @@ class StepEngine:
             # the same one.
             units = [u for u in self.units if u.batch_key == self.units[0].batch_key]
         out.batch_key = units[0].batch_key
+        out.samples, out.cost = sum(u.samples for u in units), sum(u.cost for u in units)
+        self.timer.begin(partial(self._timed_step, [u.member for u in units], out.samples,
+                                 out.cost, out.batch_key))
         with self.family.torch.inference_mode():
-            out.samples, out.cost = sum(u.samples for u in units), sum(u.cost for u in units)
             for unit, noise in self._each(units, self._predict, "the denoiser forward", out):
                 self._advance(unit, noise, out)
             out.progress = [(request_id(u), u.step, len(u.prepared.timesteps)) for u in units
@@ -263,12 +269,21 @@ class StepEngine:
             if due:
                 self.stage_work.preview(due)
             self._retire(units)
-        out.seconds = self.timer.done() - start
-        out.host_seconds = max(0.0, out.seconds - self.timer.take_inner())
+        for unit in units:
+            unit.member.stepped(0.0)  # the step counts now; its seconds once read
+        # Nothing left to queue: read every lap now rather than at a step that may not come.
+        self.timer.end(self._keep_laps if self.units else 0)
+        out.timed, self._timed = self._timed, []
+        out.seconds = sum(t.seconds for t in out.timed)
+        out.host_seconds = sum(t.host_seconds for t in out.timed)
         if self.step_cache is not None:
             out.cache_hits, out.cache_misses = self.step_cache.take_counts()
-        for unit in units:
-            unit.member.stepped(out.seconds)
+
+    def _timed_step(self, members, samples: int, cost: float, batch_key, seconds: float,
+                    inner: float) -> None:
+        self._timed.append(StepTime(seconds, max(0.0, seconds - inner), samples, cost, batch_key))
+        for member in members:
+            member.charge(seconds)
 
     def _each(self, units: list[Unit], run: Callable[[list[Unit]], list], what: str,
               out: StepOutput) -> list[tuple[Unit, Any]]:

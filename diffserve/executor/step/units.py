@@ -80,6 +80,17 @@ class Waiting:
     member: Member
 
 
+@dataclass(frozen=True)
+class StepTime:
+    """A step's time as the device spent it, once read (a step late, where timing is deferred)."""
+
+    seconds: float
+    host_seconds: float  # of ``seconds``, outside the denoiser and the VAE
+    samples: int  # samples its forward carried
+    cost: float
+    batch_key: tuple | None
+
+
 @dataclass
 class StepOutput:
     finished: list[Outcome] = field(default_factory=list)
@@ -88,6 +99,9 @@ class StepOutput:
     cost: float = 0.0  # and their cost (diffserve.costs)
     batch_key: tuple | None = None  # of the running set it advanced
     sets: int = 0  # running sets held after the step
+    # The steps whose time was read since the last output: this step's own, or (timing deferred
+    # on CUDA) the one before; ``seconds`` and ``host_seconds`` sum them.
+    timed: list[StepTime] = field(default_factory=list)
     seconds: float = 0.0
     host_seconds: float = 0.0  # of ``seconds``, outside the denoiser and the VAE
     cache_hits: int = 0  # rows of the forward that reused their step cache
