@@ -260,6 +260,15 @@ class EngineMetrics:
             "diffserve_compiles", "--compile: graphs torch.compile built, at start-up or while "
             "serving (a shape or bucket first seen then; flat in steady state).",
             ["executor", "when"])
+        self.model_flops_total = Counter(
+            "diffserve_model_flops", "The model's FLOPs the denoiser forwards computed (every "
+            "matmul, convolution and attention product, as fitted at start; a parallel group's "
+            "ranks together).", ex)
+        self.model_flops_utilization = Gauge(
+            "diffserve_model_flops_utilization", "Model FLOPs utilisation while busy: the model's "
+            "FLOPs over the last 10 s of device time, against the device's peak (--device-peak-"
+            "tflops or the table of GPUs); absent where the peak is unknown.", ex,
+            multiprocess_mode="livemax")
 
         # Several sizes at once (step mode).
         self.running_sets = Gauge(
@@ -304,7 +313,7 @@ class EngineMetrics:
                        self.non_finite_outputs_total, self.batches_interrupted_total, self.executor_restarts_total,
                        self.group_restarts_total,
                        self.step_seconds, self.step_running_images, self.step_admissions_total,
-                       self.forward_cost,
+                       self.forward_cost, self.model_flops_total,
                        self.lora_loads_total, self.lora_unloads_total, self.lora_evictions_total,
                        self.lora_load_seconds):
             metric.labels(executor=label)

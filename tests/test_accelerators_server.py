@@ -1,20 +1,22 @@
 """The accelerators through the real server: a step cache per request (its threshold in the
-request, its cached steps in the usage, its rows in /metrics) over an int8 weight-only
-denoiser; requests that ask for what the server does not run are refused."""
+request, its cached steps in the usage, its rows in /metrics) over an int8 dynamic-quantized
+denoiser whose attention kernel the server timed and chose itself; the model's FLOPs and their
+utilisation in /metrics; requests that ask for what the server does not run are refused."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from server import LAUNCHES, assert_openai_error, metric, serves, spec
+from server import LAUNCHES, assert_openai_error, metric, serves, spec, wait_for_metric
 
 GENERATE = "/v1/images/generations"
 
 
 @pytest.fixture(scope="module")
 @serves(spec("--batching-mode", "step", "--step-cache", "first-block", "--quantization",
-             "int8-weight-only", "--max-inference-steps", "100", model="tiny-flux"))
+             "int8-dynamic", "--attention-backend", "auto", "--device-peak-tflops", "0.01",
+             "--max-inference-steps", "100", model="tiny-flux"))
 def server(request):
     pytest.importorskip("torchao")
     with LAUNCHES.take(request) as srv:
@@ -39,7 +41,7 @@ def test_each_request_caches_with_its_own_threshold_and_reports_it(server):
     assert metric(text, "diffserve_step_cache_rows_total", outcome="miss", executor="0") > 0
     assert metric(text, "diffserve_step_host_seconds_count", executor="0") > 0
     assert metric(text, "diffserve_step_cache_bytes", executor="0") == 0  # nothing runs now
-    assert "--quantization int8-weight-only" in server.log
+    assert "--quantization int8-dynamic" in server.log
     assert "encode and decode stages off (on the loop)" in server.log  # --stages auto, a CPU
 
 
@@ -50,6 +52,31 @@ def test_quantization_that_runs_leaves_no_import_noise_in_the_log(server):
     post(server, {"prompt": "a cat", "num_inference_steps": 2})
     for noise in ("Failed to load", "_C_mxfp8", "Unable to import `torchao`", "Enum subclass"):
         assert noise not in server.log, noise
+
+
+def test_models_shows_what_was_chosen_and_metrics_count_the_models_flops(server):
+    (card,) = httpx.get(server.url + "/v1/models").json()["data"]
+    speed = card["speed"]
+    attention = speed["attention"]
+    # On a CPU: torch's kernels that run here were timed; the CUDA ones left out, saying why.
+    assert {"native", "math", "torch-flash"} <= set(attention["step_ms"]), attention
+    assert attention["backend"] in attention["step_ms"]
+    assert "needs a CUDA GPU" in attention["left_out"]["cudnn"]
+    quantized = speed["quantization"]
+    assert quantized["scheme"] == "int8-dynamic" and quantized["scope"] == "blocks"
+    assert quantized["layers"] > 0 and quantized["psnr_db"] > 30, quantized
+    assert speed["flops"]["per_step_native"] > 0 and speed["flops"]["device_peak_tflops"] == 0.01
+    before = metric(httpx.get(server.url + "/metrics").text, "diffserve_model_flops_total",
+                    executor="0")
+    assert post(server, {"prompt": "a cat", "num_inference_steps": 4}).status_code == 200
+    # Four forwards of one native-size image (no guidance on FLUX.1: one row a step); the
+    # last step's count may land just after the answer.
+    expected = before + 4 * speed["flops"]["per_step_native"]
+    done = wait_for_metric(server, "diffserve_model_flops_total", lambda v: v >= expected * 0.999,
+                           executor="0")
+    assert done == pytest.approx(expected)
+    text = httpx.get(server.url + "/metrics").text
+    assert metric(text, "diffserve_model_flops_utilization", executor="0") > 0
 
 
 def test_rollouts_are_never_cached(server):

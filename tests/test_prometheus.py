@@ -179,7 +179,8 @@ def label_values(prom: Prometheus, definition: str, variables: dict[str, str]) -
     return prom.api(f"label/{label}/values", **{"match[]": selector})
 
 
-@pytest.mark.server("--model", "tiny-sd", "--max-queue-size", "64", "--torch-threads", "1")
+@pytest.mark.server("--model", "tiny-sd", "--max-queue-size", "64", "--torch-threads", "1",
+                    "--device-peak-tflops", "0.05")  # a peak: the utilisation panel has data
 def test_every_dashboard_query_and_alert_expression_returns_data(tmp_path, own_server):
     prometheus = need("prometheus")
     started = time.monotonic()

@@ -46,7 +46,7 @@ SECONDS = {
 # The pool's files (the pytest process alone), with their seconds: the heaviest go first.
 IN_PROCESS = {
     "tests/executor/test_process.py": 23, "tests/executor/test_qwen_image_edit.py": 22,
-    "tests/executor/test_controlnet.py": 20,
+    "tests/executor/test_controlnet.py": 20, "tests/executor/test_flops.py": 25,
     "tests/executor/test_adapter_families.py": 21, "tests/executor/test_flux2.py": 19,
     "tests/executor/test_adapters.py": 18, "tests/executor/test_compiled.py": 16,
     "tests/executor/test_step_engine.py": 16, "tests/executor/test_adapter_rows.py": 15,
@@ -60,6 +60,8 @@ IN_PROCESS = {
         "tests/executor/test_pause.py", "tests/executor/test_samplers.py", "tests/executor/test_wan.py"], 2),
     **dict.fromkeys([
         "tests/executor/test_blocks.py", "tests/executor/test_devices.py",
+        "tests/executor/test_float32_place.py", "tests/executor/test_outputs.py",
+        "tests/executor/test_attention.py",
         "tests/executor/test_flux_kontext.py", "tests/executor/test_loops.py", "tests/executor/test_parallel.py",
         "tests/executor/test_planner.py", "tests/executor/test_step_timer.py",
         "tests/executor/test_weights.py", "tests/frontend/test_edit_rules.py",

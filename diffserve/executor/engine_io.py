@@ -44,6 +44,8 @@ class EngineIO:
         self._sizes: set[str] = set()
         self._progress_sent: dict[str, float] = {}  # request id -> when its progress last went
         self._compiled = None  # the compiled blocks, whose new graphs are counted
+        self._flops = None  # the model's FLOP counter (diffserve.executor.accel.flops)
+        self._utilization = None  # and its utilisation, where the device's peak is known
 
     def receive(self, block: bool, wake: int | None = None) -> tuple[Kind, Any, list[Any]] | None:
         """The next message from the scheduler; None if there is none (not ``block``), or when
@@ -149,6 +151,7 @@ class EngineIO:
         if interrupted:
             m.batches_interrupted_total.labels(executor=label).inc()
         self._count_compiles()
+        self._count_flops(seconds)
 
     def set_memory(self, info) -> None:
         """The budget and what a unit of cost takes (ModelInfo), for :meth:`count_memory`."""
@@ -195,6 +198,7 @@ class EngineIO:
             m.step_cache_rows_total.labels(executor=label, outcome="miss").inc(out.cache_misses)
             m.step_cache_bytes.labels(executor=label).set(out.cache_bytes)
         self._count_compiles()
+        self._count_flops(out.seconds)
 
     def watch_compiles(self, compiled) -> None:
         """Count ``compiled``'s graphs: those built so far as start-up's, later ones (a size or
@@ -203,6 +207,25 @@ class EngineIO:
         if compiled is not None:
             self.metrics.compiles_total.labels(executor=self.label, when="startup").inc(
                 compiled.take_new())
+
+    def watch_flops(self, counter, peak: float) -> None:
+        """Count ``counter``'s model FLOPs; with the device's ``peak`` FLOP/s, the utilisation."""
+        from diffserve.executor.accel.flops import Utilization
+
+        self._flops = counter
+        self._utilization = Utilization(peak) if counter is not None and peak else None
+
+    def _count_flops(self, seconds: float) -> None:
+        """The FLOPs since the last count, and the utilisation (step times come a step late on
+        CUDA; over the utilisation's window the two line up)."""
+        if self._flops is None:
+            return
+        flops = self._flops.take()
+        self.metrics.model_flops_total.labels(executor=self.label).inc(flops * self._flops.scale)
+        if self._utilization is not None:
+            value = self._utilization.add(flops, seconds)
+            if value is not None:
+                self.metrics.model_flops_utilization.labels(executor=self.label).set(value)
 
     def _count_compiles(self) -> None:
         new = self._compiled.take_new() if self._compiled is not None else 0

@@ -78,6 +78,7 @@ def run_executor(spec: ExecutorSpec) -> None:
 
 def build_loop(spec: ExecutorSpec, io: EngineIO):
     """Load the model, pick the engine, say READY; the loop that serves it."""
+    from diffserve.executor.accel.flops import counter_for
     from diffserve.executor.model.loading import leave_out_unused_libraries
     from diffserve.executor.runtime import build_runtime
     from diffserve.protocol import REQUEST_MODE, STEP_MODE
@@ -107,6 +108,7 @@ def build_loop(spec: ExecutorSpec, io: EngineIO):
     else:
         loop = RequestLoop(rt.request_runner, io, rt.adapters, weights=rt.weights)
     io.watch_compiles(rt.compiled)
+    io.watch_flops(*counter_for(rt, spec.config))
     info = rt.info
     stages = ("" if rt.mode != STEP_MODE else
               ", encode and decode stages " + ("on" if rt.threaded_stages else "off (on the loop)"))

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from diffserve.config import ServerConfig
-from diffserve.executor.accel import attention, quantized
+from diffserve.executor.accel import attention, flops, quantized
 from diffserve.executor.accel.setup import compiled_for, step_cache_for, warm_up
 from diffserve.executor.checks import apply as checks
+from diffserve.executor.checks import verdicts
 from diffserve.executor.control.models import control_paths, load_controls
 from diffserve.executor.families import family_for, published_dtype, resolve_mode
 from diffserve.executor.lora.store import served_adapters
@@ -62,6 +63,7 @@ class Runtime:
     # What was chosen and measured for speed (the attention backend, quantization, FLOPs), as
     # /v1/models shows it.
     speed: dict[str, Any] = dataclasses.field(default_factory=dict)
+    flops: Any = None  # the denoiser's FlopModel (diffserve.executor.accel.flops), where fitted
 
     @property
     def task_modes(self) -> dict[str, str]:
@@ -142,6 +144,8 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
                  config, group=group, prompt_cache=PromptCache(config.prompt_cache_bytes)
                  if config.prompt_cache_bytes else None, controls=controls)
     rt.info = rt.describe()
+    rt.flops = _flop_model(rt, config)  # on the plain model: torch's counter sees its matmuls
+    rt.speed["flops"] = flops.describe(rt, config)
     rt.speed["quantization"] = quantized.quantize(rt, config)  # before PEFT wraps the layers
     rt.adapters = adapters = served_adapters(loaded.pipe, config, on_adapter_event)
     # Timed on the plain blocks, before compilation and the step cache wrap them (in this order).
@@ -160,3 +164,21 @@ def build_runtime(config: ServerConfig, device: str | None = None, torch_threads
     warm_up(rt)
     budget.bound(rt, config)
     return rt
+
+
+def _flop_model(rt, config: ServerConfig):
+    """The denoiser's FLOP model: fitted (:func:`~diffserve.executor.accel.flops.fit`, a second
+    or so of small generations), or remembered from an earlier start of the same model files,
+    code and group shape (FLOPs depend on no device or dtype). A group's ranks all take the
+    leader's answer: a fit runs forwards, whose collectives every rank must meet."""
+    key = verdicts.key_for(resolve_model(config.model), {
+        "flops": rt.loaded.pipeline_class, "degrees": vars(config.degrees)})
+    found = verdicts.recall(f"{key}-flops" if key else None)
+    if rt.group is not None:
+        found = rt.group.broadcast(found)
+    if found is not None:
+        return flops.FlopModel(**found) if found else None
+    model = flops.fit(rt)
+    verdicts.remember(f"{key}-flops" if key else None,
+                      dataclasses.asdict(model) if model is not None else {})
+    return model

@@ -84,3 +84,37 @@ def test_without_torchao_the_extra_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # import fails
     with pytest.raises(QuantizationUnavailable, match=r"diffserve\[quantization\]"):
         pipeline_config(INT8, resolve_model("tiny-sd"), "cpu")
+
+
+def test_int8_dynamic_quantizes_the_blocks_and_batches_exactly():
+    """Activations scaled per row: a batch of three gives each image what it gives alone, and
+    only the repeated blocks' layers are quantized (the embedders and the last layer are not)."""
+    rt = build_runtime(ServerConfig(model="tiny-flux", quantization="int8-dynamic",
+                                    skip_startup_check=True), torch_threads=1)
+    denoiser = rt.family.denoisers[0]
+    quantized = {name for name, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)
+                 and type(m.weight).__name__ != "Parameter" and type(m.weight) is not torch.Tensor}
+    assert quantized and all(".transformer_blocks." in f".{n}" or "single_transformer_blocks" in n
+                             for n in quantized), quantized
+    assert "proj_out" not in quantized and "x_embedder" not in quantized
+    assert rt.speed["quantization"]["layers"] == len(quantized)
+    requests = [make_request(request_id=f"q{i}", model="tiny-flux", prompt=f"prompt {i}", seed=i,
+                             steps=3) for i in range(3)]
+    engine = rt.step_engine()
+    assert not engine.admit([WorkItem(r, 0, 1) for r in requests], [[]] * 3)
+    together = {}
+    while engine:
+        together.update({o.item.request.request_id: o.images for o in engine.step().finished})
+    for request in requests:
+        assert max_diff(together[request.request_id], generate(rt, request)) <= 1
+
+
+def test_fp8_needs_float8_tensor_cores_and_says_so(monkeypatch):
+    from diffserve.executor.model.quantization import quantize_blocks
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(QuantizationUnavailable, match=r"fp8 needs float8 tensor cores.*A100.*8\.0"):
+        quantize_blocks("fp8", [torch.nn.Linear(4, 4)], "cuda:0")
+    with pytest.raises(QuantizationUnavailable, match="CUDA GPU"):
+        build_runtime(ServerConfig(model="tiny-flux", quantization="fp8", skip_startup_check=True))
