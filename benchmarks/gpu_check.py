@@ -12,7 +12,6 @@ bench_stages, bench_parallel). docs/benchmarks.md says what each figure is.
 
 from __future__ import annotations
 
-import gc
 import json
 import shutil
 import statistics
@@ -28,25 +27,14 @@ import bench_offline
 import bench_parallel
 import bench_stages
 import bench_step
+import gpu.rent  # noqa: F401 - each module's sections register themselves, in this order
+import gpu.speed  # noqa: F401
+import gpu.seed  # noqa: F401
+from gpu import FAMILIES, IMAGES, SECTIONS, Context, failures, section
 from kit import cli, in_process, stats
 from diffserve import shared_tensors
 from diffserve.control import PATH, SHARED, WeightSource
 from diffserve.executor.memory import oom as memory
-
-# Each family's model: a released architecture with random weights (with --tiny, at its tiny scale).
-FAMILIES = {"flux": "random:flux.1-dev", "qwen-image": "random:qwen-image", "wan": "random:wan2.1-14b"}
-IMAGES = ("flux", "qwen-image")
-SECTIONS: dict[str, SimpleNamespace] = {}
-
-
-def section(name: str, needs: str = "", families: tuple = tuple(FAMILIES)):
-    """Register ``run(ctx, family) -> figures`` as section ``name``; ``needs``: "cuda" or "gpus"."""
-    return lambda run: SECTIONS.setdefault(name, SimpleNamespace(run=run, needs=needs, families=families)).run
-
-
-def failures(outcomes: list) -> list:
-    return [o.code or o.error[:200] for o in outcomes if o.error]
-
 
 @section("first-day")
 def first_day(ctx, family: str) -> dict:
@@ -208,54 +196,15 @@ def parallel(ctx, family: str) -> dict:
     return {**result["figures"], "collectives": result["collectives"]}
 
 
-class Context:
-    def __init__(self, args) -> None:
-        import torch
-
-        self.args, self.torch = args, torch
-        self.cuda = torch.cuda.is_available() and not args.tiny
-        self.gpus, self.device = (torch.cuda.device_count(), "cuda:0") if self.cuda else (0, "cpu")
-        image, video = (tuple(int(v) for v in text.split("x")) for text in (args.size + "x0", args.video))
-        self.sizes = {f: video if f == "wan" else image for f in FAMILIES}  # (width, height, frames)
-        # What each family's requests set over the model's defaults: the size, and a video's frames.
-        self.fields = {f: {"width": w, "height": h, **({"num_frames": frames} if frames else {})}
-                       for f, (w, h, frames) in self.sizes.items()}
-
-    def model(self, family: str) -> str:
-        return FAMILIES[family] + (":tiny" if self.args.tiny else "")
-
-    def runtime(self, family: str, **config):
-        """``family``'s model on this run's device, built as an executor builds it (``config``:
-        ServerConfig's fields; quantization and offloading are the loader's)."""
-        return in_process.runtime(self.model(family), self.args.torch_threads, device=self.device, **config)
-
-    def items(self, rt, family: str, n: int, tag: str, steps: int | None = None, **fields) -> list:
-        """``n`` work items at this run's size for ``family`` and --steps (or ``steps``)."""
-        return in_process.items(rt, n, tag, steps or self.args.steps, **self.fields[family], **fields)
-
-    def peak(self, run) -> tuple[float | None, object]:
-        """(GB that ``run()`` took at its peak above what was allocated before (CUDA), its result)."""
-        cuda = self.torch.cuda if self.cuda else None
-        base = cuda and (cuda.reset_peak_memory_stats(), cuda.memory_allocated())[1]
-        result = run()
-        return cuda and (cuda.max_memory_allocated() - base) / 1e9, result
-
-    def timed(self, run) -> float:
-        """Seconds ``run()`` took, the device's queued work included."""
-        return in_process.timed(run, self.cuda)[0]
-
-    def free(self) -> None:
-        gc.collect()
-        if self.cuda:
-            self.torch.cuda.empty_cache()
-
-
 def run_section(ctx, name: str) -> dict:
     s = SECTIONS[name]
     if s.needs and not (ctx.gpus > 1 if s.needs == "gpus" else ctx.cuda):
         return {"status": f"skipped: needs {'2+ GPUs' if s.needs == 'gpus' else 'CUDA'}"}
     start, families = time.perf_counter(), {}
     for family in (f for f in s.families if f in ctx.args.families):
+        if ctx.over_budget():  # said, not silently cut: the report shows what did not run
+            families[family] = {"skipped": f"--budget-s {ctx.args.budget_s:g} spent"}
+            continue
         print(f"=== {name}: {family}", flush=True)
         try:
             families[family] = s.run(ctx, family)
@@ -280,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", help="Images' WIDTHxHEIGHT (default 1024x1024; tiny: 64x64).")
     p.add_argument("--video", help="Wan's WIDTHxHEIGHTxFRAMES (default 832x480x33; tiny: 32x32x9).")
     p.add_argument("--batch", type=cli.count, help="Requests at once (default 4; tiny: 2); steps default 8 (2).")
+    p.add_argument("--budget-s", type=float, default=0.0, help="Start no section's family after this many "
+                                                              "seconds (0: no limit); what is skipped is reported.")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="speed: the GPU's dense peak in the served dtype "
+                                                                 "(0: diffserve's table of GPUs).")
     args = p.parse_args(argv)
     if unknown := (set(args.only) - set(SECTIONS)) | (set(args.families) - set(FAMILIES)):
         p.error(f"unknown: {', '.join(sorted(unknown))}")

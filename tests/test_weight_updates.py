@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

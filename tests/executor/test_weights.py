@@ -6,7 +6,6 @@ sleeping at level 2 frees every weight and the wake brings back the current vers
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest

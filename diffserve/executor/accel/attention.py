@@ -19,7 +19,6 @@ then judges the chosen kernel like any other.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 from diffserve.config import ConfigError
@@ -41,6 +40,8 @@ AUTO = ("native", "cudnn", "torch-flash", "efficient", "flash3", "flash", "xform
 # but activations quantized per row (int8-dynamic) turn it into ~2e-4. A wrong kernel is O(1).
 MATCH = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 2e-2}
 TIMED_STEPS = 3  # per candidate, after one untimed
+PROMPTS = ("a timing of attention", "a longer prompt, for a timing of attention kernels on this "
+           "model's own shapes, with a mask where the family pads its prompts")
 
 
 @dataclass
@@ -115,9 +116,17 @@ def choose(rt, requested: str) -> AttentionChoice:
         if why is not None:
             raise ConfigError(f"--attention-backend {requested}: {why}")
     if requested != "auto" or not modules or rt.family is None:
+        name = "native" if requested == "auto" else requested
         if modules:
-            apply(modules, "native" if requested == "auto" else requested)
-        return AttentionChoice("native" if requested == "auto" else requested)
+            apply(modules, name)
+        if name != "native" and rt.family is not None:
+            try:  # a kernel may refuse what serving sends it (a mask, a head size): find out now
+                _timed_step(rt)
+            except Exception as error:  # noqa: BLE001 - said at start, naming the flag
+                raise ConfigError(f"--attention-backend {name}: a step of two requests with "
+                                  f"prompts of different lengths failed: "
+                                  f"{type(error).__name__}: {error}") from None
+        return AttentionChoice(name)
     choice = AttentionChoice()
     runnable = []
     for name in AUTO:
@@ -157,7 +166,9 @@ def _denoisers(rt) -> list:
 
 
 def _timed_step(rt) -> tuple[float, object]:
-    """(median ms of a native-size step of one image, the first step's denoiser output)."""
+    """(median ms of a native-size step of two images, the first step's denoiser output). The
+    two prompts differ in length: a family that pads its prompts masks the padding, which some
+    kernels refuse (torch's flash kernel takes no mask), as serving would find out."""
     import torch
 
     from diffserve.executor.model.device_stats import synced_clock
@@ -168,18 +179,21 @@ def _timed_step(rt) -> tuple[float, object]:
     hook = denoiser.register_forward_hook(
         lambda module, args, out: outputs.append((out[0] if isinstance(out, tuple) else
                                                   getattr(out, "sample", out)).detach().float().cpu()))
-    request = ImageRequest("attention-timing", info.name, info.width, info.height,
-                           num_inference_steps=TIMED_STEPS + 2, prompt="a timing of attention",
-                           guidance_scale=info.default_guidance_scale, seed=0,
-                           num_frames=info.num_frames)
+    requests = [ImageRequest(f"attention-timing-{i}", info.name, info.width, info.height,
+                             num_inference_steps=TIMED_STEPS + 2, prompt=prompt,
+                             guidance_scale=info.default_guidance_scale, seed=i,
+                             num_frames=info.num_frames)
+                for i, prompt in enumerate(PROMPTS)]
     engine, times = rt.step_engine(), []
     try:
-        engine.admit([WorkItem(request, 0, 1)], [[]])
-        engine.step()  # untimed: the first call of a kernel
-        for _ in range(TIMED_STEPS):
+        failed = [o.error for o in engine.admit([WorkItem(r, 0, 1) for r in requests], [[], []])]
+        for i in range(TIMED_STEPS + 1):  # the first untimed: the first call of a kernel
             start = synced_clock(torch, rt.loaded.device)
-            engine.step()
-            times.append(synced_clock(torch, rt.loaded.device) - start)
+            out = engine.step()
+            times += [synced_clock(torch, rt.loaded.device) - start] if i else []
+            failed += [o.error for o in out.finished if o.error]
+            if failed:  # the engine answers a failed forward's requests: raise it here
+                raise RuntimeError(failed[0])
     finally:
         hook.remove()
         engine.abandon("timed")

@@ -5,9 +5,12 @@ call's decisions while it runs (:class:`CacheCall`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from diffserve.executor.tensors import nbytes
+
+if TYPE_CHECKING:  # annotations only
+    import torch
 
 
 class UnitCache:

@@ -68,9 +68,10 @@ class Wan(Family):
                        WanConditioning(negative.to(dtype)) if cfg else None)
 
     def prepare(self, task, scheduler, steps, strength, width, height, generators, encoded,
-                inputs, frames=0) -> Prepared:
+                inputs, frames=0, controls=()) -> Prepared:
         """Noise in float32 (as the pipelines draw it), and for image-to-video the first frame's
-        conditioning, made by the pipeline's own helpers."""
+        conditioning, made by the pipeline's own helpers (no control model takes a video:
+        ``controls`` is always empty here)."""
         import dataclasses
 
         pipe, k, torch = self.pipe, len(generators), self.torch
