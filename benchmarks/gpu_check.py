@@ -1,10 +1,12 @@
-"""One command for a GPU machine: FLUX.1-dev, Qwen-Image and Wan 2.1 14B at their published sizes
-with random weights (the model source ``random:NAME``), built as an executor builds them, by
-section (``--only``): first-day, exactness, throughput, accelerators, stages, weights, memory,
-parallel (2+ GPUs); ``--tiny``: the same architectures scaled down (``random:NAME:tiny``) on the
-CPU, the same code in seconds. A section is a function under ``@section``; where another tool
-measures the same, the section calls that tool's measurement (bench_offline, bench_step,
-bench_stages, bench_parallel). docs/benchmarks.md says what each figure is.
+"""One command for a GPU machine: FLUX.1-dev, Qwen-Image and Wan 2.1 14B (Z-Image-Turbo in the seed's
+setup) at their published sizes with random weights (the model source ``random:NAME``), built as
+an executor builds them, by section (``--only``): rent, speed, seed (benchmarks/gpu/), first-day,
+exactness, throughput, accelerators, stages, weights, memory, parallel (2+ GPUs); ``--tiny``: the
+same architectures scaled down (``random:NAME:tiny``) on the CPU, the same code in seconds. A
+section is a function under ``@section``; where another tool measures the same, the section
+calls that tool's measurement (bench_offline, bench_step, bench_stages, bench_parallel,
+bench_seed). ``--budget-s`` starts nothing past its time. docs/benchmarks.md says what each
+figure is.
 
     python benchmarks/gpu_check.py --output-file gpu-check.json
     python benchmarks/gpu_check.py --only first-day,exactness --families flux
