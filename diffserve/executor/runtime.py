@@ -173,12 +173,11 @@ def _flop_model(rt, config: ServerConfig):
     leader's answer: a fit runs forwards, whose collectives every rank must meet."""
     key = verdicts.key_for(resolve_model(config.model), {
         "flops": rt.loaded.pipeline_class, "degrees": vars(config.degrees)})
-    found = verdicts.recall(f"{key}-flops" if key else None)
+    found = verdicts.recall(key, "model-flops")
     if rt.group is not None:
         found = rt.group.broadcast(found)
     if found is not None:
         return flops.FlopModel(**found) if found else None
     model = flops.fit(rt)
-    verdicts.remember(f"{key}-flops" if key else None,
-                      dataclasses.asdict(model) if model is not None else {})
+    verdicts.remember(key, dataclasses.asdict(model) if model is not None else {}, "model-flops")
     return model

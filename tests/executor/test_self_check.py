@@ -35,7 +35,7 @@ def test_a_verdict_is_remembered_for_the_same_model_and_code_only(monkeypatch, v
                                                                    tmp_path_factory):
     runs = []
     check = self_check.check
-    monkeypatch.setattr(self_check, "check", lambda rt: runs.append(rt) or check(rt))
+    monkeypatch.setattr(self_check, "check", lambda rt, *rest: runs.append(rt) or check(rt, *rest))
     first = build_runtime(ServerConfig(model="tiny-sd"), torch_threads=1)
     assert len(runs) == 1 and len(list(verdicts.glob("*.json"))) == 1
     again = build_runtime(ServerConfig(model="tiny-sd"), torch_threads=1)
@@ -130,3 +130,29 @@ def test_a_model_with_no_task_that_runs_does_not_start(monkeypatch):
     with pytest.raises(RuntimeError, match=r"no task of this model can be served: generate: "
                        r"its plain pipeline failed: .*cannot run here; image-to-image: "):
         build_runtime(ServerConfig(model="tiny-sd", batching_mode="request"), torch_threads=1)
+
+
+def test_the_verdict_key_names_the_card_the_group_the_kernel_and_the_control_models(monkeypatch):
+    """A verdict from one card, group shape, attention kernel or set of control models is not
+    another's."""
+    import dataclasses
+
+    import torch
+
+    config = ServerConfig(model="tiny-sd", skip_startup_check=True)
+    rt = build_runtime(config, torch_threads=1)
+    key = check_verdicts.key_of(rt, config)
+    assert key == check_verdicts.key_of(rt, config)  # the same start: the same key
+    on = dataclasses.replace(rt, loaded=dataclasses.replace(rt.loaded, device="cuda:0"))
+    cards = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3", "Tesla T4"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(cards))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    h100, again, t4 = (check_verdicts.key_of(on, config) for _ in range(3))
+    assert h100 == again and len({key, h100, t4}) == 3
+    grouped = ServerConfig(model="tiny-sd", skip_startup_check=True, ulysses_degree=2)
+    kernel = dataclasses.replace(rt, speed={"attention": {"backend": "math"}})
+    controlled = ServerConfig(model="tiny-sd", skip_startup_check=True,
+                              controlnet=("c=tiny-sd-control",))
+    others = {check_verdicts.key_of(rt, grouped), check_verdicts.key_of(kernel, config),
+              check_verdicts.key_of(rt, controlled)}
+    assert len(others) == 3 and key not in others

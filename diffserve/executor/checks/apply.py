@@ -71,7 +71,7 @@ def apply_verdicts(rt, config: ServerConfig, unavailable: dict[str, str],
     if checked and all(t in unavailable for t in checked):
         raise RuntimeError("no task of this model can be served: " + _reasons(unavailable))
     for key, why in unavailable.items():
-        log.warning("%s is not served: %s", key, why)
+        log.warning("task %s is not served: %s", key, why)
         rt.pipelines.pop(key, None)  # a task; a task with controls keeps its task served
     rt.unavailable = unavailable
     rt.fallback = {key: why for key, why in fallback.items()

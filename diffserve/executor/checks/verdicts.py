@@ -118,27 +118,28 @@ def _control_dirs(config, rt) -> dict[str, str]:
     return {name: resolve_controlnet(path) for name, path in control_paths(config, rt.loaded).items()}
 
 
-def _file(key: str) -> Path:
-    return cache_root() / "startup-checks" / f"{key}.json"
+def _file(key: str, kind: str) -> Path:
+    return cache_root() / kind / f"{key}.json"
 
 
-def recall(key: str | None) -> dict[str, Any] | None:
-    """The verdict stored under ``key``, or None."""
+def recall(key: str | None, kind: str = "startup-checks") -> dict[str, Any] | None:
+    """The verdict stored under ``key``, or None; ``kind``: what is remembered (the start-up
+    checks' verdicts; the model FLOPs' fits in ``model-flops``)."""
     if key is None:
         return None
     try:
-        return json.loads(_file(key).read_text())
+        return json.loads(_file(key, kind).read_text())
     except (OSError, ValueError):
         return None
 
 
-def remember(key: str | None, verdict: dict[str, Any]) -> None:
+def remember(key: str | None, verdict: dict[str, Any], kind: str = "startup-checks") -> None:
     """Store ``verdict`` under ``key``; written whole (a temporary file renamed into place) so
     that executors starting together never read half a verdict. A cache directory that cannot
     be written only costs the next start its checks."""
     if key is None:
         return
-    target = _file(key)
+    target = _file(key, kind)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, staging = tempfile.mkstemp(dir=target.parent, prefix=".verdict-")
