@@ -25,6 +25,7 @@ import numpy as np
 from diffserve.costs import ABOVE_ONE, uses_cfg
 from diffserve.executor.families.blocks import BlockKind
 from diffserve.executor.families.conditioning import Blend, Conditioning, Encoded, Prepared
+from diffserve.executor.families.control_hooks import ControlHooks
 from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.families.schedulers import scheduler_swapped
 from diffserve.executor.model.samplers import build as build_sampler
@@ -34,10 +35,9 @@ from diffserve.tasks import Task
 
 
 BY_MODEL, BY_ROW, SHARED = "by-model", "by-row", "shared"
-CONTROL_PIPES_KEPT = 16  # ControlNet pipelines kept built (request mode): task x model stacks
 
 
-class Family:
+class Family(ControlHooks):
     name: ClassVar[str]
     pipelines: ClassVar[tuple[str, ...]]  # text-to-image pipeline classes this family drives
     # The dtype its weights are published in: --dtype auto's choice on a GPU
@@ -76,23 +76,6 @@ class Family:
     # the default of ``max_shift`` the family's own pipeline passes when the scheduler's config
     # has none (SD3's differs from Flux's).
     max_shift: ClassVar[float] = 1.15
-    # ControlNet (diffserve.executor.control): the control model classes it takes; the diffusers
-    # pipeline that runs each task with control (request mode, the start-up check), the class that
-    # stacks several models in one of its calls, and the keyword its control images go by there;
-    # and whether a request's residuals come from its positive rows alone and serve its negative
-    # rows too (Qwen-Image's pipeline runs one control pass a step) rather than each row its own.
-    control_classes: ClassVar[tuple[str, ...]] = ()
-    control_pipelines: ClassVar[dict[str, str]] = {}
-    control_multi: ClassVar[str] = ""
-    control_image_kwarg: ClassVar[dict[str, str]] = {}
-    control_from_positive: ClassVar[bool] = False
-    # How a diffusers call of a task's ControlNet pipeline takes a stack of several models'
-    # images: a list per model of one image per row (BY_MODEL, the default), a list per row of
-    # one image per model (BY_ROW), or one image per model for every row of the call (SHARED:
-    # request mode then calls one request at a time).
-    control_stacks: ClassVar[dict[str, str]] = {}
-    controls = None  # the served ControlModels (set by the runtime where any are served)
-
     def __init__(self, pipe, pipelines: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
         import torch
 
@@ -103,7 +86,6 @@ class Family:
         self.device = pipe._execution_device
         self._samplers: dict[str, Any] = {}  # name -> a scheduler to copy per request
         self.row_scope = RowScope()  # narrowed where a forward splits between denoisers
-        self._control_pipes: dict[tuple, Any] = {}  # (task, control models) -> their pipeline
 
     @property
     def denoiser(self):
@@ -279,49 +261,6 @@ class Family:
         family that ``splits_by_timestep`` is also given ``host_timesteps``, the rows'
         timesteps on the host, to split by without reading the device."""
         raise NotImplementedError
-
-    # -- ControlNet ------------------------------------------------------------------------
-
-    def control_pipeline(self, task: str, names: tuple[str, ...]):
-        """The family's diffusers ControlNet pipeline for ``task`` with the control models
-        ``names`` (stacked in diffusers' multi-ControlNet where there are several), built from
-        the task's pipeline (the same components) and kept for the next call that asks."""
-        import diffusers
-
-        key = (task, names)
-        if key not in self._control_pipes:
-            modules = [self.controls[name].module for name in names]
-            net = modules[0] if len(modules) == 1 else getattr(diffusers, self.control_multi)(modules)
-            pipe = getattr(diffusers, self.control_pipelines[task]).from_pipe(
-                self.pipelines[task], controlnet=net)
-            pipe.set_progress_bar_config(disable=True)
-            while len(self._control_pipes) >= CONTROL_PIPES_KEPT:
-                self._control_pipes.pop(next(iter(self._control_pipes)))
-            self._control_pipes[key] = pipe
-        return self._control_pipes[key]
-
-    def control_fits(self, module) -> str | None:
-        """Why control model ``module`` cannot steer this family's denoiser (None: it can)."""
-        if type(module).__name__ not in self.control_classes:
-            return "is no control model of this family (it takes " + (
-                ", ".join(self.control_classes) or "none") + ")"
-        return None
-
-    def control_depth(self, module) -> tuple:
-        """Which denoiser blocks the model's residuals go to: models of one depth stack."""
-        return ()
-
-    def control_condition(self, module, image: np.ndarray, width: int, height: int, k: int,
-                          dtype, generators: list):
-        """A control image (uint8, height x width x 3, fitted to the request's size) as ``module``
-        takes it, ``k`` rows, as the family's ControlNet pipeline prepares it."""
-        raise NotImplementedError(f"{self.name} takes no control model")
-
-    def control_call(self, module, latents, timesteps, cond: Conditioning, guidance,
-                     control_cond, modes, width: int, height: int) -> tuple[list, ...]:
-        """``module`` over these rows: its residuals unscaled, as lists of tensors in the order
-        the denoiser takes them (:meth:`forward`'s ``control``)."""
-        raise NotImplementedError(f"{self.name} takes no control model")
 
     def guide(self, uncond, cond, scale: float):
         """Classifier-free guidance of one request's rows."""
