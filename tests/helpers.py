@@ -4,11 +4,30 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from diffserve.protocol import FAILED, FINISHED, ItemResult, ItemsDone
 from diffserve.work import ImageRequest
 
 _ids = itertools.count()
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+ENV = dict(os.environ, OMP_NUM_THREADS="1")  # the tools' own processes, one thread each
+
+
+def run_tool(tool: str, *args: str, timeout: float = 300,
+             expect_rc: int = 0) -> subprocess.CompletedProcess:
+    """``benchmarks/TOOL *args`` run to its end; its exit status must be ``expect_rc``."""
+    done = subprocess.run([sys.executable, str(BENCH / tool), *args], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == expect_rc, (
+        f"{tool} {' '.join(args)} exited {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n"
+        f"--- stderr\n{done.stderr[-3000:]}")
+    return done
+
 
 
 def make_request(n: int = 1, *, request_id: str | None = None, width: int = 64, height: int = 64,

@@ -11,7 +11,6 @@ one interpreter meanwhile (:func:`in_process`).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,21 +22,10 @@ import background
 from background import early
 
 from diffserve.launcher import free_port
+from helpers import BENCH, ENV, ROOT, run_tool
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
 TINY = ["--model", "tiny-sd", "--steps", "1", "--num-requests", "4", "--warmup", "1", "--concurrency", "4",
         "--max-batch-size", "4", "--rounds", "1", "--startup-timeout", "120", "--torch-threads", "1"]
-
-
-def run_tool(tool: str, *args: str, timeout: float = 300, expect_rc: int = 0) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, str(BENCH / tool), *args], env=ENV, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == expect_rc, (
-        f"{tool} {' '.join(args)} exited {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n"
-        f"--- stderr\n{done.stderr[-3000:]}")
-    return done
 
 
 def check(result: dict, out: Path, name: str) -> dict:
@@ -400,69 +388,23 @@ def test_bench_weights(in_process):
     assert rollouts["img/s steady"] > 0 and rollouts["img/s first after an update / steady"] > 0
 
 
-def test_gpu_check_tiny_runs_every_section(tmp_path):
-    """gpu_check --tiny: every section's code on the released architectures at their tiny scale
-    (random:NAME:tiny), built in memory as the published sizes are; what needs CUDA or two GPUs
-    says so."""
-    out = tmp_path / "gpu-check.json"
-    only = ["rent", "first-day", "exactness", "throughput", "accelerators", "stages", "weights", "memory",
-            "parallel"]  # speed and seed: tests of their own
-    done = run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out),
-                    "--only", ",".join(only), "--families", "flux,qwen-image,wan")
-    report = json.loads(out.read_text())
-    assert report["models"] == {"flux": "random:flux.1-dev:tiny", "qwen-image": "random:qwen-image:tiny",
-                                "wan": "random:wan2.1-14b:tiny"}
-    sections = report["sections"]
-    assert list(sections) == only
-    rent = sections["rent"]["families"]
-    for family in ("qwen-image", "wan"):  # on a CPU: no cap, the rest as on a GPU
-        assert rent[family]["mode"] == "step" and rent[family]["one request"] == "answered", rent[family]
-        assert rent[family]["float32 reference on"] == "device"  # the host is the device here
-    assert rent["flux"]["largest pixel difference after the wake"] == 0
-    assert rent["flux"]["text encoder on"] == "cpu"
-    assert sections["accelerators"] == sections["memory"] == {"status": "skipped: needs CUDA"}
-    assert sections["parallel"] == {"status": "skipped: needs 2+ GPUs"}
-    first, exact = sections["first-day"]["families"], sections["exactness"]["families"]
-    assert set(first) == set(exact) == {"flux", "qwen-image", "wan"}
-    for family, fig in first.items():
-        assert fig["mode"] == "step" and fig["fallback"] == {} and fig["task modes"]["generate"] == "step", family
-        assert fig["non-finite"] == 0 and fig["failed"] == [] and "start-up check" not in fig, family
-        assert 0 < fig["denoiser ms, perf_counter alone"] and 0 < fig["step ms, synced"], family
-        assert fig["out-of-memory split"] == ("images only" if family == "wan" else "skipped: needs CUDA")
-        assert exact[family]["dtype"] == "bfloat16" and exact[family]["worst PSNR dB"] > 30, family
-    for fig in sections["throughput"]["families"].values():
-        assert fig["img/s, request"] > 0 and fig["img/s, step"] > 0
-    assert set(sections["throughput"]["families"]) == {"flux", "qwen-image"}
-    for fig in sections["stages"]["families"].values():
-        assert fig["img/s, stages on"] > 0 and fig["p99 s, stages off"] > 0
-        assert fig["longest gap / median gap, stages on"] >= 1 and fig["longest gap / median gap, stages off"] >= 1
-    for fig in sections["weights"]["families"].values():
-        assert fig["update from disk s"] > 0 and fig["update from shared memory s"] > 0 and fig["wake s"] >= 0
-    assert "accelerators: skipped: needs CUDA" in done.stdout and "| flux | float32 |" in done.stdout
+def controlnet() -> dict:
+    out = Path(tempfile.mkdtemp(prefix="bench-controlnet-"))
+    run_tool("bench_controlnet.py", "--count", "4", "--steps", "4", "--rounds", "1", "--torch-threads", "1",
+             "--startup-timeout", "120", "--output-dir", str(out), "--output-file", str(out / "report.json"))
+    return check(json.loads((out / "report.json").read_text()), out, "controlnet")
 
 
-def test_gpu_check_speed_tiny(tmp_path):
-    """gpu_check --only speed --tiny: eager diffusers against each configuration of diffserve; fp8
-    is refused on a CPU, and says so, while the rest runs."""
-    out = tmp_path / "gpu-check.json"
-    run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out),
-             "--only", "speed", "--families", "flux", "--repeats", "1")
-    fig = json.loads(out.read_text())["sections"]["speed"]["families"]["flux"]
-    assert "error" not in fig, fig
-    for name in ("diffserve", "attention auto", "compile"):
-        assert fig[f"{name}: step ms, batch 2"] > 0 and fig[f"{name}: x eager, batch 2"] > 0, name
-        assert fig[f"{name}: PSNR dB vs eager"] > 40, name
-    assert fig["diffusers eager: step ms, batch 1"] > 0
-    assert "needs a CUDA GPU" in fig["fp8: refused"] and "needs a CUDA GPU" in fig["all: refused"]
+early("bench:controlnet", weight=15, run=controlnet)
 
 
-@pytest.mark.slow
-def test_gpu_check_seed_tiny(tmp_path):
-    """gpu_check --only seed --tiny: bench_seed.py's parts against real servers, in seconds."""
-    out = tmp_path / "gpu-check.json"
-    run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out),
-             "--only", "seed", "--families", "flux", timeout=900)
-    fig = json.loads(out.read_text())["sections"]["seed"]["families"]["flux"]
-    assert "error" not in fig and fig["exit code"] == 0, fig
-    assert fig["img/s, batch 2, c2"] > 0 and fig["img/s, step, 64x64"] > 0
-    assert fig["p50 ms, step, 64x64 poisson"] > 0
+@pytest.mark.early("bench:controlnet")
+def test_bench_controlnet():
+    """bench_controlnet.py: 4 requests (each control model, none, a stack of both; 4 steps, so that
+    the windows act) at once and one at a time; the images at once equal those made alone."""
+    medians = ran("controlnet")["summary"]["medians"]
+    assert medians["one at a time s"] > 0 and medians["at once s"] > 0
+    assert medians["speed-up, at once / one at a time"] > 0
+    # Every image's 4 steps counted, in at least 4 forwards of at most the 4 images.
+    assert 1 <= medians["images per forward, at once"] <= 4 and medians["denoiser forwards at once"] >= 4
+    assert medians["worst pixel diff"] <= 2

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 # two-worker run on a 2-core machine (files in neither table: DEFAULT_S, shared out up front).
 # Only the balance of the work depends on these; a stale figure costs time, never a test.
 SECONDS = {
-    "tests/test_benchmarks_smoke.py": 113, "tests/test_reliability.py": 80,
+    "tests/test_benchmarks_smoke.py": 100, "tests/test_reliability.py": 80,
     "tests/test_parallel_groups.py": 50, "tests/test_adapters.py": 45,
     "tests/frontend/test_videos.py": 42, "tests/test_step_mode.py": 34,
     "tests/test_data_parallel.py": 31, "tests/frontend/test_edits_and_streaming.py": 26,
@@ -45,7 +45,7 @@ SECONDS = {
 }
 # The pool's files (the pytest process alone), with their seconds: the heaviest go first.
 IN_PROCESS = {
-    "tests/executor/test_process.py": 23, "tests/executor/test_qwen_image_edit.py": 22,
+    "tests/test_gpu_check_smoke.py": 130, "tests/executor/test_process.py": 23, "tests/executor/test_qwen_image_edit.py": 22,
     "tests/executor/test_controlnet.py": 20, "tests/executor/test_flops.py": 25,
     "tests/executor/test_adapter_families.py": 21, "tests/executor/test_flux2.py": 19,
     "tests/executor/test_adapters.py": 18, "tests/executor/test_compiled.py": 16,

@@ -21,6 +21,7 @@ __all__ = ["EMBEDDED", "EMBEDDED_CONTROLNETS", "PACKAGED", "SERVING_DEFAULTS_FIL
 # Bump when a builder in diffserve.models.tiny changes so that stale caches are rebuilt rather
 # than reused.
 _BUILD_VERSION = 1
+_CONTROLNET_VERSION = 3  # the tiny ControlNets' own (3: a UNet ControlNet's smaller embedding)
 
 # Models whose trained weights ship inside the package: name -> (description, directory).
 PACKAGED: dict[str, tuple[str, Path]] = {
@@ -41,13 +42,14 @@ def embedded_path(name: str) -> Path:
     The build goes to a temporary directory that is renamed into place, so concurrent first
     uses (several servers or test workers) never see a half-written model."""
     if name in EMBEDDED:
-        build, done = EMBEDDED[name][1], SERVING_DEFAULTS_FILE
+        build, done, version = EMBEDDED[name][1], SERVING_DEFAULTS_FILE, f"{_BUILD_VERSION}"
     elif name in EMBEDDED_CONTROLNETS:
         _, base, builder = EMBEDDED_CONTROLNETS[name]
         build, done = partial(builder, base=embedded_path(base)), "config.json"
+        version = f"{_BUILD_VERSION}.{_CONTROLNET_VERSION}"
     else:
         raise KeyError(name)
-    target = cache_root() / "models" / f"{name}-v{_BUILD_VERSION}"
+    target = cache_root() / "models" / f"{name}-v{version}"
     if (target / done).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,90 @@
+"""Smoke runs of gpu_check.py's sections and bench_flops.py on the CPU: the code a lent GPU runs,
+at the released architectures' tiny scale (or on the meta device), so that it cannot rot before a
+GPU comes. Nothing here checks a speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import run_tool
+
+
+def test_gpu_check_tiny_runs_every_section(tmp_path):
+    """gpu_check --tiny: every section's code on the released architectures at their tiny scale
+    (random:NAME:tiny), built in memory as the published sizes are; what needs CUDA or two GPUs
+    says so."""
+    out = tmp_path / "gpu-check.json"
+    only = ["rent", "first-day", "exactness", "throughput", "accelerators", "stages", "weights", "memory",
+            "parallel"]  # speed and seed: tests of their own
+    done = run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out),
+                    "--only", ",".join(only), "--families", "flux,qwen-image,wan")
+    report = json.loads(out.read_text())
+    assert report["models"] == {"flux": "random:flux.1-dev:tiny", "qwen-image": "random:qwen-image:tiny",
+                                "wan": "random:wan2.1-14b:tiny"}
+    sections = report["sections"]
+    assert list(sections) == only
+    rent = sections["rent"]["families"]
+    for family in ("qwen-image", "wan"):  # on a CPU: no cap, the rest as on a GPU
+        assert rent[family]["mode"] == "step" and rent[family]["one request"] == "answered", rent[family]
+        assert rent[family]["float32 reference on"] == "device"  # the host is the device here
+    assert rent["flux"]["largest pixel difference after the wake"] == 0
+    assert rent["flux"]["text encoder on"] == "cpu"
+    assert sections["accelerators"] == sections["memory"] == {"status": "skipped: needs CUDA"}
+    assert sections["parallel"] == {"status": "skipped: needs 2+ GPUs"}
+    first, exact = sections["first-day"]["families"], sections["exactness"]["families"]
+    assert set(first) == set(exact) == {"flux", "qwen-image", "wan"}
+    for family, fig in first.items():
+        assert fig["mode"] == "step" and fig["fallback"] == {} and fig["task modes"]["generate"] == "step", family
+        assert fig["non-finite"] == 0 and fig["failed"] == [] and "start-up check" not in fig, family
+        assert 0 < fig["denoiser ms, perf_counter alone"] and 0 < fig["step ms, synced"], family
+        assert fig["out-of-memory split"] == ("images only" if family == "wan" else "skipped: needs CUDA")
+        assert exact[family]["dtype"] == "bfloat16" and exact[family]["worst PSNR dB"] > 30, family
+    for fig in sections["throughput"]["families"].values():
+        assert fig["img/s, request"] > 0 and fig["img/s, step"] > 0
+    assert set(sections["throughput"]["families"]) == {"flux", "qwen-image"}
+    for fig in sections["stages"]["families"].values():
+        assert fig["img/s, stages on"] > 0 and fig["p99 s, stages off"] > 0
+        assert fig["longest gap / median gap, stages on"] >= 1 and fig["longest gap / median gap, stages off"] >= 1
+    for fig in sections["weights"]["families"].values():
+        assert fig["update from disk s"] > 0 and fig["update from shared memory s"] > 0 and fig["wake s"] >= 0
+    assert "accelerators: skipped: needs CUDA" in done.stdout and "| flux | float32 |" in done.stdout
+
+
+def test_gpu_check_speed_tiny(tmp_path):
+    """gpu_check --only speed --tiny: eager diffusers against each configuration of diffserve; fp8
+    is refused on a CPU, and says so, while the rest runs."""
+    out = tmp_path / "gpu-check.json"
+    run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out),
+             "--only", "speed", "--families", "flux", "--repeats", "1")
+    fig = json.loads(out.read_text())["sections"]["speed"]["families"]["flux"]
+    assert "error" not in fig, fig
+    for name in ("diffserve", "attention auto", "compile"):
+        assert fig[f"{name}: step ms, batch 2"] > 0 and fig[f"{name}: x eager, batch 2"] > 0, name
+        assert fig[f"{name}: PSNR dB vs eager"] > 40, name
+    assert fig["diffusers eager: step ms, batch 1"] > 0
+    assert "needs a CUDA GPU" in fig["fp8: refused"] and "needs a CUDA GPU" in fig["all: refused"]
+
+
+@pytest.mark.slow
+def test_gpu_check_seed_tiny(tmp_path):
+    """gpu_check --only seed --tiny: bench_seed.py's parts against real servers, in seconds."""
+    out = tmp_path / "gpu-check.json"
+    run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out),
+             "--only", "seed", "--families", "flux", timeout=900)
+    fig = json.loads(out.read_text())["sections"]["seed"]["families"]["flux"]
+    assert "error" not in fig and fig["exit code"] == 0, fig
+    assert fig["img/s, batch 2, c2"] > 0 and fig["img/s, step, 64x64"] > 0
+    assert fig["p50 ms, step, 64x64 poisson"] > 0
+
+
+def test_bench_flops_fits_the_real_sizes_exactly(tmp_path):
+    """On the meta device: FLUX.1-dev's count at 1024² is the 74.4 TFLOP the parallel groups'
+    model says, and the fit from three small sizes predicts it."""
+    out = tmp_path / "flops.json"
+    run_tool("bench_flops.py", "--models", "FLUX.1-dev", "--sizes", "1024", "--output-file", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["counted TFLOP"] == pytest.approx(74.4, abs=0.05)
+    assert float(row["fit ÷ counted"]) == pytest.approx(1.0, abs=1e-5)
+    assert float(row["hand model ÷ counted"]) == pytest.approx(1.0, abs=0.002)
