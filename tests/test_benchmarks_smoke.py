@@ -84,7 +84,7 @@ KIT_MAIN = {"bench_priorities": "priorities", "bench_edits": "edits",  # their -
 IN_PROCESS_SCRIPT = """
 import json, sys
 from diffserve.executor.accel.compiled import CompiledBlocks
-CompiledBlocks.__init__.__defaults__ = ("eager",)
+CompiledBlocks.__init__.__defaults__ = ("eager", *CompiledBlocks.__init__.__defaults__[1:])
 sys.path.insert(0, sys.argv[1])
 for name, argv in json.loads(sys.argv[2]).items():
     print(f"=== {name}", flush=True)

@@ -13,12 +13,12 @@ import pytest
 
 from server import LAUNCHES, assert_openai_error, metric, serves, spec
 
-BUDGET = 20_000_000  # tiny-flux: its weights and a call, and about 1.9 images
+BUDGET = 20_000_000  # tiny-flux: its weights, a 1 MB prompt cache, a call, and about 1.8 images
 
 
 @pytest.fixture(scope="module")
 @serves(spec("--batching-mode", "step", "--device-memory-bytes", str(BUDGET), "--offload", "layer",
-             "--dynamic-batch-max-size", "8", model="tiny-flux"))
+             "--prompt-cache-bytes", "1000000", "--dynamic-batch-max-size", "8", model="tiny-flux"))
 def server(request):
     with LAUNCHES.take(request) as srv:
         yield srv

@@ -34,7 +34,7 @@ def test_the_batch_key_follows_the_mode():
     shape = {"model", "width", "height", "references", "num_frames"}
     assert shape == set(fields_with_role(ImageRequest, SHAPE))
     call = {"num_inference_steps", "guidance_scale", "strength", "task", "loras", "noise_level",
-            "scheduler", "guidance_scale_2", "cache_threshold"}
+            "scheduler", "guidance_scale_2", "cache_threshold", "controls"}
     assert call == set(fields_with_role(ImageRequest, CALL))
     assert {"prompt", "negative_prompt", "seed", "n", "returns"} <= set(
         fields_with_role(ImageRequest, SAMPLE))

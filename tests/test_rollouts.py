@@ -159,7 +159,7 @@ def test_sixteen_in_one_request_equal_sixteen_single_requests(served):
 
 @pytest.mark.parametrize("body, param", [
     ({"noise_level": -1}, "noise_level"), ({"noise_level": "high"}, "noise_level"),
-    ({"return": ["everything"]}, "return.0"), ({"stream": True}, "stream"),
+    ({"return": ["everything"]}, "return[0]"), ({"stream": True}, "stream"),
     ({"n": 17}, "n"), ({"unknown": 1}, "unknown"), ({"prompt": ""}, "prompt"),
 ])
 def test_malformed_bodies_are_400_naming_the_field(served, body, param):

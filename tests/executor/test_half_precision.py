@@ -101,7 +101,9 @@ def test_the_float32_reference_knows_what_the_upcast_adds_before_it_casts():
     full = torch.nn.Linear(8, 8)  # already float32: adds nothing
     pipe = type("Pipe", (), {"components": {"transformer": half, "vae": full, "scheduler": None}})()
     assert float32_reference.extra_bytes(pipe) == (64 * 32 + 32) * 2
-    assert float32_reference.fits(pipe, "cpu")
+    assert float32_reference.fits(float32_reference.extra_bytes(pipe),
+                                  float32_reference.room("cpu"))  # the host: no device limit
+    assert not float32_reference.fits(float32_reference.extra_bytes(pipe), 4096)
     with float32_reference.in_float32(pipe):
         assert half.weight.dtype == torch.float32
     assert half.weight.dtype == torch.bfloat16
