@@ -20,16 +20,20 @@ from server import Server, decode, metric, pids_titled, wait_for_metric
 GENERATE = "/v1/images/generations"
 
 
-def wait_all_ready(server: Server, timeout_s: float = 120) -> dict:
-    """/health is 200 once one executor serves; wait for every one (a restart or a slower start
-    is reported only there)."""
+def health_once(server: Server, ready, timeout_s: float = 120) -> httpx.Response:
+    """/health as soon as ``ready(executors' states)`` holds: a death, a restart or a slower
+    start is reported only there (it is 200 once one executor serves)."""
     deadline = time.monotonic() + scaled(timeout_s)
     while True:
-        body = httpx.get(server.url + "/health").json()
-        if all(e["state"] == "ready" for e in body["executors"]):
-            return body
-        assert time.monotonic() < deadline, body
-        time.sleep(0.1)
+        response = httpx.get(server.url + "/health")
+        if ready([e["state"] for e in response.json()["executors"]]):
+            return response
+        assert time.monotonic() < deadline, response.text
+        time.sleep(0.02)
+
+
+def wait_all_ready(server: Server) -> dict:
+    return health_once(server, lambda states: all(s == "ready" for s in states)).json()
 
 
 def per_executor(text: str, name: str) -> list[float]:
@@ -76,9 +80,9 @@ def test_killing_one_executor_runs_its_requests_again_and_it_comes_back(own_serv
             futures = [pool.submit(post, i) for i in range(4)]  # two per executor, long ones
             wait_for_metric(srv, "diffserve_num_requests_running", lambda v: v >= 4)
             os.kill(victim, signal.SIGKILL)
+            # Its death is published at once (its requests may run again on it once it is back).
+            health = health_once(srv, lambda states: states[1] != "ready")
             first = [f.result() for f in futures]
-            # The scheduler publishes an executor's death before it answers what it held.
-            health = httpx.get(srv.url + "/health")
             # The survivor keeps answering while its peer is down.
             quick = [pool.submit(post, 100 + i, 2) for i in range(4)]
             assert [r.status_code for r in quick_results(quick)] == [200] * 4

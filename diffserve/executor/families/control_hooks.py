@@ -31,6 +31,10 @@ class ControlHooks:
     # one image per model (BY_ROW), or one image per model for every row of the call (SHARED:
     # request mode then calls one request at a time).
     control_stacks: ClassVar[dict[str, str]] = {}
+    # The denoiser's config entries a control model must share with it (its residuals' widths and
+    # the conditioning it reads), and what the message calls the denoiser.
+    control_config_keys: ClassVar[tuple[str, ...]] = ()
+    denoiser_noun: ClassVar[str] = "transformer"
     controls = None  # the served ControlModels (set by the runtime where any are served)
 
     _control_pipes: dict[tuple, Any] | None = None  # (task, control models) -> their pipeline
@@ -60,6 +64,11 @@ class ControlHooks:
         if type(module).__name__ not in self.control_classes:
             return "is no control model of this family (it takes " + (
                 ", ".join(self.control_classes) or "none") + ")"
+        mine, its = self.denoisers[0].config, module.config
+        for key in self.control_config_keys:
+            if mine.get(key) != its.get(key):
+                return (f"was made for a {self.denoiser_noun} whose {key} is {its.get(key)!r} "
+                        f"(this one's: {mine.get(key)!r})")
         return None
 
     def control_depth(self, module) -> tuple:

@@ -32,6 +32,7 @@ class Flux(PackedFlow):
     block_kinds = {"FluxTransformerBlock": JOINT, "FluxSingleTransformerBlock": JOINT}
     guidance_rule = NEVER  # guidance is an input of the transformer; negative prompts are not used
     control_classes = ("FluxControlNetModel",)
+    control_config_keys = ("in_channels", "joint_attention_dim", "pooled_projection_dim")
     control_pipelines = {"generate": "FluxControlNetPipeline",
                          "image-to-image": "FluxControlNetImg2ImgPipeline",
                          "inpaint": "FluxControlNetInpaintPipeline"}
@@ -71,12 +72,6 @@ class Flux(PackedFlow):
         if why is None and module.input_hint_block is not None:
             return ("takes its control image as pixels (XLabs' kind); the kind served takes it "
                     "through the VAE (InstantX's)")
-        if why is None:
-            mine, its = self.pipe.transformer.config, module.config
-            for key in ("in_channels", "joint_attention_dim", "pooled_projection_dim"):
-                if mine.get(key) != its.get(key):
-                    return (f"was made for a transformer whose {key} is {its.get(key)!r} (this "
-                            f"one's: {mine.get(key)!r})")
         return why
 
     def control_depth(self, module):

@@ -36,6 +36,7 @@ class QwenImage(PackedFlow):
     guidance_kwarg = "true_cfg_scale"
     guidance_rule = WITH_NEGATIVE
     control_classes = ("QwenImageControlNetModel",)
+    control_config_keys = ("in_channels", "joint_attention_dim")
     # (diffusers' Qwen-Image ControlNet inpainting is an inpainting ControlNet, not a control of
     # an inpainting request: with controls, Qwen-Image generates only.)
     control_pipelines = {"generate": "QwenImageControlNetPipeline"}
@@ -86,16 +87,6 @@ class QwenImage(PackedFlow):
 
     # -- ControlNet: the control image through the VAE as packed latents, one residual per block,
     # computed from the prompt's rows and added to both rows of true CFG, as the pipeline does.
-
-    def control_fits(self, module):
-        why = super().control_fits(module)
-        if why is None:
-            mine, its = self.pipe.transformer.config, module.config
-            for key in ("in_channels", "joint_attention_dim"):
-                if mine.get(key) != its.get(key):
-                    return (f"was made for a transformer whose {key} is {its.get(key)!r} (this "
-                            f"one's: {mine.get(key)!r})")
-        return why
 
     def control_depth(self, module):
         return (module.config.num_layers,)

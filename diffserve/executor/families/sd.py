@@ -19,6 +19,8 @@ class StableDiffusion(Family):
     published_dtype = "float16"  # SD 1.x/2.x and SDXL (a subclass) are published in float16
     pipelines = ("StableDiffusionPipeline",)
     control_classes = ("ControlNetModel",)
+    control_config_keys = ("cross_attention_dim", "block_out_channels", "addition_embed_type")
+    denoiser_noun = "UNet"
     control_pipelines = {"generate": "StableDiffusionControlNetPipeline",
                          "image-to-image": "StableDiffusionControlNetImg2ImgPipeline",
                          "inpaint": "StableDiffusionControlNetInpaintPipeline"}
@@ -37,16 +39,6 @@ class StableDiffusion(Family):
 
     # -- ControlNet: each row's residuals from its own inputs, added to the UNet's skip
     # connections and its mid block.
-
-    def control_fits(self, module):
-        why = super().control_fits(module)
-        if why is None:
-            mine, its = self.pipe.unet.config, module.config
-            for key in ("cross_attention_dim", "block_out_channels", "addition_embed_type"):
-                if mine.get(key) != its.get(key):
-                    return (f"was made for a UNet whose {key} is {its.get(key)!r} (this one's: "
-                            f"{mine.get(key)!r})")
-        return why
 
     def control_condition(self, module, image, width, height, k, dtype, generators):
         from diffusers.image_processor import VaeImageProcessor
