@@ -32,8 +32,8 @@ def health_once(server: Server, ready, timeout_s: float = 120) -> httpx.Response
         time.sleep(0.02)
 
 
-def wait_all_ready(server: Server) -> dict:
-    return health_once(server, lambda states: all(s == "ready" for s in states)).json()
+def wait_all_ready(server: Server, timeout_s: float = 120) -> dict:
+    return health_once(server, lambda states: all(s == "ready" for s in states), timeout_s).json()
 
 
 def per_executor(text: str, name: str) -> list[float]:
