@@ -104,6 +104,8 @@ class Runtime:
         stages inline unless ``stages=True`` (the executor's loop asks for the configured ones)."""
         kwargs.setdefault("policy", set_policy(self.config.set_policy_name))
         kwargs.setdefault("prompt_cache", self.prompt_cache)
+        if self.compiled is not None:
+            kwargs.setdefault("text_multiple", self.compiled.text_multiple(self.family))
         return StepEngine(self.family, self.count_tokens, adapters=self.adapters,
                           step_cache=self.step_cache, cache_threshold=self.config.cache_threshold,
                           group=self.group, **kwargs)

@@ -110,3 +110,30 @@ def test_padding_rows_are_discarded():
 @pytest.mark.parametrize("model", ["tiny-sd", "tiny-flux"])
 def test_inductor_buckets_are_within_two_levels_of_eager(model):
     check_compiled(model, "inductor", 2, with_cache=True)
+
+
+def test_prompts_of_other_lengths_share_a_text_bucket_with_static_shapes():
+    """Qwen-Image keeps each prompt's own token length; with --compile-rows buckets every length
+    would be a graph of its own, so lengths are padded (masked) to a multiple of 64 tokens: a
+    longer prompt in the same bucket compiles nothing new, and its image is the eager one."""
+    model = "tiny-qwen-image"
+    fam = family_of(model)
+    short, long = "a cat", "a small red cat asleep on a wooden chair by the window in the evening"
+    assert fam.text_bucket == 64
+    one = lambda prompt, tag: {0: [make_request(request_id=f"{tag}-{prompt}", model=model,  # noqa: E731
+                                                prompt=prompt, seed=4, steps=2)]}
+    eager = {p: run(StepEngine(fam), one(p, "eager"))[p] for p in (short, long)}
+    compiled = CompiledBlocks(fam.denoisers, "cpu", backend="eager", rows="buckets")
+    try:
+        engine = StepEngine(fam, text_multiple=compiled.text_multiple(fam))
+        first = run(engine, one(short, "first"))
+        assert compiled.take_new() > 0
+        second = run(engine, one(long, "second"))
+        assert compiled.take_new() == 0  # the longer prompt ran in the shorter one's graph
+        unpadded = run(StepEngine(fam), one(long, "unpadded"))
+        assert compiled.take_new() > 0  # without the bucket its own length is a new graph
+    finally:
+        compiled.close()
+    assert max_diff(first[short], eager[short]) <= 2
+    assert max_diff(second[long], eager[long]) <= 2
+    assert max_diff(unpadded[long], eager[long]) <= 2

@@ -15,7 +15,8 @@ the rows that miss), so the rows cannot be a static shape:
   of the last row, discarded after: each bucket is a static graph of its own (``dynamic=False``),
   which CUDA graphs need; 3 rows cost 4 and 5 cost 8. ``--cuda-graphs on`` captures a CUDA graph
   per bucket (``mode="reduce-overhead"``), whose output buffers its next replay overwrites, so
-  the rows a block returns are copied out.
+  the rows a block returns are copied out. Prompts of different token lengths (Qwen-Image's)
+  are padded, masked, to a multiple of the family's text bucket (64 tokens) for the same reason.
 
 Either way steady traffic causes no recompilation. At start-up the engine runs one step per
 bucket (exact: one and two images) at the model's native size, up to the rows one forward may
@@ -117,6 +118,12 @@ class CompiledBlocks:
                                     lambda t: _pad_rows(t, extra))
         out = self._compiled[type(block)](block, *args, **kwargs)
         return _cut(out, padded, rows, self.copy)
+
+    def text_multiple(self, family) -> int:
+        """What ``family``'s prompt lengths are padded to: its text bucket with static shapes
+        (each length would be a graph of its own), else 1 (a dynamic dimension after the second
+        length, as torch marks a size that changes)."""
+        return (family.text_bucket or 1) if self.rows == BUCKETS else 1
 
     def take_new(self) -> int:
         """Graphs compiled since the last call."""

@@ -65,6 +65,10 @@ class Family(ControlHooks):
     # UNet's blocks are known by their structure, for every family that has one).
     block_lists: ClassVar[dict[str, tuple[str, ...]]] = {}
     block_kinds: ClassVar[dict[str, BlockKind]] = {}
+    # The multiple its prompts' token lengths are padded to (masked) where --compile needs static
+    # shapes, so that each length is not a graph of its own; 0 where its lengths are fixed
+    # (PixArt's 300) or its denoiser pads them itself (Z-Image's 32).
+    text_bucket: ClassVar[int] = 0
     # Whether its forward sends rows to different denoisers by their timestep (Wan 2.2's
     # experts): it is then given the rows' timesteps on the host too.
     splits_by_timestep: ClassVar[bool] = False

@@ -64,7 +64,8 @@ class Conditioning:
             **{name: _pick(getattr(self, name), host) for name in self._fields(HOST)})
 
     @classmethod
-    def cat(cls, parts: list["Conditioning"]) -> "Conditioning":
+    def cat(cls, parts: list["Conditioning"], multiple: int = 1) -> "Conditioning":
+        """``parts`` stacked; padded fields to the longest, rounded up to ``multiple``."""
         import torch
 
         first = parts[0]
@@ -74,7 +75,7 @@ class Conditioning:
                        for name in first._fields(HOST)})
         for name in first._fields(PADDED):
             tensors = [getattr(p, name) for p in parts]
-            longest = max(t.shape[1] for t in tensors)
+            longest = -(-max(t.shape[1] for t in tensors) // multiple) * multiple
             joined[name] = torch.cat([torch.nn.functional.pad(
                 t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1])) for t in tensors])
         return dataclasses.replace(first, **joined)

@@ -63,7 +63,7 @@ class StepEngine:
                  clock: Callable[[], float] = time.perf_counter, adapters=None,
                  policy: SetPolicy | None = None, step_cache=None, cache_threshold: float = 0.0,
                  group=None, stages: bool = False, prompt_cache=None,
-                 defer_timing: bool = False) -> None:
+                 defer_timing: bool = False, text_multiple: int = 1) -> None:
         """``adapters``: the :class:`~diffserve.executor.lora.store.AdapterStore`, if any.
         ``policy``: which running set a step advances (default: time-fair). ``step_cache``: a
         :class:`~diffserve.executor.accel.step_cache.StepCache` over the family's denoisers, and
@@ -73,7 +73,8 @@ class StepEngine:
         ``prompt_cache``: a :class:`~diffserve.executor.step.prompt_cache.PromptCache`, if
         any. ``defer_timing``: on CUDA, a step's time is read a step later (in the next
         output's ``timed``), so that the host never waits for the device between steps (the
-        serving loop); else each output carries its own step's time."""
+        serving loop); else each output carries its own step's time. ``text_multiple``: what
+        prompt lengths are padded to (static-shape compile)."""
         self.family, self.group, self.clock = family, group, clock
         self.adapters, self.step_cache = adapters, step_cache
         self._cfg_parallel = group is not None and group.degrees.cfg > 1
@@ -87,6 +88,7 @@ class StepEngine:
         # A step's time as the device spent it (on CUDA: events, read a step later if deferred).
         self.timer = StepTimer(family.torch, family.device, clock)
         self._keep_laps = 1 if defer_timing else 0
+        self._text_multiple = text_multiple
         self._timed: list[StepTime] = []  # steps whose time became known since the last output
         self.stage_work = StageWork(family, self.builder, self.timer, clock, stages)
         if adapters is not None:
@@ -309,8 +311,8 @@ class StepEngine:
         fam = self.family
         inputs = self._inputs.get(units[0].batch_key)
         if inputs is None or not inputs.matches(units):
-            inputs = self._inputs[units[0].batch_key] = SetInputs(units, fam.torch,
-                                                                  fam.control_from_positive)
+            inputs = self._inputs[units[0].batch_key] = SetInputs(
+                units, fam.torch, fam.control_from_positive, self._text_multiple)
         latents, timesteps = inputs.inputs()
         r = units[0].request  # every unit of one forward has the same size
         uses = inputs.control.active(units) if inputs.control else []

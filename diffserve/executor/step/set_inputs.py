@@ -24,7 +24,8 @@ class SetInputs:
     """The rows of a forward over ``units`` (each with ``rows``, ``samples``, ``cfg``,
     ``prepared``, ``adapters``, ``request``)."""
 
-    def __init__(self, units: list, torch, control_from_positive: bool = False) -> None:
+    def __init__(self, units: list, torch, control_from_positive: bool = False,
+                 text_multiple: int = 1) -> None:
         self.units = list(units)
         self.cfg = [u.cfg for u in units]
         self.offsets, at = [], 0
@@ -34,7 +35,7 @@ class SetInputs:
         self.rows = at
         conds = [c for u in units for c in
                  ((u.prepared.negative, u.prepared.positive) if u.cfg else (u.prepared.positive,))]
-        self.cond = type(conds[0]).cat(conds)
+        self.cond = type(conds[0]).cat(conds, text_multiple)
         device = units[0].prepared.latents.device
         self.guidance = torch.tensor([u.request.guidance_scale for u in units for _ in range(u.rows)],
                                      dtype=torch.float32, device=device)
