@@ -49,11 +49,17 @@ def embedded_path(name: str) -> Path:
         version = f"{_BUILD_VERSION}.{_CONTROLNET_VERSION}"
     else:
         raise KeyError(name)
-    target = cache_root() / "models" / f"{name}-v{version}"
+    return built_in_place(cache_root() / "models" / f"{name}-v{version}", done, build)
+
+
+def built_in_place(target: Path, done: str, build) -> Path:
+    """``target``, made by ``build(directory)`` first where its file ``done`` is missing: built in
+    a temporary directory renamed into place, so that processes starting together never read
+    half of one (the first rename wins; the others' copies are dropped)."""
     if (target / done).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         build(staging)
         try:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from diffserve.models.embedded import built_in_place
 from diffserve.models.random.architectures import ARCHITECTURES, FULL, SCALES, TINY, Architecture
 
 PREFIX = "random:"
@@ -49,25 +48,12 @@ def parse(spec: str) -> tuple[str, str]:
 
 
 def resolve(spec: str, root: Path) -> str:
-    """The skeleton directory of ``spec`` under ``root``, written first if it is not there (to a
-    temporary directory renamed into place, so that servers starting together never read half
-    of one)."""
+    """The skeleton directory of ``spec`` under ``root``, written first if it is not there
+    (:func:`~diffserve.models.embedded.built_in_place`)."""
     name, scale = parse(spec)
     target = root / "random" / f"{name}-{scale}-v{_BUILD_VERSION}"
-    if (target / MARKER).exists():
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        write_skeleton(ARCHITECTURES[name], scale, staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / MARKER).exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return str(target)
+    return str(built_in_place(target, MARKER, lambda staging: write_skeleton(
+        ARCHITECTURES[name], scale, staging)))
 
 
 def write_skeleton(arch: Architecture, scale: str, directory: Path) -> None:
