@@ -121,7 +121,7 @@ def choose(rt, requested: str) -> AttentionChoice:
             apply(modules, name)
         if name != "native" and rt.family is not None:
             try:  # a kernel may refuse what serving sends it (a mask, a head size): find out now
-                _timed_step(rt)
+                _timed_step(rt, timed=0)
             except Exception as error:  # noqa: BLE001 - said at start, naming the flag
                 raise ConfigError(f"--attention-backend {name}: a step of two requests with "
                                   f"prompts of different lengths failed: "
@@ -165,9 +165,9 @@ def _denoisers(rt) -> list:
     return list(denoisers(rt.loaded.pipe).values())
 
 
-def _timed_step(rt) -> tuple[float, object]:
-    """(median ms of a native-size step of two images, the first step's denoiser output). The
-    two prompts differ in length: a family that pads its prompts masks the padding, which some
+def _timed_step(rt, timed: int = TIMED_STEPS) -> tuple[float, object]:
+    """(median ms of ``timed`` native-size steps of two images after one untimed, nan when
+    ``timed`` is 0; the first step's denoiser output). The two prompts differ in length: a family that pads its prompts masks the padding, which some
     kernels refuse (torch's flash kernel takes no mask), as serving would find out."""
     import torch
 
@@ -180,14 +180,14 @@ def _timed_step(rt) -> tuple[float, object]:
         lambda module, args, out: outputs.append((out[0] if isinstance(out, tuple) else
                                                   getattr(out, "sample", out)).detach().float().cpu()))
     requests = [ImageRequest(f"attention-timing-{i}", info.name, info.width, info.height,
-                             num_inference_steps=TIMED_STEPS + 2, prompt=prompt,
+                             num_inference_steps=timed + 2, prompt=prompt,
                              guidance_scale=info.default_guidance_scale, seed=i,
                              num_frames=info.num_frames)
                 for i, prompt in enumerate(PROMPTS)]
     engine, times = rt.step_engine(), []
     try:
         failed = [o.error for o in engine.admit([WorkItem(r, 0, 1) for r in requests], [[], []])]
-        for i in range(TIMED_STEPS + 1):  # the first untimed: the first call of a kernel
+        for i in range(timed + 1):  # the first untimed: the first call of a kernel
             start = synced_clock(torch, rt.loaded.device)
             out = engine.step()
             times += [synced_clock(torch, rt.loaded.device) - start] if i else []
@@ -198,7 +198,7 @@ def _timed_step(rt) -> tuple[float, object]:
         hook.remove()
         engine.abandon("timed")
         engine.close()
-    return 1e3 * sorted(times)[len(times) // 2], outputs[0]
+    return (1e3 * sorted(times)[len(times) // 2] if times else float("nan")), outputs[0]
 
 
 def _distance(a, b) -> float:

@@ -221,9 +221,8 @@ def describe(rt, config) -> dict:
         return {}
     rows = 2 if uses_cfg(info.guidance_rule, info.default_guidance_scale, "") else 1
     per_row = model.per_row(tokens_of(model, info, info.width, info.height, info.num_frames))
-    peak = peak_flops(rt.loaded.device, rt.loaded.dtype, config.quantization,
-                      config.device_peak_tflops)
-    return {"per_step_native": rows * per_row * (rt.group.degrees.size if rt.group else 1),
+    ranks, peak = _ranks_and_peak(rt, config)
+    return {"per_step_native": rows * per_row * ranks,
             "rows_per_image": rows, "device_peak_tflops": peak / 1e12 or None}
 
 
@@ -234,7 +233,12 @@ def counter_for(rt, config):
 
     if rt.flops is None:
         return None, 0.0
-    counter = FlopCounter(rt.flops, list(denoisers(rt.loaded.pipe).values()),
-                          rt.group.degrees.size if rt.group else 1)
-    return counter, peak_flops(rt.loaded.device, rt.loaded.dtype, config.quantization,
-                               config.device_peak_tflops)
+    ranks, peak = _ranks_and_peak(rt, config)
+    return FlopCounter(rt.flops, list(denoisers(rt.loaded.pipe).values()), ranks), peak
+
+
+def _ranks_and_peak(rt, config) -> tuple[int, float]:
+    """The group's size (each rank counts its share) and one device's peak FLOP/s."""
+    return (rt.group.degrees.size if rt.group else 1,
+            peak_flops(rt.loaded.device, rt.loaded.dtype, config.quantization,
+                       config.device_peak_tflops))
