@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from diffserve.protocol import FAILED, FINISHED, ItemResult, ItemsDone
+from diffserve.protocol import FAILED, FINISHED, REQUEST_MODE, ItemResult, ItemsDone
+from diffserve.scheduler.core import SchedulerCore
 from diffserve.work import ImageRequest
 
 _ids = itertools.count()
@@ -29,6 +31,18 @@ def run_tool(tool: str, *args: str, timeout: float = 300,
     return done
 
 
+def check_report(result: dict, out: Path, name: str) -> dict:
+    """A kit.servers.main tool's report (``out``: its --output-dir), checked for what every such report
+    holds."""
+    assert (out / f"{name}.md").read_text().startswith(f"# {name}:")
+    assert json.loads((out / f"{name}.json").read_text()) == result
+    (round_,) = result["rounds"]
+    assert "error" not in round_["figures"]
+    for one in round_["runs"]:
+        assert one["completed"] + one["failed"] == one["config"]["num_prompts"]
+    return result
+
+
 
 def make_request(n: int = 1, *, request_id: str | None = None, width: int = 64, height: int = 64,
                  steps: int = 4, guidance: float = 5.0, prompt: str | None = None, seed: int = 0,
@@ -43,6 +57,14 @@ def make_request(n: int = 1, *, request_id: str | None = None, width: int = 64, 
                         seed=seed, n=n, partial_images=partial_images, loras=tuple(loras),
                         cost=cost, references=references, scheduler=scheduler,
                         priority=priority, controls=tuple(controls))
+
+
+def ready_core(max_size=4, delay=0.0, executors=1, mode=REQUEST_MODE, **kw) -> SchedulerCore:
+    """A scheduler core whose ``executors`` are ready at time 0."""
+    c = SchedulerCore(max_size, delay, executors, mode=mode, **kw)
+    for i in range(executors):
+        c.executor_ready(i, 0.0)
+    return c
 
 
 def run(c, d, errors=None, only=None, now=1.0, seconds=0.1, status=None):

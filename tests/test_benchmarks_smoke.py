@@ -1,11 +1,10 @@
-"""Smoke runs of the tools in benchmarks/, so that they cannot rot.
+"""Smoke runs of the tools in benchmarks/ that run torch themselves or drive one server, so that
+they cannot rot (the tools that compare servers run early: test_benchmarks_early.py).
 
 Each tool runs with absurdly small settings (a few requests, tiny models, one or two denoising
 steps, one intra-op thread) and must exit 0 with sane output. These are not measurements: nothing
-here checks a speed. Most runs wait on servers that load a model on one core each, so they are
-early runs (tests/background.py): they start when collection ends and run beside other tests,
-and a test takes its run's output with :func:`ran`. The tools that run torch themselves run in
-one interpreter meanwhile (:func:`in_process`).
+here checks a speed. The tools that run torch themselves run in one interpreter
+(:func:`in_process`) while the early runs use the rest of the machine.
 """
 
 from __future__ import annotations
@@ -18,36 +17,8 @@ from pathlib import Path
 
 import pytest
 
-import background
-from background import early
-
 from diffserve.launcher import free_port
-from helpers import BENCH, ENV, ROOT, run_tool
-
-TINY = ["--model", "tiny-sd", "--steps", "1", "--num-requests", "4", "--warmup", "1", "--concurrency", "4",
-        "--max-batch-size", "4", "--rounds", "1", "--startup-timeout", "120", "--torch-threads", "1"]
-
-
-def check(result: dict, out: Path, name: str) -> dict:
-    """A kit.servers.main tool's report (``out``: its --output-dir), checked for what every such report
-    holds."""
-    assert (out / f"{name}.md").read_text().startswith(f"# {name}:")
-    assert json.loads((out / f"{name}.json").read_text()) == result
-    (round_,) = result["rounds"]
-    assert "error" not in round_["figures"]
-    for run in round_["runs"]:
-        assert run["completed"] + run["failed"] == run["config"]["num_prompts"]
-    return result
-
-
-def compare(scenario: str, *extra: str):
-    def run() -> dict:
-        out = Path(tempfile.mkdtemp(prefix=f"bench-{scenario}-"))
-        done = run_tool("compare.py", scenario, *TINY, *extra, "--output-dir", str(out), "--output-file",
-                        str(out / "report.json"))
-        assert "| figure | median |" in done.stdout
-        return check(json.loads((out / "report.json").read_text()), out, scenario)
-    return run
+from helpers import BENCH, ENV, ROOT, check_report, run_tool
 
 
 # The tools that run torch in their own process (the engine, or the plain pipeline that served
@@ -104,39 +75,8 @@ def in_process() -> dict[str, dict]:
     assert done.returncode == 0, f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
     reports = {name: json.loads((out / f"{name}.json").read_text()) for name in runs}
     for name, scenario in KIT_MAIN.items():
-        check(reports[name], out / name, scenario)
+        check_report(reports[name], out / name, scenario)
     return reports
-
-
-def startup() -> tuple[dict, str]:
-    out = Path(tempfile.mkdtemp(prefix="bench-startup-")) / "startup.json"
-    done = run_tool("bench_startup.py", "--rounds", "1", "--output-file", str(out))
-    return json.loads(out.read_text()), done.stdout
-
-
-# Each early run: (about its seconds alone here: the longest start first; the run).
-RUNS = {
-    "compare scale": (20, compare("scale")),
-    "compare baseline": (15, compare("baseline")),
-    "compare sizes": (15, compare("sizes", "--sizes", "64x64,32x32", "--sizes-load", "50")),
-    "compare rules": (10, compare("rules", "--sizes", "64x64,32x32", "--set-policies", "oldest",
-                                 "--guidance-scale", "5")),
-    "compare lora": (14, compare("lora", "--lora-counts", "0,2", "--lora-ranks", "4", "--lora-load", "50")),
-    "compare rollout": (12, compare("rollout", "--model", "tiny-flux", "--rollout-prompts", "2", "--rollout-n", "3",
-                                   "--rollout-repeats", "1")),
-    # --tree: the servers run from that checkout (here this one, by its path: the flag's effect
-    # shows in the servers' command environment, and the run must work through it).
-    "compare modes": (12, compare("modes", "--loads", "50,80", "--mixed-steps", "1,2", "--idle-requests", "2",
-                                 "--tree", str(ROOT))),
-    "compare cache": (9, compare("cache", "--cache-thresholds", "0.5", "--cache-images", "2")),
-    "startup": (4, startup),
-}
-for _name, (_weight, _run) in RUNS.items():
-    early(f"bench:{_name}", weight=_weight, run=_run)
-
-
-def ran(name: str):
-    return background.result(f"bench:{name}")
 
 
 @pytest.fixture
@@ -253,111 +193,6 @@ def test_bench_video(in_process):
     assert result["worst_mp4_psnr_db"] > 20 and result["worst_engine_diff"] <= 2
 
 
-@pytest.mark.early("bench:compare modes")
-def test_compare_modes():
-    result = ran("compare modes")
-    medians = result["summary"]["medians"]
-    for mode in ("step", "request"):
-        assert medians[f"saturated img/s, {mode}"] > 0
-        assert medians[f"p99 ms @80%, {mode}"] >= medians[f"p50 ms @80%, {mode}"] > 0
-        assert medians[f"short mean ms (mixed), {mode}"] > 0 and f"idle overhead ms, {mode}" in medians
-    assert medians["saturated img/s, step/request"] > 0
-    labels = [run["label"] for run in result["rounds"][0]["runs"]]
-    assert labels[:5] == ["request saturated", "request 50%", "request 80%", "request mixed", "request idle"]
-    assert all(run["failed"] == 0 for run in result["rounds"][0]["runs"])
-    assert result["config"]["tree"] == str(ROOT)
-
-
-@pytest.mark.early("bench:compare scale")
-def test_compare_scale():
-    result = ran("compare scale")
-    runs = {run["label"]: run for run in result["rounds"][0]["runs"]}
-    assert runs["dp2 x 1 thread"]["server_metrics"]["executors"] == 2
-    pair = runs["2 servers x 1 thread, round-robin"]
-    assert len(set(pair["base_urls"])) == 2 and pair["server_metrics"]["executors"] == 2
-    assert pair["server_metrics"]["images_generated"] == 4
-    assert all(run["failed"] == 0 for run in runs.values())
-    assert all(v is not None and v > 0 for v in result["summary"]["medians"].values())
-
-
-@pytest.mark.early("bench:compare baseline")
-def test_compare_baseline():
-    result = ran("compare baseline")
-    runs = {run["label"]: run for run in result["rounds"][0]["runs"]}
-    assert runs["max batch 1"]["server_metrics"]["mean_batch_size"] == 1
-    assert runs["naive"]["server_metrics"] is None  # the baseline has no /metrics
-    assert runs["naive"]["completed"] >= 1  # it may fail a request now and then (shared tokenizers)
-    assert result["summary"]["medians"]["img/s, diffserve/naive"] > 0
-
-
-@pytest.mark.early("bench:compare lora")
-def test_compare_lora():
-    result = ran("compare lora")
-    medians = result["summary"]["medians"]
-    assert medians["saturated img/s, 2 adapters, step, rank 4"] > 0
-    assert medians["saturated img/s, 2 adapters / none, rank 4"] > 0
-    assert medians["p99 ms @50%, 2 adapters, rank 4"] > 0
-    runs = {run["label"]: run for run in result["rounds"][0]["runs"]}
-    assert runs["step k=2 rank 4 saturated"]["config"]["models"] == ["L0", "L1"]
-    assert all(run["failed"] == 0 for run in runs.values())
-
-
-@pytest.mark.early("bench:compare sizes")
-def test_compare_sizes():
-    result = ran("compare sizes")
-    medians = result["summary"]["medians"]
-    for figure in ("p99 ms size 1 (64x64), step", "p50 ms size 2 (32x32), request", "p99 ms size 2 (32x32) alone",
-                   "p99 ms rare alone", "images per forward, uniform", "saturated img/s mixed, request",
-                   "saturated img/s mixed, step / request"):
-        assert medians[figure] > 0, figure
-    labels = [run["label"] for run in result["rounds"][0]["runs"]]
-    assert labels[:2] == ["request saturated mixed", "request mixed @50%"] and "step 90/10" in labels
-
-
-@pytest.mark.early("bench:compare rules")
-def test_compare_rules():
-    result = ran("compare rules")
-    medians = result["summary"]["medians"]
-    for figure in ("rate req/s", "p50 ms size 1, request", "p99 ms size 2, oldest", "p50 size 2, oldest / request"):
-        assert medians[figure] > 0, figure
-    runs = result["rounds"][0]["runs"]
-    assert [run["label"] for run in runs] == ["request saturated 64x64", "request mixed", "oldest mixed"]
-    assert runs[0]["config"]["sizes"] == ["64x64"] and runs[1]["config"]["sizes"] == ["64x64", "32x32"]
-    assert all(run["config"]["extra_body"] == {"guidance_scale": 5.0} for run in runs)
-
-
-@pytest.mark.early("bench:compare rollout")
-def test_compare_rollout():
-    result = ran("compare rollout")
-    medians = result["summary"]["medians"]
-    for layout in ("groups, step", "singles, step", "groups, request"):
-        assert medians[f"samples/s, {layout}"] > 0
-        assert medians[f"last sample of a group ms, {layout}"] > 0
-    runs = {run["label"]: run for run in result["rounds"][0]["runs"]}
-    assert runs["singles, step"]["completed"] == 6 and runs["groups, request"]["failed"] == 0
-
-
-@pytest.mark.early("bench:compare cache")
-def test_compare_cache():
-    result = ran("compare cache")
-    medians = result["summary"]["medians"]
-    for threshold in ("0", "0.5"):
-        assert medians[f"img/s, threshold {threshold}"] > 0
-        assert 0 <= medians[f"rows that hit, threshold {threshold}"] <= 1
-    assert medians["rows that hit, threshold 0"] == 0  # threshold 0 never reuses
-    assert medians["PSNR min dB, threshold 0.5"] > 20 and medians["img/s, threshold 0.5 / uncached"] > 0
-    assert "best img/s / uncached at PSNR >= 30 dB" in medians
-
-
-@pytest.mark.early("bench:startup")
-def test_bench_startup():
-    result, stdout = ran("startup")
-    medians = result["summary"]["medians"]
-    assert medians["ready_s"] > 0 and "| ready_s |" in stdout
-    assert medians["diffserve::executor-0 cpu_s"] > medians["diffserve::scheduler cpu_s"] > 0
-    assert medians["diffserve::frontend cpu_s"] > 0
-
-
 def test_bench_parallel_on_two_cpu_ranks(tmp_path):
     """tiny-flux's transformer alone and on two gloo ranks (Ulysses): the same output, and the
     all-to-all bytes and collective calls the tool's model predicts, counted as they ran."""
@@ -386,25 +221,3 @@ def test_bench_weights(in_process):
     assert apply["from disk s"] > 0 and apply["from memory s"] > 0 and apply["wake from level 2 s"] > 0
     rollouts = in_process["bench_weights rollouts"]["summary"]["medians"]
     assert rollouts["img/s steady"] > 0 and rollouts["img/s first after an update / steady"] > 0
-
-
-def controlnet() -> dict:
-    out = Path(tempfile.mkdtemp(prefix="bench-controlnet-"))
-    run_tool("bench_controlnet.py", "--count", "4", "--steps", "4", "--rounds", "1", "--torch-threads", "1",
-             "--startup-timeout", "120", "--output-dir", str(out), "--output-file", str(out / "report.json"))
-    return check(json.loads((out / "report.json").read_text()), out, "controlnet")
-
-
-early("bench:controlnet", weight=15, run=controlnet)
-
-
-@pytest.mark.early("bench:controlnet")
-def test_bench_controlnet():
-    """bench_controlnet.py: 4 requests (each control model, none, a stack of both; 4 steps, so that
-    the windows act) at once and one at a time; the images at once equal those made alone."""
-    medians = ran("controlnet")["summary"]["medians"]
-    assert medians["one at a time s"] > 0 and medians["at once s"] > 0
-    assert medians["speed-up, at once / one at a time"] > 0
-    # Every image's 4 steps counted, in at least 4 forwards of at most the 4 images.
-    assert 1 <= medians["images per forward, at once"] <= 4 and medians["denoiser forwards at once"] >= 4
-    assert medians["worst pixel diff"] <= 2

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 # two-worker run on a 2-core machine (files in neither table: DEFAULT_S, shared out up front).
 # Only the balance of the work depends on these; a stale figure costs time, never a test.
 SECONDS = {
-    "tests/test_benchmarks_smoke.py": 100, "tests/test_reliability.py": 80,
+    "tests/test_benchmarks_smoke.py": 80, "tests/test_benchmarks_early.py": 20,
+    "tests/test_reliability.py": 80,
     "tests/test_parallel_groups.py": 50, "tests/test_adapters.py": 45,
     "tests/frontend/test_videos.py": 42, "tests/test_step_mode.py": 34,
     "tests/test_data_parallel.py": 31, "tests/frontend/test_edits_and_streaming.py": 26,
@@ -71,6 +72,7 @@ IN_PROCESS = {
         "tests/policies/test_sjf.py", "tests/policies/test_srpt.py",
         "tests/scheduler/test_adapter_slots.py", "tests/scheduler/test_batcher.py",
         "tests/scheduler/test_core.py", "tests/scheduler/test_preemption.py",
+        "tests/scheduler/test_step_sets.py",
         "tests/scheduler/test_supervisor.py", "tests/scheduler/test_weights.py",
         "tests/test_compare_rounds.py", "tests/test_docs.py", "tests/test_imports.py",
         "tests/test_launcher.py", "tests/test_protocol.py", "tests/test_server_metrics.py",
