@@ -56,9 +56,11 @@ class Family(ControlHooks):
     # family's pipeline generates without one.
     max_references: ClassVar[int] = 0
     encodes_references: ClassVar[bool] = False
-    # The tasks that redraw an input image by strength which the family runs, where diffusers
-    # has a pipeline for them (an edit-by-instruction family takes none).
-    strength_tasks: ClassVar[tuple[str, ...]] = ("image-to-image", "inpaint")
+    # The tasks that redraw an input image by strength which the family runs, each with the
+    # diffusers pipeline built from the loaded one's components: what diffusers' auto-pipelines
+    # pick (a test pins it), named here so that a start imports those pipelines alone, not every
+    # pipeline the auto-pipelines know (a second of CPU an executor start).
+    strength_pipelines: ClassVar[dict[str, str]] = {}
     # The denoiser's repeated blocks, for the step cache and --compile (executor/blocks.py): its
     # class name -> the attributes that hold its block lists, in the order its forward runs
     # them; and each block class's calling convention. Empty: neither accelerator knows it (a

@@ -32,6 +32,7 @@ class ChromaConditioning(Conditioning):
 class Chroma(Flux):
     name = "chroma"
     pipelines = ("ChromaPipeline",)
+    strength_pipelines = {}  # diffusers' auto-pipelines map none for Chroma
     guidance_rule = ABOVE_ONE
 
     def encode(self, prompts, negatives, cfg):

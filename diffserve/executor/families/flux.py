@@ -26,6 +26,8 @@ class FluxConditioning(Conditioning):
 class Flux(PackedFlow):
     name = "flux"
     pipelines = ("FluxPipeline",)
+    strength_pipelines = {"image-to-image": "FluxImg2ImgPipeline",
+                          "inpaint": "FluxInpaintPipeline"}
     block_lists = {"FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks")}
     # The single-stream blocks take and return the two streams apart (diffusers 0.42), as the
     # double-stream ones do.

@@ -25,7 +25,7 @@ class FluxKontext(TogetherReferences, Flux):
     name = "flux-kontext"
     pipelines = ("FluxKontextPipeline",)
     max_references = 1  # the pipeline takes one input image
-    strength_tasks = ()  # its edits are by instruction (diffusers' Kontext inpainting is not run)
+    strength_pipelines = {}  # its edits are by instruction (diffusers' Kontext inpainting is not run)
 
     def encode(self, prompts, negatives, cfg):
         encoded = super().encode(prompts, negatives, cfg)

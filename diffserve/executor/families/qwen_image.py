@@ -31,6 +31,8 @@ class QwenImageConditioning(Conditioning):
 class QwenImage(PackedFlow):
     name = "qwen-image"
     pipelines = ("QwenImagePipeline",)
+    strength_pipelines = {"image-to-image": "QwenImageImg2ImgPipeline",
+                          "inpaint": "QwenImageInpaintPipeline"}
     block_lists = {"QwenImageTransformer2DModel": ("transformer_blocks",)}
     block_kinds = {"QwenImageTransformerBlock": JOINT}
     guidance_kwarg = "true_cfg_scale"

@@ -34,7 +34,7 @@ class QwenImageEdit(TogetherReferences, QwenImage):
     max_references = 1
     encodes_references = True
     generates = False
-    strength_tasks = ()
+    strength_pipelines = {}  # its edits are by instruction
     # Its call with one image (not a list of one) is the one whose VL encoder sees the image at
     # the pipeline's own size: request mode calls it so, one request a call.
     references_per_row = False

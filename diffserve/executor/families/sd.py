@@ -18,6 +18,8 @@ class StableDiffusion(Family):
     name = "stable-diffusion"
     published_dtype = "float16"  # SD 1.x/2.x and SDXL (a subclass) are published in float16
     pipelines = ("StableDiffusionPipeline",)
+    strength_pipelines = {"image-to-image": "StableDiffusionImg2ImgPipeline",
+                          "inpaint": "StableDiffusionInpaintPipeline"}
     control_classes = ("ControlNetModel",)
     control_config_keys = ("cross_attention_dim", "block_out_channels", "addition_embed_type")
     denoiser_noun = "UNet"

@@ -23,6 +23,8 @@ class SD3Conditioning(Conditioning):
 class StableDiffusion3(Family):
     name = "stable-diffusion-3"
     pipelines = ("StableDiffusion3Pipeline",)
+    strength_pipelines = {"image-to-image": "StableDiffusion3Img2ImgPipeline",
+                          "inpaint": "StableDiffusion3InpaintPipeline"}
     block_lists = {"SD3Transformer2DModel": ("transformer_blocks",)}
     block_kinds = {"JointTransformerBlock": JOINT}  # its last block returns no text stream
     max_shift = 1.16  # its pipeline's default, where Flux's is 1.15

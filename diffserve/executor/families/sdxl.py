@@ -21,6 +21,8 @@ class SDXLConditioning(Conditioning):
 class StableDiffusionXL(StableDiffusion):
     name = "stable-diffusion-xl"
     pipelines = ("StableDiffusionXLPipeline",)
+    strength_pipelines = {"image-to-image": "StableDiffusionXLImg2ImgPipeline",
+                          "inpaint": "StableDiffusionXLInpaintPipeline"}
     begins_at_index_zero = True
 
     def encode(self, prompts, negatives, cfg):

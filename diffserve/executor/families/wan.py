@@ -39,7 +39,6 @@ class Wan(Family):
     pipelines = ("WanPipeline",)
     block_lists = {"WanTransformer3DModel": ("blocks",)}
     block_kinds = {"WanTransformerBlock": BlockKind(shared=frozenset({"rotary_emb"}))}
-    strength_tasks = ()
     begins_at_index_zero = True
     splits_by_timestep = True  # Wan 2.2: each row to the expert of its noise level
 

@@ -40,6 +40,8 @@ class ZImage(PackedFlow):
 
     name = "z-image"
     pipelines = ("ZImagePipeline",)
+    strength_pipelines = {"image-to-image": "ZImageImg2ImgPipeline",
+                          "inpaint": "ZImageInpaintPipeline"}
     # Its refiners run before the main stack on the two streams apart: the first block that
     # sees them joined is the main stack's.
     block_lists = {"ZImageTransformer2DModel": ("layers",)}

@@ -23,9 +23,10 @@ def task_pipelines(pipe, family: type | None = None) -> dict[str, Any]:
     """Task name -> the pipeline that runs it: the loaded one for generation (unless its family
     only edits), for instruction edits (where the ``family`` conditions on reference images)
     and for rollouts (where the step engine knows the ``family`` and the rollout sampler the
-    scheduler); and for image-to-image and inpainting, the auto-pipeline of the loaded one's
-    family, built from its own components (no second copy of the weights), where it has one
-    that redraws an input image by ``strength``. A model without a pipeline lacks the task."""
+    scheduler); and for image-to-image and inpainting, the pipeline the ``family`` names for the
+    task (a model no family knows: diffusers' auto-pipeline of the loaded one), built from its own components
+    (no second copy of the weights), where it redraws an input image by ``strength``. A model
+    without a pipeline lacks the task."""
     import diffusers
 
     found: dict[str, Any] = {}
@@ -44,11 +45,13 @@ def task_pipelines(pipe, family: type | None = None) -> dict[str, Any]:
             if family is not None and family.max_references:
                 found[task.name] = pipe
             continue
-        if task.auto_pipeline is None or (family is not None
-                                          and task.name not in family.strength_tasks):
+        # A family names its own (importing the auto-pipelines imports every pipeline they know).
+        builder = (task.auto_pipeline if family is None
+                   else family.strength_pipelines.get(task.name))
+        if builder is None:
             continue
         try:
-            built = getattr(diffusers, task.auto_pipeline).from_pipe(pipe)
+            built = getattr(diffusers, builder).from_pipe(pipe)
         except (ValueError, KeyError, TypeError) as error:
             log.info("no %s pipeline for %s: %s", task.name, type(pipe).__name__, error)
             continue
