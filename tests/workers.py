@@ -62,6 +62,7 @@ IN_PROCESS = {
     **dict.fromkeys([
         "tests/executor/test_blocks.py", "tests/executor/test_devices.py",
         "tests/executor/test_float32_place.py", "tests/executor/test_outputs.py",
+        "tests/executor/test_tasks.py",
         "tests/executor/test_attention.py",
         "tests/executor/test_flux_kontext.py", "tests/executor/test_loops.py", "tests/executor/test_parallel.py",
         "tests/executor/test_planner.py", "tests/executor/test_step_timer.py",

@@ -1,12 +1,16 @@
 """diffserve/executor/parallel/topology.py's judgement of an error: the group's own (a peer gone, a
-collective timed out: the group restarts and what it held runs again) or a request's."""
+collective timed out: the group restarts and what it held runs again) or a request's; and what a
+model or machine cannot do in a group, refused before anything loads."""
 
 from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
 
+from diffserve.config import ConfigError, ServerConfig
 from diffserve.executor.parallel.failures import is_group_failure
+from diffserve.executor.parallel.model import check_model
+from diffserve.models.registry import resolve_model
 
 GLOO = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:{line}] {what}"
 
@@ -108,3 +112,20 @@ def test_followers_use_the_leaders_arrival_times_and_plan():
         for sock in link.sockets:
             sock.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("model, flags, message", [
+    ("tiny-sd", {"ulysses_degree": 2}, "--ulysses-degree: UNet2DConditionModel has no context-parallel plan"),
+    ("tiny-flux", {"cfg_parallel_size": 2}, "--cfg-parallel-size 2: flux makes no classifier-free guidance rows"),
+    ("tiny-flux", {"ring_degree": 2}, "--ring-degree: ring attention needs an attention backend"),
+    ("tiny-flux", {"tensor_parallel_size": 2},
+     "--tensor-parallel-size: diffusers' tensor parallelism refuses device type cpu"),
+])
+def test_what_a_model_cannot_do_in_a_group_is_refused_naming_the_flag(model, flags, message):
+    """The leader's check, read off the model directory (the server's start runs it before the
+    group's other ranks start: tests/test_parallel_groups.py)."""
+    config = ServerConfig(model=model, **flags)
+    with pytest.raises(ConfigError) as refused:
+        check_model(config, resolve_model(model), "cpu")
+    assert message in str(refused.value)
+    check_model(ServerConfig(model="tiny-flux", ulysses_degree=2), resolve_model("tiny-flux"), "cpu")
