@@ -58,7 +58,9 @@ def create_app(model: str) -> FastAPI:
 
     def generate(body: Body, width: int, height: int) -> list[str]:
         base, d = state["pipe"], state["defaults"]
-        pipe = type(base).from_pipe(base, scheduler=base.scheduler.from_config(base.scheduler.config))
+        # A scheduler of its own per request; torch_dtype, or from_pipe casts the model to float32.
+        pipe = type(base).from_pipe(base, scheduler=base.scheduler.from_config(base.scheduler.config),
+                                    torch_dtype=base.dtype)
         pipe.set_progress_bar_config(disable=True)
         guidance = d.get("guidance_scale") if body.guidance_scale is None else body.guidance_scale
         kwargs = {**d.get("pipeline_kwargs", {}), **({} if guidance is None else {"guidance_scale": guidance})}

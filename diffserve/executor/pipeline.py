@@ -1,6 +1,7 @@
 """Facts about a diffusers pipeline that several rooms need, each said once: which of its
-components are denoisers, its torch modules, and its model index (the pipeline class and the
-components a model directory declares, read before anything loads)."""
+components are denoisers, its torch modules, its model index (the pipeline class and the
+components a model directory declares, read before anything loads), and another pipeline built
+over its components."""
 
 from __future__ import annotations
 
@@ -29,6 +30,23 @@ def denoisers(pipe) -> dict[str, Any]:
     """The pipeline's denoisers by component name, in :data:`DENOISERS` order."""
     modules = torch_modules(pipe)
     return {name: modules[name] for name in DENOISERS if name in modules}
+
+
+def built_from(pipe, class_name: str, **components) -> Any:
+    """Diffusers pipeline ``class_name`` over ``pipe``'s own components (``components`` added or
+    replacing some), each module as it is: no copy, no cast. ``from_pipe`` would cast every
+    module it shares to one dtype (float32 unless told), the loaded pipeline's own included,
+    which undoes bfloat16 and a float32 VAE or host text encoder alike. Raises TypeError where a
+    component the class needs is missing."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name)
+    modules, options = cls._get_signature_keys(cls)
+    given = {**pipe.components, **components}
+    kwargs = {name: given[name] for name in modules if name in given}
+    kwargs.update({name: value for name, value in pipe.config.items()
+                   if name in options and name not in kwargs})  # e.g. requires_safety_checker
+    return cls(**kwargs)
 
 
 def model_index(path: str) -> dict[str, Any] | None:

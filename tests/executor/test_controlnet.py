@@ -126,6 +126,22 @@ def test_request_mode_calls_the_familys_controlnet_pipeline(sd):
         assert max_diff(o.images, reference(sd, o.item.request)) <= 2
 
 
+def test_pipelines_built_over_a_bfloat16_model_leave_its_modules_as_they_are():
+    """The image-to-image, inpainting and ControlNet pipelines share the loaded pipeline's modules
+    (diffusers' ``from_pipe`` would cast them all to float32 in place, undoing bfloat16)."""
+    import torch
+
+    rt = build_runtime(ServerConfig(model="tiny-sd", dtype="bfloat16", torch_threads=1,
+                                    controlnet=("edges=tiny-sd-control",), skip_startup_check=True))
+    modules = {"unet": rt.family.denoiser, "vae": rt.loaded.pipe.vae,
+               "text_encoder": rt.loaded.pipe.text_encoder, "edges": rt.controls.models["edges"].module}
+    control = rt.family.control_pipeline("inpaint", ("edges",))
+    assert control.unet is rt.family.denoiser and control.controlnet is modules["edges"]
+    assert rt.pipelines["image-to-image"].unet is rt.pipelines["inpaint"].unet is rt.family.denoiser
+    assert {name: {p.dtype for p in m.parameters()} for name, m in modules.items()} == dict.fromkeys(
+        modules, {torch.bfloat16})
+
+
 def test_a_control_model_of_another_family_is_refused_naming_it(sd):
     with pytest.raises(ControlModelError, match=r"--controlnet f=tiny-flux-control: a "
                                                 r"FluxControlNetModel that is no control model "

@@ -13,6 +13,7 @@ from PIL import Image
 from diffserve.executor.families import family_for
 from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.model.loading import FORCED_KWARGS, LoadedModel
+from diffserve.executor.pipeline import built_from
 from diffserve.work import ImageRequest
 
 
@@ -117,7 +118,7 @@ def controlnet_call(loaded: LoadedModel, pipe, request: ImageRequest, controls) 
               "control_guidance_end": pick([c.end for c in spec])}
     if any(c.mode is not None for c in spec):
         kwargs["control_mode"] = pick([c.mode for c in spec])
-    built = getattr(diffusers, cls).from_pipe(pipe, controlnet=net)
+    built = built_from(pipe, cls, controlnet=net)  # the modules as loaded (from_pipe casts them)
     built.set_progress_bar_config(disable=True)
     return built, kwargs
 

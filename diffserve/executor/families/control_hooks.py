@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from diffserve.executor.families.conditioning import Conditioning
+from diffserve.executor.pipeline import built_from
 
 CONTROL_PIPES_KEPT = 16  # ControlNet pipelines kept built (request mode): task x model stacks
 
@@ -51,8 +52,7 @@ class ControlHooks:
         if key not in self._control_pipes:
             modules = [self.controls[name].module for name in names]
             net = modules[0] if len(modules) == 1 else getattr(diffusers, self.control_multi)(modules)
-            pipe = getattr(diffusers, self.control_pipelines[task]).from_pipe(
-                self.pipelines[task], controlnet=net)
+            pipe = built_from(self.pipelines[task], self.control_pipelines[task], controlnet=net)
             pipe.set_progress_bar_config(disable=True)
             while len(self._control_pipes) >= CONTROL_PIPES_KEPT:
                 self._control_pipes.pop(next(iter(self._control_pipes)))

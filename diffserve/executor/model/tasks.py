@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from diffserve.executor.model.samplers import samples_with
+from diffserve.executor.pipeline import built_from
 from diffserve.tasks import GENERATE, TASKS
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ def task_pipelines(pipe, family: type | None = None) -> dict[str, Any]:
         if builder is None:
             continue
         try:
-            built = getattr(diffusers, builder).from_pipe(pipe)
+            built = (built_from(pipe, builder) if family is not None
+                     else getattr(diffusers, builder).from_pipe(pipe))
         except (ValueError, KeyError, TypeError) as error:
             log.info("no %s pipeline for %s: %s", task.name, type(pipe).__name__, error)
             continue
