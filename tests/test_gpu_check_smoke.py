@@ -52,9 +52,13 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
     assert "accelerators: skipped: needs CUDA" in done.stdout and "| flux | float32 |" in done.stdout
 
 
+@pytest.mark.slow
 def test_gpu_check_speed_tiny(tmp_path):
     """gpu_check --only speed --tiny: eager diffusers against each configuration of diffserve; fp8
-    is refused on a CPU, and says so, while the rest runs."""
+    is refused on a CPU, and says so, while the rest runs. Slow: a compile run (inductor's code
+    generation on the CPU); each configuration's own code is in the default suite (--attention-backend
+    auto: tests/executor/test_attention.py, --compile: test_compiled.py, fp8 refused:
+    test_quantization.py)."""
     out = tmp_path / "gpu-check.json"
     run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out),
              "--only", "speed", "--families", "flux", "--repeats", "1")

@@ -46,7 +46,7 @@ SECONDS = {
 }
 # The pool's files (the pytest process alone), with their seconds: the heaviest go first.
 IN_PROCESS = {
-    "tests/test_gpu_check_smoke.py": 130, "tests/executor/test_process.py": 23, "tests/executor/test_qwen_image_edit.py": 22,
+    "tests/test_gpu_check_smoke.py": 90, "tests/executor/test_process.py": 23, "tests/executor/test_qwen_image_edit.py": 22,
     "tests/executor/test_controlnet.py": 20, "tests/executor/test_flops.py": 25,
     "tests/executor/test_adapter_families.py": 21, "tests/executor/test_flux2.py": 19,
     "tests/executor/test_adapters.py": 18, "tests/executor/test_compiled.py": 16,
