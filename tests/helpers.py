@@ -43,7 +43,6 @@ def check_report(result: dict, out: Path, name: str) -> dict:
     return result
 
 
-
 def make_request(n: int = 1, *, request_id: str | None = None, width: int = 64, height: int = 64,
                  steps: int = 4, guidance: float = 5.0, prompt: str | None = None, seed: int = 0,
                  model: str = "tiny-sd", negative_prompt: str = "", task: str = "generate",

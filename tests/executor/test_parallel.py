@@ -128,4 +128,7 @@ def test_what_a_model_cannot_do_in_a_group_is_refused_naming_the_flag(model, fla
     with pytest.raises(ConfigError) as refused:
         check_model(config, resolve_model(model), "cpu")
     assert message in str(refused.value)
+
+
+def test_what_a_model_can_do_in_a_group_passes_the_check():
     check_model(ServerConfig(model="tiny-flux", ulysses_degree=2), resolve_model("tiny-flux"), "cpu")

@@ -16,9 +16,9 @@ def test_each_familys_strength_pipelines_are_those_diffusers_auto_pipelines_pick
     for family in FAMILIES:
         for pipeline in family.pipelines:
             picked = {}
+            kind = next((k for k, name in kinds.items() if name == pipeline), None)
             for task, mapping in (("image-to-image", auto.AUTO_IMAGE2IMAGE_PIPELINES_MAPPING),
                                   ("inpaint", auto.AUTO_INPAINT_PIPELINES_MAPPING)):
-                kind = next((k for k, name in kinds.items() if name == pipeline), None)
                 cls = mapping.get(kind)
                 if cls is not None and "strength" in inspect.signature(cls.__call__).parameters:
                     picked[task] = cls.__name__

@@ -167,8 +167,9 @@ def _denoisers(rt) -> list:
 
 def _timed_step(rt, timed: int = TIMED_STEPS) -> tuple[float, object]:
     """(median ms of ``timed`` native-size steps of two images after one untimed, nan when
-    ``timed`` is 0; the first step's denoiser output). The two prompts differ in length: a family that pads its prompts masks the padding, which some
-    kernels refuse (torch's flash kernel takes no mask), as serving would find out."""
+    ``timed`` is 0; the first step's denoiser output). The two prompts differ in length: a
+    family that pads its prompts masks the padding, which some kernels refuse (torch's flash
+    kernel takes no mask), as serving would find out."""
     import torch
 
     from diffserve.executor.model.device_stats import synced_clock

@@ -25,9 +25,9 @@ def task_pipelines(pipe, family: type | None = None) -> dict[str, Any]:
     only edits), for instruction edits (where the ``family`` conditions on reference images)
     and for rollouts (where the step engine knows the ``family`` and the rollout sampler the
     scheduler); and for image-to-image and inpainting, the pipeline the ``family`` names for the
-    task (a model no family knows: diffusers' auto-pipeline of the loaded one), built from its own components
-    (no second copy of the weights), where it redraws an input image by ``strength``. A model
-    without a pipeline lacks the task."""
+    task (a model no family knows: diffusers' auto-pipeline of the loaded one), built from its
+    own components (no second copy of the weights), where it redraws an input image by
+    ``strength``. A model without a pipeline lacks the task."""
     import diffusers
 
     found: dict[str, Any] = {}
