@@ -1,20 +1,18 @@
 """The encode and decode stages beside the step loop (--stages), on and off: ``gaps`` (in process,
 the denoiser's longest pause between forwards as requests join and finish), ``prompt`` (the prompt
-encodings of many requests of one prompt), ``edits`` (bench_edits.py's measurement).
+encodings of many requests of one prompt).
 
     python benchmarks/bench_stages.py gaps --rounds 3
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import sys
 import time
 
 import numpy as np
 
-import bench_edits
 from kit import cli, in_process, server_metrics, servers, stats
 
 GAP = "longest gap / median gap"
@@ -94,34 +92,18 @@ def prompt(b: servers.Bench) -> dict[str, float | None]:
     return {ENCODES: cache(outcome="miss"), "prompt cache hits": cache(outcome="hit")}
 
 
-def edits(b: servers.Bench) -> dict[str, float | None]:
-    a, figures = b.args, {}
-    a.steps = a.steps or 4
-    for stages in ("on", "off"):
-        with b.servers(f"edits-{stages}", {"--model": a.edit_model, "--batching-mode": "step",
-                                           "--dynamic-batch-max-size": a.count, "--stages": stages}) as served:
-            alone, at_once, *_ = asyncio.run(bench_edits.timed(served.urls[0], a))
-        print(f"[edits, stages {stages}] one at a time {alone:.2f} s, at once {at_once:.2f} s", flush=True)
-        figures[f"one at a time / at once, stages {stages}"], figures[f"at once s, stages {stages}"] = (
-            alone / at_once, at_once)
-    return figures
-
-
 def arguments(p) -> None:
     p.add_argument("--models", type=cli.names, default=["tiny-qwen-image", "tiny-qwen-image-edit", "tiny-wan"],
                    help="gaps: the models, each with the stages on and off.")
-    p.add_argument("--edit-model", default="tiny-qwen-image-edit", help="edits: the model.")
     p.add_argument("--every", type=cli.count, default=3, help="gaps: steps between two arrivals.")
-    p.add_argument("--steps", type=int, default=None, help="Denoising steps per request (gaps: 8, else 4).")
+    p.add_argument("--steps", type=int, default=None, help="Denoising steps per request (gaps: 8, prompt: 4).")
 
 
 def main(argv: list[str] | None = None) -> int:
     on = [(f"{GAP}, {m}, stages on", "<=", 1.5) for m in ("tiny-qwen-image", "tiny-qwen-image-edit", "tiny-wan")]
-    edits_on = ("one at a time / at once, stages on", ">=", 1.0)
     return servers.main(__doc__, {"gaps": servers.Scenario(gaps, on),
-                                  "prompt": servers.Scenario(prompt, [(ENCODES, "<=", 1)]),
-                                  "edits": servers.Scenario(edits, [edits_on])},
-                        argv, arguments, rounds=3, count=8, side=64, torch_threads=1)
+                                  "prompt": servers.Scenario(prompt, [(ENCODES, "<=", 1)])},
+                        argv, arguments, rounds=3, count=8, torch_threads=1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """One denoising step of the step engine, in process: what the accelerators change (``compile``,
-``quantization``, ``cache``: the step cache's ceiling, ``offload``); each figure the median over
-``--rounds`` of the median over ``--repeats`` steps.
+``cache``: the step cache's ceiling, ``offload``); each figure the median over ``--rounds`` of the
+median over ``--repeats`` steps.
 
     python benchmarks/bench_step.py compile --model sd-mid --batch-sizes 1,8
 """
@@ -46,26 +46,6 @@ def compiled(args, batches: list[int]) -> list[dict]:
                     "graphs compiled while measuring": fast.compiled.take_new()}]
 
 
-def quantized(args, batches: list[int]) -> list[dict]:
-    from diffserve.executor.tensors import module_bytes
-
-    results = []
-    for scheme in ("none", "int8-weight-only"):
-        before = resident_mb()
-        rt = runtime(args, quantization=scheme)
-        logical, stored = (sum(x) for x in zip(*(module_bytes(d) for d in rt.family.denoisers)))
-        row = {"quantization": scheme, "denoiser weights MB": stored / 1e6,
-               "denoiser weights MB unquantized": logical / 1e6, "process resident MB after loading": resident_mb(),
-               "resident MB added by loading": resident_mb() - before}
-        for batch in batches:
-            times = [median_step(rt, batch, scheme, args.repeats) for _ in range(args.rounds)]
-            row[f"step ms, batch {batch}"] = 1000 * median(times)
-            row[f"step ms by round, batch {batch}"] = [1000 * t for t in times]
-        results.append(row)
-        del rt
-    return results
-
-
 def ceiling(args, batches: list[int]) -> list[dict]:
     rt, results = runtime(args, step_cache="first-block"), []
     for batch in batches:
@@ -90,12 +70,7 @@ def offloads(args, batches: list[int]) -> list[dict]:
     return results
 
 
-def resident_mb() -> float:
-    with open("/proc/self/status") as status:
-        return next((int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:")), 0.0)
-
-
-WHAT = {"compile": compiled, "quantization": quantized, "cache": ceiling, "offload": offloads}
+WHAT = {"compile": compiled, "cache": ceiling, "offload": offloads}
 
 
 def main(argv: list[str] | None = None) -> int:

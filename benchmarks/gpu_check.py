@@ -1,7 +1,7 @@
 """One command for a GPU machine: FLUX.1-dev, Qwen-Image and Wan 2.1 14B (Z-Image-Turbo in the seed's
 setup) at their published sizes with random weights (the model source ``random:NAME``), built as
 an executor builds them, by section (``--only``): rent, speed, seed (benchmarks/gpu/), first-day,
-exactness, throughput, accelerators, stages, weights, memory, parallel (2+ GPUs); ``--tiny``: the
+exactness, throughput, stages, weights, memory, parallel (2+ GPUs); ``--tiny``: the
 same architectures scaled down (``random:NAME:tiny``) on the CPU, the same code in seconds. A
 section is a function under ``@section``; where another tool measures the same, the section
 calls that tool's measurement (bench_offline, bench_step, bench_stages, bench_parallel,
@@ -116,22 +116,6 @@ def throughput(ctx, family: str) -> dict:
                                                                   **ctx.fields[family]))
         fig.update({f"img/s, {mode}": row["images_per_s"], f"peak GB above, {mode}": peak})
     return {**fig, "step / request": fig["img/s, step"] / fig["img/s, request"]}
-
-
-@section("accelerators", needs="cuda")
-def accelerators(ctx, family: str) -> dict:
-    """Each build's start (the start-up compile included) and bench_step.py's median step."""
-    fig, b = {}, ctx.args.batch
-    for name, config in (("eager", {}), ("compile", {"compile": True, "dynamic_batch_max_size": b}),
-                         ("fp8", {"quantization": "fp8-weight-only"})):
-        fig[f"{name}: start s"], rt = in_process.timed(
-            lambda c=config: ctx.runtime(family, skip_startup_check=True, **c))
-        fig[f"{name}: step ms"] = 1e3 * bench_step.median_step(rt, b, name, max(1, ctx.args.steps - 2),
-                                                               **ctx.fields[family])
-        del rt
-        ctx.free()
-    return {**fig, "compile speed-up": fig["eager: step ms"] / fig["compile: step ms"],
-            "fp8 speed-up": fig["eager: step ms"] / fig["fp8: step ms"]}
 
 
 @section("stages", families=IMAGES)

@@ -35,12 +35,6 @@ def compare(scenario: str, *extra: str):
     return run
 
 
-def startup() -> tuple[dict, str]:
-    out = Path(tempfile.mkdtemp(prefix="bench-startup-")) / "startup.json"
-    done = run_tool("bench_startup.py", "--rounds", "1", "--output-file", str(out))
-    return json.loads(out.read_text()), done.stdout
-
-
 # Each early run: (about its seconds alone here: the longest start first; the run).
 RUNS = {
     "compare scale": (20, compare("scale")),
@@ -56,7 +50,6 @@ RUNS = {
     "compare modes": (12, compare("modes", "--loads", "50,80", "--mixed-steps", "1,2", "--idle-requests", "2",
                                  "--tree", str(ROOT))),
     "compare cache": (9, compare("cache", "--cache-thresholds", "0.5", "--cache-images", "2")),
-    "startup": (4, startup),
 }
 for _name, (_weight, _run) in RUNS.items():
     early(f"bench:{_name}", weight=_weight, run=_run)
@@ -160,34 +153,3 @@ def test_compare_cache():
     assert medians["rows that hit, threshold 0"] == 0  # threshold 0 never reuses
     assert medians["PSNR min dB, threshold 0.5"] > 20 and medians["img/s, threshold 0.5 / uncached"] > 0
     assert "best img/s / uncached at PSNR >= 30 dB" in medians
-
-
-@pytest.mark.early("bench:startup")
-def test_bench_startup():
-    result, stdout = ran("startup")
-    medians = result["summary"]["medians"]
-    assert medians["ready_s"] > 0 and "| ready_s |" in stdout
-    assert medians["diffserve::executor-0 cpu_s"] > medians["diffserve::scheduler cpu_s"] > 0
-    assert medians["diffserve::frontend cpu_s"] > 0
-
-
-def controlnet() -> dict:
-    out = Path(tempfile.mkdtemp(prefix="bench-controlnet-"))
-    run_tool("bench_controlnet.py", "--count", "4", "--steps", "4", "--rounds", "1", "--torch-threads", "1",
-             "--startup-timeout", "120", "--output-dir", str(out), "--output-file", str(out / "report.json"))
-    return check_report(json.loads((out / "report.json").read_text()), out, "controlnet")
-
-
-early("bench:controlnet", weight=15, run=controlnet)
-
-
-@pytest.mark.early("bench:controlnet")
-def test_bench_controlnet():
-    """bench_controlnet.py: 4 requests (each control model, none, a stack of both; 4 steps, so that
-    the windows act) at once and one at a time; the images at once equal those made alone."""
-    medians = ran("controlnet")["summary"]["medians"]
-    assert medians["one at a time s"] > 0 and medians["at once s"] > 0
-    assert medians["speed-up, at once / one at a time"] > 0
-    # Every image's 4 steps counted, in at least 4 forwards of at most the 4 images.
-    assert 1 <= medians["images per forward, at once"] <= 4 and medians["denoiser forwards at once"] >= 4
-    assert medians["worst pixel diff"] <= 2

@@ -1,6 +1,5 @@
-"""Smoke runs of gpu_check.py's sections and bench_flops.py on the CPU: the code a lent GPU runs,
-at the released architectures' tiny scale (or on the meta device), so that it cannot rot before a
-GPU comes. Nothing here checks a speed."""
+"""Smoke runs of gpu_check.py's sections on the CPU: the code a lent GPU runs, at the released
+architectures' tiny scale, so that it cannot rot before a GPU comes. Nothing here checks a speed."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
     (random:NAME:tiny), built in memory as the published sizes are; what needs CUDA or two GPUs
     says so."""
     out = tmp_path / "gpu-check.json"
-    only = ["rent", "first-day", "exactness", "throughput", "accelerators", "stages", "weights", "memory",
+    only = ["rent", "first-day", "exactness", "throughput", "stages", "weights", "memory",
             "parallel"]  # speed and seed: tests of their own
     done = run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out),
                     "--only", ",".join(only), "--families", "flux,qwen-image,wan")
@@ -31,7 +30,7 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
         assert rent[family]["float32 reference on"] == "device"  # the host is the device here
     assert rent["flux"]["largest pixel difference after the wake"] == 0
     assert rent["flux"]["text encoder on"] == "cpu"
-    assert sections["accelerators"] == sections["memory"] == {"status": "skipped: needs CUDA"}
+    assert sections["memory"] == {"status": "skipped: needs CUDA"}
     assert sections["parallel"] == {"status": "skipped: needs 2+ GPUs"}
     first, exact = sections["first-day"]["families"], sections["exactness"]["families"]
     assert set(first) == set(exact) == {"flux", "qwen-image", "wan"}
@@ -49,7 +48,7 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
         assert fig["longest gap / median gap, stages on"] >= 1 and fig["longest gap / median gap, stages off"] >= 1
     for fig in sections["weights"]["families"].values():
         assert fig["update from disk s"] > 0 and fig["update from shared memory s"] > 0 and fig["wake s"] >= 0
-    assert "accelerators: skipped: needs CUDA" in done.stdout and "| flux | float32 |" in done.stdout
+    assert "memory: skipped: needs CUDA" in done.stdout and "| flux | float32 |" in done.stdout
 
 
 @pytest.mark.slow
@@ -69,6 +68,7 @@ def test_gpu_check_speed_tiny(tmp_path):
         assert fig[f"{name}: PSNR dB vs eager"] > 40, name
     assert fig["diffusers eager: step ms, batch 1"] > 0
     assert "needs a CUDA GPU" in fig["fp8: refused"] and "needs a CUDA GPU" in fig["all: refused"]
+    assert "needs a CUDA GPU" in fig["fp8 weight-only: refused"] and fig["compile: start s"] > 0
 
 
 @pytest.mark.slow
@@ -81,14 +81,3 @@ def test_gpu_check_seed_tiny(tmp_path):
     assert "error" not in fig and fig["exit code"] == 0, fig
     assert fig["img/s, batch 2, c2"] > 0 and fig["img/s, step, 64x64"] > 0
     assert fig["p50 ms, step, 64x64 poisson"] > 0
-
-
-def test_bench_flops_fits_the_real_sizes_exactly(tmp_path):
-    """On the meta device: FLUX.1-dev's count at 1024² is the 74.4 TFLOP the parallel groups'
-    model says, and the fit from three small sizes predicts it."""
-    out = tmp_path / "flops.json"
-    run_tool("bench_flops.py", "--models", "FLUX.1-dev", "--sizes", "1024", "--output-file", str(out))
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["counted TFLOP"] == pytest.approx(74.4, abs=0.05)
-    assert float(row["fit ÷ counted"]) == pytest.approx(1.0, abs=1e-5)
-    assert float(row["hand model ÷ counted"]) == pytest.approx(1.0, abs=0.002)

@@ -1,8 +1,9 @@
 """``--only speed``: how close a step runs to the GPU's peak. Plain diffusers, eager, in the
 served dtype (the pipeline's own call: the baseline, the same run and GPU, the same prompts), then
 diffserve's step engine as it serves by default and with each of: the attention backend ``auto``
-chooses, ``--compile``, ``--quantization fp8``, and all of them; at batch 1 and ``--batch``.
-Each: the median step (diffserve: its step timer's CUDA events; diffusers: the difference of two
+chooses, ``--compile``, ``--quantization fp8``, ``--quantization fp8-weight-only``, and the
+first three together; at batch 1 and ``--batch``. Each: its start (the start-up compile included), the median step
+(bench_step.py's; diffserve: its step timer's CUDA events; diffusers: the difference of two
 calls that differ only in their step count, so encoding and decoding cancel), the speed-up over
 eager diffusers, the model FLOPs utilisation (diffserve.executor.accel.flops) and the PSNR of one
 image against eager diffusers' (same request, same seed). Qwen-Image runs with true CFG (a
@@ -18,6 +19,7 @@ from kit import in_process, stats
 
 CONFIGS = {"diffserve": {}, "attention auto": {"attention_backend": "auto"},
            "compile": {"compile": True}, "fp8": {"quantization": "fp8"},
+           "fp8 weight-only": {"quantization": "fp8-weight-only"},
            "all": {"attention_backend": "auto", "compile": True, "quantization": "fp8"}}
 
 
@@ -77,8 +79,9 @@ def speed(ctx, family: str) -> dict:
     del eager
     ctx.free()
     for name, config in CONFIGS.items():
-        try:
-            rt = ctx.runtime(family, skip_startup_check=True, **config)
+        try:  # its start: the start-up compile included
+            fig[f"{name}: start s"], rt = in_process.timed(
+                lambda c=config: ctx.runtime(family, skip_startup_check=True, **c), ctx.cuda)
         except Exception as error:  # noqa: BLE001 - refused here (fp8 before Ada): said, the rest runs
             fig[f"{name}: refused"] = f"{type(error).__name__}: {error}"[:200]
             continue

@@ -1,20 +1,9 @@
-"""What the tools in benchmarks/ share, so that each tool is only its scenario. A tool imports the
-modules it uses:
-
-- :mod:`kit.cli`: a tool's arguments (:func:`~kit.cli.parser`), the prompts, its JSON output, the
-  machine it ran on, and the report of its rounds;
-- :mod:`kit.stats`: medians over rounds, ratios, PSNR, target verdicts, tables;
-- :mod:`kit.servers`: a round's servers and load (:class:`~kit.servers.Bench`) and a server-load
-  tool's ``main``, its scenario over rounds of fresh servers;
-- :mod:`kit.loadgen`: load on the OpenAI images API (:func:`~kit.loadgen.run_load`) and a tool's
-  own requests;
-- :mod:`kit.server_metrics`: what the servers' /metrics say about a run (two snapshots' delta);
-- :mod:`kit.in_process`: the engines in this process (a model built as an executor builds it, its
-  work items, a step engine stepped to the end) and the model's plain pipeline alone.
-
-A server-load scenario is a function of a :class:`~kit.servers.Bench`::
-
-    from kit import servers
+"""What the tools in benchmarks/ share, so that each tool is only its scenario; a tool imports the
+modules it uses: :mod:`kit.cli` (arguments, prompts, JSON output, the report of rounds),
+:mod:`kit.stats` (medians, ratios, PSNR, verdicts, tables), :mod:`kit.servers` (a round's servers
+and load, a server-load tool's ``main``), :mod:`kit.loadgen` (load on the OpenAI images API),
+:mod:`kit.server_metrics` (two /metrics snapshots' delta) and :mod:`kit.in_process` (the engines
+in this process). A server-load scenario is a function of a :class:`~kit.servers.Bench`::
 
     def dp2(b: servers.Bench) -> dict:
         with b.servers("dp2", {"--data-parallel-size": 2}) as served:

@@ -1,31 +1,17 @@
 """The engines in this process, with no server around them: a model built as an executor builds
-it (:func:`runtime`), its work items (:func:`items`), a step engine stepped to the end with
-arrivals between steps (:func:`stepped`), and the model's plain pipeline alone (:func:`reference`)."""
+it (:func:`runtime`), its work items (:func:`items`), and a step engine stepped to the end with
+arrivals between steps (:func:`stepped`)."""
 
 from __future__ import annotations
 
-import functools
 import select
 import time
-from types import SimpleNamespace
 from typing import Any, Callable
 
 from diffserve.config import ServerConfig
-from diffserve.executor.model.loading import load_model
 from diffserve.executor.runtime import build_runtime
 from diffserve.work import ImageRequest, Work, WorkItem
 from kit.cli import prompts
-
-
-@functools.cache
-def reference(model: str, torch_threads: int = 0) -> SimpleNamespace:
-    """The model's plain pipeline, loaded once in this process: ``images(request, ...)``, a request's
-    images from it alone (:mod:`diffserve.executor.checks.reference`), and ``diff(a, b)``, the
-    largest pixel difference."""
-    from diffserve.executor.checks.reference import max_diff, solo
-
-    loaded = load_model(model, torch_threads=torch_threads)
-    return SimpleNamespace(loaded=loaded, images=functools.partial(solo, loaded, {}), diff=max_diff)
 
 
 def runtime(model: str, torch_threads: int = 0, **config):

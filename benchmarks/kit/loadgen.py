@@ -146,9 +146,9 @@ async def run_load(cfg: Load) -> dict[str, Any]:
             "server_metrics": metrics_delta(before, after, duration, latency["mean"])}
 
 
-async def image(client: aiohttp.ClientSession, url: str, body: dict | None, endpoint=ENDPOINT, **kwargs) -> np.ndarray:
+async def image(client: aiohttp.ClientSession, url: str, body: dict) -> np.ndarray:
     """The first image of one answer, as RGB pixels (an error status raises)."""
-    async with client.post(url + endpoint, json=body, raise_for_status=True, **kwargs) as response:
+    async with client.post(url + ENDPOINT, json=body, raise_for_status=True) as response:
         b64 = (await response.json())["data"][0]["b64_json"]
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
