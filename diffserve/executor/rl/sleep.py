@@ -44,7 +44,7 @@ def device_of(module):
     return first.device if first is not None else torch.device("cpu")
 
 
-CHUNK_BYTES = 256 << 20  # a pinned chunk's capacity: a power of two, as the allocator's blocks
+CHUNK_BYTES = 512 << 20  # a pinned chunk's capacity: a power of two, as the allocator's blocks
 
 
 def pack(sizes: list[int], chunk: int = CHUNK_BYTES) -> list[list[int]]:
@@ -98,12 +98,15 @@ class HostCopy:
         (torch's allocator would keep them for a next pinned allocation)."""
         from diffserve.device import current, of
 
-        kind = of(self.device)
+        self._back(of(self.device))
+        self.placed, self.buffers = [], {}
+        current().empty_host_cache()
+
+    def _back(self, kind) -> None:
+        """(Its own frame: no view of a chunk outlives it.)"""
         for tensor, view in self.placed:
             tensor.data = view.to(self.device, non_blocking=kind.queued, copy=True)
         kind.synchronize(self.device)
-        self.placed, self.buffers = [], {}
-        current().empty_host_cache()
 
 
 class Sleep:
