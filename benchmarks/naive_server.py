@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from kit import cli
 from diffserve.config import DEFAULT_MODEL
 from diffserve.executor.families import published_dtype
-from diffserve.executor.model.devices import resolve_dtype
+from diffserve.executor.model.dtypes import resolve_dtype
 from diffserve.executor.model.loading import quiet_libraries
 from diffserve.executor.pipeline import pipeline_class_of
 from diffserve.frontend.encode import encode_image

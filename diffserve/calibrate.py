@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from diffserve.executor.model.device_stats import DeviceStats
+from diffserve.device.stats import DeviceStats
 
 # Share of the free GPU memory a forward may use; the rest is headroom for fragmentation, the VAE
 # decode and whatever else the process allocates.
@@ -82,7 +82,7 @@ def measure(model: str, device: str, dtype: str, sides: list[float], batches: li
     except UnsupportedMode as error:
         raise SystemExit(f"calibrate measures the step engine: {error}") from None
     loaded, info, engine = rt.loaded, rt.info, rt.step_engine()
-    stats = DeviceStats(engine.family.torch, loaded.device)
+    stats = DeviceStats(loaded.device)
     stride = info.spatial_stride
     samples, latent_bytes = [], []
     for side in sides:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diffserve.device.choice import visible_gpus
+
 
 @dataclass(frozen=True)
 class Degrees:
@@ -43,19 +45,6 @@ class Degrees:
 def device_list(config) -> list[str]:
     """--devices, split."""
     return [d.strip() for d in config.devices.split(",")] if config.devices else []
-
-
-def visible_gpus() -> int:
-    """The NVIDIA GPUs this process may use, counted without importing torch:
-    ``CUDA_VISIBLE_DEVICES`` where set, else the driver's list of GPUs."""
-    import os
-    from pathlib import Path
-
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return len([d for d in listed.split(",") if d.strip() and d.strip() != "-1"])
-    driver = Path("/proc/driver/nvidia/gpus")
-    return len(list(driver.iterdir())) if driver.is_dir() else 0
 
 
 def num_executors(config) -> int:

@@ -44,31 +44,23 @@ def test_the_command_on_the_tiny_model():
 
 
 def test_every_cuda_call_names_the_measured_device():
-    """On a multi-GPU host calibrate measures cuda:1 (a stand-in here: no GPU in CI): each
-    synchronisation and memory statistic is asked of that device, never the current one."""
-    from types import SimpleNamespace
-
+    """On a multi-GPU host calibrate measures cuda:1 (the device layer's fake GPU here: no GPU in
+    CI): each synchronisation and memory statistic is asked of that device, never the current
+    one."""
     import torch
 
-    from diffserve.executor.model.device_stats import DeviceStats
+    from diffserve.device import installed
+    from diffserve.device.fake import FakeCuda
+    from diffserve.device.stats import DeviceStats
 
-    asked = []
-
-    def call(name, value=0):
-        return lambda *args: asked.append((name, args)) or value
-
-    cuda = SimpleNamespace(synchronize=call("synchronize"),
-                           reset_peak_memory_stats=call("reset_peak_memory_stats"),
-                           memory_allocated=call("memory_allocated", 100),
-                           max_memory_allocated=call("max_memory_allocated", 300),
-                           mem_get_info=call("mem_get_info", (7, 9)))
-    stats = DeviceStats(SimpleNamespace(cuda=cuda, device=torch.device), "cuda:1")
-    base = stats.start()
-    stats.done()
-    assert (base, stats.peak(base), stats.free()) == (100, 200, 7)
-    assert {args for _, args in asked} == {(torch.device("cuda:1"),)}
-    assert [name for name, _ in asked] == ["synchronize", "reset_peak_memory_stats",
-                                          "memory_allocated", "synchronize",
-                                          "max_memory_allocated", "mem_get_info"]
-    cpu = DeviceStats(torch, "cpu")
+    with installed(FakeCuda(count=2, allocated=100, free=7, total=9)) as fake:
+        stats = DeviceStats("cuda:1")
+        base = stats.start()
+        fake.peak_bytes = 300
+        stats.done()
+        assert (base, stats.peak(base), stats.free()) == (100, 200, 7)
+    assert {device for _, device in fake.asked} == {torch.device("cuda:1")}
+    assert [name for name, _ in fake.asked] == ["synchronize", "reset_peak", "allocated",
+                                               "synchronize", "peak_allocated", "free_total"]
+    cpu = DeviceStats("cpu")
     assert cpu.start() is None and cpu.peak(None) is None and cpu.free() is None

@@ -10,7 +10,8 @@ room may use (``results``: what an engine hands back; ``rows``: rows of a batche
 component names, a pipeline's modules, a model directory's index).
 
 Imports flow one way, down :data:`LAYERS`: a module imports only modules of its own layer or of
-the layers before it (``tests/test_imports.py`` holds the package to it).
+the layers before it (``tests/test_imports.py`` holds the package to it). Below them all is the
+device layer, :mod:`diffserve.device`: every room asks it, never ``torch``'s CUDA module.
 """
 
 # Lowest first. Within a layer, modules may import each other (never in a circle).

@@ -59,11 +59,14 @@ def test_auto_keeps_the_fastest_matching_kernel_and_says_why_others_were_left_ou
                if name in attention.NEEDS)
 
 
-def test_a_missing_package_is_named(monkeypatch):
+def test_a_missing_package_is_named():
     """flash-attn is not installed here: on a GPU the start would say so (diffusers' message)."""
-    import torch
+    from diffserve.device import installed
+    from diffserve.device.fake import FakeCuda
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    why = attention.unavailable("flash", "cuda:0", "bfloat16")
-    assert why is not None and "flash-attn" in why
-    assert "float16 or bfloat16" in attention.unavailable("flash", "cuda:0", "float32")
+    with installed(FakeCuda(name="NVIDIA H100 80GB HBM3", capability=(9, 0))) as card:
+        why = attention.unavailable("flash", "cuda:0", "bfloat16")
+        assert why is not None and "flash-attn" in why
+        assert "float16 or bfloat16" in attention.unavailable("flash", "cuda:0", "float32")
+        card.cap = (7, 5)  # a T4: too old for flash, named
+        assert "compute capability" in attention.unavailable("flash", "cuda:0", "bfloat16")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from diffserve.executor.model.devices import pick_device, resolve_dtype
+from diffserve.device import installed
+from diffserve.device.choice import pick_device
+from diffserve.device.fake import FakeCuda
+from diffserve.executor.model.dtypes import resolve_dtype
 from diffserve.executor.families import FAMILIES, family_for
 
 
@@ -39,8 +42,24 @@ def test_auto_dtype_asks_for_native_bfloat16_only(monkeypatch):
     def emulating_card(including_emulation: bool = True) -> bool:
         return including_emulation  # bfloat16 only by emulation
 
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", emulating_card)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", emulating_card)  # the CUDA kind asks so
     flux = family_for("FluxPipeline").published_dtype
     assert resolve_dtype("auto", "cuda:0", flux) == "float16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert resolve_dtype("auto", "cuda:0", flux) == "bfloat16"
+
+
+def test_auto_dtype_on_a_card_that_emulates_bfloat16_is_float16():
+    """The same decision through the device layer's fake GPU: a T4 (bfloat16 by emulation only)
+    gets float16, an H100 the family's bfloat16; no GPU visible, auto is the CPU's float32."""
+    flux = family_for("FluxPipeline").published_dtype
+    with installed(FakeCuda(name="Tesla T4", capability=(7, 5), bf16_native=False)):
+        device = pick_device("auto", 0)
+        assert device == "cuda:0" and resolve_dtype("auto", device, flux) == "float16"
+    with installed(FakeCuda(count=2, name="NVIDIA H100 80GB HBM3")):
+        device = pick_device("auto", 3)
+        assert device == "cuda:1" and resolve_dtype("auto", device, flux) == "bfloat16"
+    with installed(FakeCuda(count=0)):
+        assert pick_device("auto", 0) == "cpu"
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            pick_device("cuda", 0)

@@ -9,33 +9,31 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from diffserve.device import installed
+from diffserve.device.fake import FakeCuda
 from diffserve.executor.checks import float32
 
 GiB = 1 << 30
 
 
 @pytest.fixture
-def card(monkeypatch):
-    """An 80 GB card's answers, as torch.cuda gives them; the test sets what is free."""
-    state = {"free": 60 * GiB, "total": 80 * GiB, "reserved": 10 * GiB, "fraction": 1.0}
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"],
-                                                                         state["total"]))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction",
-                        lambda device=None: state["fraction"])
-    return state
+def card():
+    """An 80 GB card (the device layer's fake GPU); the test sets what is free."""
+    with installed(FakeCuda(total=80 * GiB, free=60 * GiB, reserved=10 * GiB)) as fake:
+        yield fake
 
 
 def test_room_is_the_least_of_free_memory_the_cap_and_the_fraction(card):
     assert float32.room("cuda:0") == 60 * GiB
     assert float32.room("cuda:0", cap=40 * GiB) == 30 * GiB  # the cap counts what is held
-    card["fraction"] = 0.5  # an 80 GB card emulated on a larger one, or a shared node's share
+    card.fraction = 0.5  # an 80 GB card emulated on a larger one, or a shared node's share
     assert float32.room("cuda:0") == 30 * GiB
-    card["fraction"], card["free"] = 1.0, 5 * GiB
+    card.fraction, card.free_bytes = 1.0, 5 * GiB
     assert float32.room("cuda:0", cap=70 * GiB) == 5 * GiB
-    card["reserved"] = 75 * GiB  # held past the cap: no room, never negative
+    card.reserved_bytes = 75 * GiB  # held past the cap: no room, never negative
     assert float32.room("cuda:0", cap=70 * GiB) == 0
     assert float32.room("cpu") is None
+    assert {device for _, device in card.asked} == {torch.device("cuda:0")}  # never the current
 
 
 def _runtime(device="cuda:0", group=None):
@@ -48,12 +46,12 @@ def test_the_reference_runs_on_the_host_where_the_upcast_does_not_fit(card):
     rt = _runtime()
     extra = float32.extra_bytes(rt.loaded.pipe)
     assert extra == (1024 * 1024 + 1024) * 2  # bfloat16 to float32: two bytes a value more
-    card["free"] = extra * 2
+    card.free_bytes = extra * 2
     assert float32.place(rt) == float32.DEVICE
-    card["free"] = extra  # the upcast alone would take it all: nothing left for activations
+    card.free_bytes = extra  # the upcast alone would take it all: nothing left for activations
     assert float32.place(rt) == float32.HOST
-    card["free"] = extra * 2
-    assert float32.place(rt, cap=card["reserved"] + extra) == float32.HOST
+    card.free_bytes = extra * 2
+    assert float32.place(rt, cap=card.reserved_bytes + extra) == float32.HOST
     assert float32.place(_runtime("cpu")) == float32.DEVICE  # the host's own memory
 
 

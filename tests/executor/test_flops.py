@@ -49,17 +49,18 @@ def test_the_utilization_is_the_windows_flops_over_its_device_time():
     assert u.add(100.0, 5.0) == pytest.approx(0.3)  # the first step left the window
 
 
-def test_the_peak_comes_from_the_flag_or_the_table(monkeypatch):
-    import torch
+def test_the_peak_comes_from_the_flag_or_the_table():
+    from diffserve.device import installed
+    from diffserve.device.fake import FakeCuda
 
     assert flops.peak_flops("cpu", "float32", "none", 0.0) == 0.0  # unknown: no utilisation
     assert flops.peak_flops("cpu", "float32", "none", 2.5) == 2.5e12
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert flops.peak_flops("cuda:0", "bfloat16", "none", 0.0) == pytest.approx(989.4e12)
-    assert flops.peak_flops("cuda:0", "bfloat16", "fp8", 0.0) == pytest.approx(1978.9e12)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
-    assert flops.peak_flops("cuda:0", "float16", "none", 0.0) == pytest.approx(756.5e12)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
-    assert flops.peak_flops("cuda:0", "bfloat16", "none", 0.0) == pytest.approx(362.1e12)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
-    assert flops.peak_flops("cuda:0", "float16", "none", 0.0) == 0.0
+    with installed(FakeCuda(name="NVIDIA H100 80GB HBM3")) as card:
+        assert flops.peak_flops("cuda:0", "bfloat16", "none", 0.0) == pytest.approx(989.4e12)
+        assert flops.peak_flops("cuda:0", "bfloat16", "fp8", 0.0) == pytest.approx(1978.9e12)
+        card.card = "NVIDIA H100 PCIe"
+        assert flops.peak_flops("cuda:0", "float16", "none", 0.0) == pytest.approx(756.5e12)
+        card.card = "NVIDIA L40S"
+        assert flops.peak_flops("cuda:0", "bfloat16", "none", 0.0) == pytest.approx(362.1e12)
+        card.card = "Tesla T4"
+        assert flops.peak_flops("cuda:0", "float16", "none", 0.0) == 0.0

@@ -109,12 +109,14 @@ def test_int8_dynamic_quantizes_the_blocks_and_batches_exactly():
         assert max_diff(together[request.request_id], generate(rt, request)) <= 1
 
 
-def test_fp8_needs_float8_tensor_cores_and_says_so(monkeypatch):
+def test_fp8_needs_float8_tensor_cores_and_says_so():
+    from diffserve.device import installed
+    from diffserve.device.fake import FakeCuda
     from diffserve.executor.model.quantization import quantize_blocks
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    with pytest.raises(QuantizationUnavailable, match=r"fp8 needs float8 tensor cores.*A100.*8\.0"):
-        quantize_blocks("fp8", [torch.nn.Linear(4, 4)], "cuda:0")
+    with installed(FakeCuda(name="NVIDIA A100-SXM4-80GB", capability=(8, 0))):
+        with pytest.raises(QuantizationUnavailable,
+                           match=r"fp8 needs float8 tensor cores.*A100.*8\.0"):
+            quantize_blocks("fp8", [torch.nn.Linear(4, 4)], "cuda:0")
     with pytest.raises(QuantizationUnavailable, match="CUDA GPU"):
         build_runtime(ServerConfig(model="tiny-flux", quantization="fp8", skip_startup_check=True))

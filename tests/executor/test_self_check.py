@@ -132,22 +132,23 @@ def test_a_model_with_no_task_that_runs_does_not_start(monkeypatch):
         build_runtime(ServerConfig(model="tiny-sd", batching_mode="request"), torch_threads=1)
 
 
-def test_the_verdict_key_names_the_card_the_group_the_kernel_and_the_control_models(monkeypatch):
+def test_the_verdict_key_names_the_card_the_group_the_kernel_and_the_control_models():
     """A verdict from one card, group shape, attention kernel or set of control models is not
     another's."""
     import dataclasses
 
-    import torch
+    from diffserve.device import installed
+    from diffserve.device.fake import FakeCuda
 
     config = ServerConfig(model="tiny-sd", skip_startup_check=True)
     rt = build_runtime(config, torch_threads=1)
     key = check_verdicts.key_of(rt, config)
     assert key == check_verdicts.key_of(rt, config)  # the same start: the same key
     on = dataclasses.replace(rt, loaded=dataclasses.replace(rt.loaded, device="cuda:0"))
-    cards = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3", "Tesla T4"])
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(cards))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    h100, again, t4 = (check_verdicts.key_of(on, config) for _ in range(3))
+    with installed(FakeCuda(name="NVIDIA H100 80GB HBM3", capability=(9, 0))) as card:
+        h100, again = check_verdicts.key_of(on, config), check_verdicts.key_of(on, config)
+        card.card = "Tesla T4"
+        t4 = check_verdicts.key_of(on, config)
     assert h100 == again and len({key, h100, t4}) == 3
     grouped = ServerConfig(model="tiny-sd", skip_startup_check=True, ulysses_degree=2)
     kernel = dataclasses.replace(rt, speed={"attention": {"backend": "math"}})

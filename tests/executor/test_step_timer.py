@@ -1,13 +1,14 @@
 """A step's time as the device spent it: on the CPU the clock around the work, known at once; on
-CUDA (a stand-in here, no GPU in CI) events around the lap and each span, read only once a later
-lap is queued, so that the host never waits for the device between two steps."""
+CUDA (the device layer's fake GPU here, no GPU in CI) events around the lap and each span, read
+only once a later lap is queued, so that the host never waits for the device between two
+steps."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
+from diffserve.device import installed
+from diffserve.device.fake import FakeCuda
 from diffserve.executor.step.timer import StepTimer
 
 
@@ -34,39 +35,46 @@ def test_on_the_cpu_a_laps_time_is_the_clock_around_it_known_at_once():
     assert laps == [(1.75, 0.75)]
 
 
-class FakeCuda:
-    """Events that know whether the device has reached them: ``finished`` counts the events
-    the device has passed; reading one it has not passed without waiting is an error."""
+class QueuedCard(FakeCuda):
+    """The device layer's fake GPU, with events that know whether the device has reached them:
+    ``finished`` counts the events the device has passed; reading one it has not passed without
+    waiting is an error."""
 
     def __init__(self) -> None:
+        super().__init__(count=2)
         self.log, self.recorded, self.finished = [], 0, 0
-        cuda = self
+        card = self
 
         class Event:
-            def __init__(self, enable_timing):
+            def __init__(self):
                 self.at = None
 
-            def record(self):
-                cuda.recorded += 1
-                self.at = cuda.recorded
+            def record(self, stream=None):
+                card.recorded += 1
+                self.at = card.recorded
 
             def synchronize(self):
-                cuda.log.append(f"wait for event {self.at}")
-                cuda.finished = max(cuda.finished, self.at)
+                card.log.append(f"wait for event {self.at}")
+                card.finished = max(card.finished, self.at)
 
             def elapsed_time(self, end):
-                assert end.at <= cuda.finished, "an event read before the device reached it"
+                assert end.at <= card.finished, "an event read before the device reached it"
                 return 100.0 * (end.at - self.at)  # milliseconds
 
         self.Event = Event
+
+    def event(self, timing: bool = False):
+        assert timing
+        return self.Event()
 
     def synchronize(self, device=None):
         raise AssertionError("a lap never waits for the whole device")
 
 
 def test_on_cuda_a_lap_is_read_a_lap_later_without_waiting_for_the_device():
-    fake = FakeCuda()
-    timer = StepTimer(SimpleNamespace(cuda=fake, device=torch.device), "cuda:1", FakeClock())
+    fake = QueuedCard()
+    with installed(fake):
+        timer = StepTimer(torch, "cuda:1", FakeClock())
     laps = []
     for step in range(3):
         timer.begin(lambda seconds, inner, step=step: laps.append((step, seconds, inner)))

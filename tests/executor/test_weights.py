@@ -157,7 +157,7 @@ def test_a_prepared_update_holds_its_files_manifest_not_its_tensors(rt, tmp_path
     step(rt, SYNC, version=BASE_VERSION)
 
 
-def test_a_host_copy_holds_each_dtype_in_one_buffer_and_restores_the_same_parameters():
+def test_a_host_copy_holds_each_dtype_in_pinned_chunks_and_restores_the_same_parameters():
     from diffserve.executor.rl.sleep import HostCopy
 
     module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4))
@@ -166,7 +166,7 @@ def test_a_host_copy_holds_each_dtype_in_one_buffer_and_restores_the_same_parame
     params = list(module.parameters())
     copy = HostCopy(module)
     assert sorted(map(str, copy.buffers)) == ["torch.float32", "torch.int64"]
-    floats = copy.buffers[torch.float32]
+    (floats,) = copy.buffers[torch.float32]  # a small module: one chunk a dtype
     assert all(p.untyped_storage().data_ptr() == floats.untyped_storage().data_ptr() for p in params)
     copy.restore()
     assert list(module.parameters()) == params  # the same Parameter objects (PEFT, graphs)

@@ -56,19 +56,21 @@ class AttentionChoice:
 
 def unavailable(name: str, device: str, dtype: str) -> str | None:
     """Why backend ``name`` cannot run on ``device`` in ``dtype``, or None."""
-    import torch
     from diffusers.models.attention_dispatch import (AttentionBackendName,
                                                      _check_attention_backend_requirements)
+
+    from diffserve.device import of
 
     cuda = str(device).startswith("cuda")
     if name in NEEDS:
         capability, half = NEEDS[name]
         if not cuda:
             return f"it needs a CUDA GPU; this executor runs on {device}"
-        have = torch.cuda.get_device_capability(torch.device(device))
+        card = of(device)
+        have = card.capability(device)
         if have < capability:
             return (f"it needs compute capability {capability[0]}.{capability[1]} or later; "
-                    f"{torch.cuda.get_device_name(torch.device(device))} has "
+                    f"{card.name(device)} has "
                     f"{have[0]}.{have[1]}")
         if half and dtype == "float32":
             return "it takes float16 or bfloat16 only; the model is served in float32"
@@ -172,7 +174,7 @@ def _timed_step(rt, timed: int = TIMED_STEPS) -> tuple[float, object]:
     kernel takes no mask), as serving would find out."""
     import torch
 
-    from diffserve.executor.model.device_stats import synced_clock
+    from diffserve.device.stats import synced_clock
     from diffserve.work import ImageRequest, WorkItem
 
     info, outputs = rt.info, []
@@ -189,9 +191,9 @@ def _timed_step(rt, timed: int = TIMED_STEPS) -> tuple[float, object]:
     try:
         failed = [o.error for o in engine.admit([WorkItem(r, 0, 1) for r in requests], [[], []])]
         for i in range(timed + 1):  # the first untimed: the first call of a kernel
-            start = synced_clock(torch, rt.loaded.device)
+            start = synced_clock(rt.loaded.device)
             out = engine.step()
-            times += [synced_clock(torch, rt.loaded.device) - start] if i else []
+            times += [synced_clock(rt.loaded.device) - start] if i else []
             failed += [o.error for o in out.finished if o.error]
             if failed:  # the engine answers a failed forward's requests: raise it here
                 raise RuntimeError(failed[0])

@@ -29,7 +29,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-# Dense peak TFLOP/s by GPU (torch.cuda.get_device_name, lower case, first match) and dtype, from
+# Dense peak TFLOP/s by GPU (the device layer's name, lower case, first match) and dtype, from
 # the vendors' datasheets (without sparsity). 8-bit: float8 and int8 tensor cores.
 PEAKS = (("h200", {"bfloat16": 989.4, "float16": 989.4, "8bit": 1978.9, "float32": 66.9}),
          ("h100 nvl", {"bfloat16": 835.5, "float16": 835.5, "8bit": 1671.0, "float32": 60.0}),
@@ -127,9 +127,9 @@ def peak_flops(device: str, dtype: str, quantization: str, configured_tflops: fl
         return configured_tflops * 1e12
     if not str(device).startswith("cuda"):
         return 0.0
-    import torch
+    from diffserve.device import of
 
-    name = torch.cuda.get_device_name(torch.device(device)).lower()
+    name = of(device).name(device).lower()
     kind = "8bit" if quantization in ("fp8", "int8-dynamic") else dtype
     for key, peaks in PEAKS:
         if key in name:

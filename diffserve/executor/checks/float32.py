@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
+from diffserve.device import current, of
 from diffserve.executor.memory.oom import OOM_MESSAGES
 from diffserve.executor.pipeline import torch_modules
 
@@ -51,8 +52,7 @@ def in_float32(pipe, device=None):
     finally:
         for tensor, dtype, place in saved:
             tensor.data = tensor.data.to(place, dtype)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        current().empty_cache()
 
 
 def extra_bytes(pipe) -> int:
@@ -77,14 +77,13 @@ def room(device, cap: int = 0) -> int | None:
     leaves (``cap``: --device-memory-bytes or --gpu-memory-utilization's share, 0 for none; and
     the process's own memory fraction, where one is set). None off CUDA (the host's memory is
     not counted here)."""
-    import torch
-
-    device = torch.device(device)
-    if device.type != "cuda":
+    card = of(device)
+    memory = card.free_total(device)
+    if memory is None:
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    held = torch.cuda.memory_reserved(device)
-    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    free, total = memory
+    held = card.reserved(device)
+    fraction = card.memory_fraction(device)
     limits = [free, int(fraction * total) - held] + ([cap - held] if cap else [])
     return max(0, min(limits))
 

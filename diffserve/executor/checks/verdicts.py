@@ -89,13 +89,12 @@ def key_of(rt, config) -> str | None:
     """The verdict's key for ``rt`` built from ``config`` (see the module's docstring)."""
     import torch
 
+    from diffserve.device import of
     from diffserve.executor.memory.layout import MemoryLayout
     from diffserve.models.registry import resolve_model
 
     device = torch.device(rt.loaded.device)
-    card = ({"name": torch.cuda.get_device_name(device),
-             "capability": list(torch.cuda.get_device_capability(device))}
-            if device.type == "cuda" else {})
+    card = of(device).describe(device)
     controls = {name: _model_fingerprint(Path(path)) if Path(path).is_dir() else path
                 for name, path in _control_dirs(config, rt).items()}
     return key_for(resolve_model(config.model), {

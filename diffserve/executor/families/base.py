@@ -41,7 +41,7 @@ class Family(ControlHooks):
     name: ClassVar[str]
     pipelines: ClassVar[tuple[str, ...]]  # text-to-image pipeline classes this family drives
     # The dtype its weights are published in: --dtype auto's choice on a GPU
-    # (diffserve.executor.model.devices).
+    # (diffserve.executor.model.dtypes).
     published_dtype: ClassVar[str] = "bfloat16"
     # Whether the family's own text-to-image pipeline sets the scheduler's begin index to 0 (it
     # decides the first step only for schedules whose first timestep repeats).

@@ -44,16 +44,16 @@ class Measured:
 
 def budget_of(config, device: str) -> int:
     """The budget in bytes (0: none)."""
-    import torch
+    from diffserve.device import of
 
     budgets = []
     if config.device_memory_bytes:
         budgets.append(config.device_memory_bytes)
     if config.gpu_memory_utilization:
-        if torch.device(device).type != "cuda":
+        total = of(device).total(device)
+        if total is None:
             raise ConfigError(f"--gpu-memory-utilization is a share of a GPU's memory; this "
                               f"executor runs on {device}: use --device-memory-bytes")
-        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
         budgets.append(int(config.gpu_memory_utilization * total))
     return min(budgets) if budgets else 0
 
@@ -79,14 +79,13 @@ def measure(rt) -> Measured:
     """What the loaded model holds and what a generation takes (see the module's docstring)."""
     import torch
 
-    from diffserve.executor.model.device_stats import DeviceStats
+    from diffserve.device.stats import DeviceStats
 
     info, pipe = rt.info, rt.loaded.pipe
     modules = [*torch_modules(pipe).values(),  # and the control models beside them
                *(m.module for m in (rt.controls.models.values() if rt.controls else ()))]
-    stats = DeviceStats(torch, rt.loaded.device)
-    held = (torch.cuda.memory_allocated(stats.device) if stats.cuda else
-            sum(module_bytes(m)[1] for m in modules))
+    stats = DeviceStats(rt.loaded.device)
+    held = (stats.allocated() if stats.counted else sum(module_bytes(m)[1] for m in modules))
     held += rt.config.prompt_cache_bytes if rt.prompt_cache is not None else 0
     taken, decoded = {}, {}
     for images in (1, 2):
@@ -115,7 +114,7 @@ def _generation(rt, stats, modules, images: int) -> tuple[int, int]:
     request = ImageRequest(f"memory-{images}", info.name, info.width, info.height,
                            num_inference_steps=1, guidance_scale=info.default_guidance_scale,
                            prompt="a measure of memory", n=images, num_frames=info.num_frames)
-    counter = None if stats.cuda else OutputBytes(modules)
+    counter = None if stats.counted else OutputBytes(modules)
     decode = DecodeBytes(rt.loaded.pipe, stats, counter)
     base = stats.start()
     try:
@@ -127,7 +126,7 @@ def _generation(rt, stats, modules, images: int) -> tuple[int, int]:
     if outcome.error:
         raise ConfigError(f"the memory budget could not be measured: a generation of {images} "
                           f"native image(s) failed: {outcome.error}")
-    return (stats.peak(base) if stats.cuda else counter.total), decode.bytes
+    return (stats.peak(base) if stats.counted else counter.total), decode.bytes
 
 
 class DecodeBytes:
@@ -142,10 +141,10 @@ class DecodeBytes:
             decoder.register_forward_hook(self._after)]
 
     def _before(self, module, args) -> None:
-        self._base = self.stats.start() if self.stats.cuda else self.counter.total
+        self._base = self.stats.start() if self.stats.counted else self.counter.total
 
     def _after(self, module, args, output) -> None:
-        if self.stats.cuda:
+        if self.stats.counted:
             self.bytes += self.stats.peak(self._base)
         else:
             self.bytes += self.counter.total - self._base

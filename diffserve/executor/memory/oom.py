@@ -28,8 +28,7 @@ def release(error: BaseException) -> None:
         return
     import gc
 
-    import torch
+    from diffserve.device import current
 
     gc.collect()  # tensors caught in reference cycles of the failed attempt
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    current().empty_cache()

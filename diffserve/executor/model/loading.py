@@ -11,7 +11,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.executor.model.devices import auto_dtype, pick_device, use_device
+from diffserve.device.choice import pick_device, use_device
+from diffserve.executor.model.dtypes import auto_dtype
 from diffserve.executor.pipeline import denoisers
 from diffserve.models import random as random_weights
 from diffserve.models.registry import resolve_model, serving_defaults
@@ -101,7 +102,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
     ``layout``: a :class:`~diffserve.executor.memory.layout.MemoryLayout` (offloading,
     placement, tiling), applied instead of moving everything to ``device``;
     ``published_dtype``: the dtype the model's family is published in (``--dtype auto``'s
-    choice on a GPU, :func:`~diffserve.executor.model.devices.resolve_dtype`)."""
+    choice on a GPU, :func:`~diffserve.executor.model.dtypes.resolve_dtype`)."""
     quiet_imports()
     import torch
     from diffusers import DiffusionPipeline

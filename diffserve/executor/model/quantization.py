@@ -113,13 +113,14 @@ def _schemes(scheme: str, device: str, flag: str):
                                       f"matmuls); this executor runs on {device}. On a CPU, "
                                       "int8-weight-only and int8-dynamic work")
     if scheme == "fp8":
-        import torch
+        from diffserve.device import of
 
-        have = torch.cuda.get_device_capability(torch.device(device))
+        card = of(device)
+        have = card.capability(device)
         if have < FLOAT8_MATMUL:
             raise QuantizationUnavailable(
                 f"{flag} fp8 needs float8 tensor cores (compute capability 8.9 or later: Ada, "
-                f"Hopper, Blackwell); {torch.cuda.get_device_name(torch.device(device))} has "
+                f"Hopper, Blackwell); {card.name(device)} has "
                 f"{have[0]}.{have[1]}. fp8-weight-only or int8-dynamic run there")
     return schemes
 

@@ -17,7 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from diffserve.executor.parallel.failures import NCCL_ASYNC_ERROR_HANDLING
+from diffserve.device import of
 from diffserve.topology import Degrees
 
 log = logging.getLogger(__name__)
@@ -61,16 +61,12 @@ class Group:
         self.degrees = spec.degrees
         self.rank = spec.rank
         self.torch, self.dist = torch, dist
-        cuda = spec.device.startswith("cuda")
-        if cuda:  # unless the operator chose otherwise (failures.NCCL_ASYNC_ERROR_HANDLING)
-            for name, value in NCCL_ASYNC_ERROR_HANDLING.items():
-                os.environ.setdefault(name, value)
-            # Its own GPU, inside the operator's visible set, current before NCCL starts on it.
-            torch.cuda.set_device(torch.device(spec.device))
-        # On GPUs, gloo beside NCCL for host tensors: diffusers' Ulysses attention all-gathers each
-        # rank's sequence length before its all-to-alls, on the host where the group has gloo
-        # (no device round trip and synchronisation per attention).
-        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
+        kind = of(spec.device)
+        for name, value in kind.dist_env.items():  # unless the operator chose otherwise
+            os.environ.setdefault(name, value)
+        # Its own GPU, inside the operator's visible set, current before NCCL starts on it.
+        kind.set_current(spec.device)
+        dist.init_process_group(kind.dist_backend,
                                 init_method=f"tcp://127.0.0.1:{spec.port}", rank=spec.rank,
                                 world_size=spec.degrees.size,
                                 timeout=datetime.timedelta(seconds=spec.timeout_s))
@@ -78,7 +74,7 @@ class Group:
         shape, names = ((d.cfg, d.tp), ("cfg", "tp")) if d.tp > 1 else (
             (d.cfg, d.ring, d.ulysses), ("cfg", "ring", "ulysses"))
         self.mesh = torch.distributed.device_mesh.init_device_mesh(
-            "cuda" if cuda else "cpu", shape, mesh_dim_names=names)
+            kind.kind, shape, mesh_dim_names=names)
         self.cfg_group = self.mesh["cfg"].get_group() if d.cfg > 1 else None
         # The ranks one forward's sequence is split over (context parallelism).
         self.context_group = (self.mesh["ring", "ulysses"]._flatten().get_group()

@@ -6,9 +6,13 @@ and every component put back where it was at the wake.
   that the wake puts it there again, not on the executor's device. A component that diffusers'
   group offloading streams (``--offload``) lives in host memory already and is left to its hooks.
   The control models (ControlNet) sleep and wake with the pipeline.
-- **Large pinned copies.** A component's tensors go, dtype by dtype, into one pinned host buffer
-  each (page-locked: the copies run asynchronously, at the link's speed, and none waits for the
-  next), and come back from it.
+- **Pinned copies in chunks.** A component's tensors go, dtype by dtype, into pinned host buffers
+  (page-locked: the copies run asynchronously, at the link's speed, and none waits for the next),
+  and come back from them. torch's pinned allocator rounds every block up to a power of two and
+  keeps it once freed: one buffer per dtype would take 32 GiB for 23.8 GB of weights and hold it
+  after the wake. So tensors are packed, largest first, into chunks of a power-of-two capacity
+  (:data:`CHUNK_BYTES`, or the next power of two above a larger tensor), and the wake gives the
+  freed blocks back to the host.
 - **Caches freed.** What the executor keeps on the device besides the weights (the prompt cache's
   encodings, the LoRA rows' gathered weights) is dropped at the sleep; the allocator's cached
   blocks go back to the device.
@@ -40,43 +44,69 @@ def device_of(module):
     return first.device if first is not None else torch.device("cpu")
 
 
-class HostCopy:
-    """``module``'s tensors in pinned host memory, one buffer per dtype, each tensor a view of
-    it (the module's tensors point there until :meth:`restore`)."""
+CHUNK_BYTES = 512 << 20  # a pinned chunk's capacity: a power of two, as the allocator's blocks
 
-    def __init__(self, module) -> None:
-        import torch
+
+def pack(sizes: list[int], chunk: int = CHUNK_BYTES) -> list[list[int]]:
+    """Indices of tensors of ``sizes`` bytes packed into chunks, largest first, each into the
+    first chunk with room (first fit decreasing); a chunk holds ``chunk`` bytes, or the next
+    power of two above its first tensor where that is larger."""
+    chunks: list[tuple[int, int, list[int]]] = []  # (capacity, used, indices)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        for n, (capacity, used, members) in enumerate(chunks):
+            if used + sizes[i] <= capacity:
+                chunks[n] = (capacity, used + sizes[i], members + [i])
+                break
+        else:
+            chunks.append((max(chunk, 1 << max(0, (sizes[i] - 1).bit_length())), sizes[i], [i]))
+    return [members for _, _, members in chunks]
+
+
+class HostCopy:
+    """``module``'s tensors in pinned host memory, packed by dtype into chunks (:func:`pack`),
+    each tensor a view of its chunk (the module's tensors point there until :meth:`restore`)."""
+
+    def __init__(self, module, chunk: int = CHUNK_BYTES) -> None:
+        from diffserve.device import current
 
         self.module, self.device = module, device_of(module)
-        tensors = [*module.parameters(), *module.buffers()]
-        pinned = torch.cuda.is_available()
+        host = current()
+        pinned = host.pinned
         self.buffers, placed, by_dtype = {}, [], {}
-        for tensor in tensors:
+        for tensor in [*module.parameters(), *module.buffers()]:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         for dtype, group in by_dtype.items():
-            buffer = torch.empty(sum(t.numel() for t in group), dtype=dtype, pin_memory=pinned)
-            at = 0
-            for tensor in group:
-                view = buffer[at:at + tensor.numel()].view(tensor.shape)
-                view.copy_(tensor.data, non_blocking=pinned)
-                placed.append((tensor, view))
-                at += tensor.numel()
-            self.buffers[dtype] = buffer
+            self.buffers[dtype] = []
+            sizes = [t.numel() * t.element_size() for t in group]
+            for members in pack(sizes, chunk):
+                buffer = host.host_buffer(sum(group[i].numel() for i in members), dtype)
+                at = 0
+                for tensor in (group[i] for i in members):
+                    view = buffer[at:at + tensor.numel()].view(tensor.shape)
+                    view.copy_(tensor.data, non_blocking=pinned)
+                    placed.append((tensor, view))
+                    at += tensor.numel()
+                self.buffers[dtype].append(buffer)
         if pinned:
-            torch.cuda.synchronize()
+            host.synchronize()
         for tensor, view in placed:  # the device's copies go once every copy is done
             tensor.data = view
         self.placed = placed
 
     def restore(self) -> None:
-        import torch
+        """Every tensor back on its device; the pinned chunks freed and given back to the host
+        (torch's allocator would keep them for a next pinned allocation)."""
+        from diffserve.device import current, of
 
-        cuda = self.device.type == "cuda"
-        for tensor, view in self.placed:
-            tensor.data = view.to(self.device, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize(self.device)
+        self._back(of(self.device))
         self.placed, self.buffers = [], {}
+        current().empty_host_cache()
+
+    def _back(self, kind) -> None:
+        """(Its own frame: no view of a chunk outlives it.)"""
+        for tensor, view in self.placed:
+            tensor.data = view.to(self.device, non_blocking=kind.queued, copy=True)
+        kind.synchronize(self.device)
 
 
 class Sleep:
@@ -106,8 +136,7 @@ class Sleep:
 
 def free() -> None:
     """The allocator's cached blocks (and what reference cycles still held) back to the device."""
-    import torch
+    from diffserve.device import current
 
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    current().empty_cache()

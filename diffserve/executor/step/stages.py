@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from diffserve.device import of
 from diffserve.executor.tensors import tensors_in
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class Stage:
                  bound: int = QUEUE_BOUND) -> None:
         """``notify()`` is called (from the stage's thread) each time a job is done."""
         self.name, self.torch = name, torch
-        self.cuda = torch.device(device).type == "cuda"
+        self.kind = of(device)
+        self.queued = self.kind.queued  # CUDA: a stream of its own, handed over by events
         self.threaded, self.bound, self.notify = threaded, bound, notify
         self.busy_s = 0.0  # time running jobs, since the last take_times()
         self.stall_s = 0.0  # time the loop ran jobs inline or waited for this stage, likewise
@@ -67,7 +69,7 @@ class Stage:
         self._closing = False
         self._running: Job | None = None
         self._thread: threading.Thread | None = None
-        self.stream = torch.cuda.Stream(torch.device(device)) if self.cuda and threaded else None
+        self.stream = self.kind.stream(device) if self.queued and threaded else None
 
     @property
     def depth(self) -> int:
@@ -89,8 +91,8 @@ class Stage:
             with self._lock:
                 self._done.append(job)
             return
-        if self.cuda:  # the job starts once what the loop queued before it is done
-            job.ready = self.torch.cuda.Event()
+        if self.queued:  # the job starts once what the loop queued before it is done
+            job.ready = self.kind.event()
             job.ready.record()
         with self._lock:
             if self._pending() >= self.bound:
@@ -112,8 +114,8 @@ class Stage:
         each one's results."""
         with self._lock:
             done, self._done = list(self._done), deque()
-        if self.cuda:
-            current = self.torch.cuda.current_stream()
+        if self.queued:
+            current = self.kind.current_stream()
             for job in done:
                 if job.done is not None:
                     current.wait_event(job.done)
@@ -148,7 +150,7 @@ class Stage:
 
     def _work(self) -> None:
         torch = self.torch
-        if not self.cuda:
+        if not self.queued:
             torch.set_num_threads(1)  # this thread's OpenMP team only; the loop keeps its own
         while True:
             with self._lock:
@@ -158,12 +160,12 @@ class Stage:
                     return
                 job = self._jobs.popleft()
                 self._running = job
-            if self.cuda and job.ready is not None:
+            if self.queued and job.ready is not None:
                 self.stream.wait_event(job.ready)
                 job.ready = None
             more = self._run(job)
-            if self.cuda and not more:
-                job.done = torch.cuda.Event()
+            if self.queued and not more:
+                job.done = self.kind.event()
                 job.done.record(self.stream)
             with self._lock:
                 self._running = None
@@ -184,8 +186,7 @@ class Stage:
         inline = threading.current_thread() is not self._thread
         job.started, more = True, False
         try:
-            with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.stream is not None
-                                          else _nothing()):
+            with torch.inference_mode(), self.kind.on_stream(self.stream):
                 if job.parts is None:
                     value = job.run()
                     if not inspect.isgenerator(value):
@@ -207,14 +208,6 @@ class Stage:
                 if inline:  # the step loop did it
                     self.stall_s += elapsed
         return more
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def used_on(value, stream) -> None:

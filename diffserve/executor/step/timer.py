@@ -21,7 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from diffserve.executor.model.device_stats import synced_clock
+from diffserve.device import of
+from diffserve.device.stats import synced_clock
 
 
 @dataclass
@@ -29,9 +30,9 @@ class Lap:
     """One timed stretch of device work (a step, an admission)."""
 
     done: Callable[[float, float], None]  # called with (seconds, seconds inside its spans)
-    start: Any = None  # CUDA event, or the clock's reading
+    start: Any = None  # the device's event (queued work), or the clock's reading
     end: Any = None
-    spans: list = field(default_factory=list)  # (start, end) events on CUDA
+    spans: list = field(default_factory=list)  # (start, end) events, where work is queued
     inner: float = 0.0  # seconds in spans, on the CPU
 
 
@@ -39,24 +40,25 @@ class StepTimer:
     def __init__(self, torch, device, clock: Callable[[], float]) -> None:
         self.torch = torch
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
+        self.kind = of(self.device)
+        self.queued = self.kind.queued  # CUDA: time the work with events
         self.clock = clock
         self._lap: Lap | None = None  # the lap being queued
         self._pending: list[Lap] = []  # queued laps whose events are not read yet (CUDA)
 
     def _event(self):
-        event = self.torch.cuda.Event(enable_timing=True)
+        event = self.kind.event(timing=True)
         event.record()
         return event
 
     def begin(self, done: Callable[[float, float], None]) -> None:
         """Start a lap; ``done(seconds, inner)`` is called once its time is known."""
-        self._lap = Lap(done, self._event() if self.cuda else self.clock())
+        self._lap = Lap(done, self._event() if self.queued else self.clock())
 
     def end(self, keep: int = 1) -> None:
         """End the lap begun last, then :meth:`collect` all but the ``keep`` newest laps."""
         lap, self._lap = self._lap, None
-        if self.cuda:
+        if self.queued:
             lap.end = self._event()
             self._pending.append(lap)
             self.collect(keep)
@@ -80,7 +82,7 @@ class StepTimer:
         if lap is None:
             yield
             return
-        if self.cuda:
+        if self.queued:
             start = self._event()
             try:
                 yield
@@ -95,4 +97,4 @@ class StepTimer:
 
     def done(self) -> float:
         """Wait for the device to finish what was queued (on CUDA), then read the clock."""
-        return synced_clock(self.torch, self.device, self.clock)
+        return synced_clock(self.device, self.clock)
