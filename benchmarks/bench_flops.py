@@ -16,7 +16,7 @@ import numpy as np
 
 import bench_parallel
 from kit import cli, stats
-from diffserve.models.registry import resolve_model
+from diffserve.builders.registry import resolve_model
 
 TEXT = 512  # text tokens (T5's padded length; a long Qwen-Image prompt)
 
@@ -80,7 +80,7 @@ def at(torch, inputs_at, cfg, side: int) -> dict:
 def measure(name: str, sizes: list[int]) -> list[dict]:
     import torch
 
-    from diffserve.models import random as random_weights
+    from diffserve.builders import random as random_weights
 
     model, inputs_at, tokens_at, shape, small = MODELS[name]
     built = random_weights.build(resolve_model(model), "meta", torch.bfloat16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diffserve.executor.model.devices import pick_device, resolve_dtype
-from diffserve.executor.families import FAMILIES, family_for
+from diffserve.executor.families.known import FAMILIES, family_for
 
 
 def test_cuda_and_auto_spread_executors_over_the_visible_gpus():

@@ -13,8 +13,8 @@ from typing import Any
 
 from diffserve.executor.model.devices import auto_dtype, pick_device, use_device
 from diffserve.executor.pipeline import denoisers
-from diffserve.models import random as random_weights
-from diffserve.models.registry import resolve_model, serving_defaults
+from diffserve.builders import random as random_weights
+from diffserve.builders.registry import resolve_model, serving_defaults
 
 log = logging.getLogger(__name__)
 
