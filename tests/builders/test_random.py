@@ -51,7 +51,7 @@ def test_the_published_sizes(name, tmp_path):
 
 def test_a_spec_that_names_nothing_known_is_refused_at_configuration():
     with pytest.raises(ConfigError, match=r"--model 'random:flux': no random architecture "
-                                          r"'flux'; known: flux.1-dev"):
+                                          r"'flux'; known: sdxl, flux.1-dev, qwen-image"):
         ServerConfig(model="random:flux")
     with pytest.raises(ConfigError, match=r"the scale 'huge' is not one of full, tiny"):
         ServerConfig(model="random:sdxl:huge")
