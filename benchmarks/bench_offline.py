@@ -11,7 +11,7 @@ import sys
 
 from kit import cli, in_process, stats
 from diffserve.config import DEFAULT_MODEL
-from diffserve.executor.families import UnsupportedMode
+from diffserve.executor.families.known import UnsupportedMode
 from diffserve.processes import bound_openmp_spin
 
 

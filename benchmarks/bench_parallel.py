@@ -20,7 +20,7 @@ from queue import Empty
 from types import SimpleNamespace
 
 from kit import cli, in_process, stats
-from diffserve.executor.families import published_dtype
+from diffserve.executor.families.known import published_dtype
 from diffserve.executor.model.loading import leave_out_unused_libraries, load_model
 from diffserve.executor.parallel.model import parallelize
 from diffserve.executor.parallel.topology import Group, RankSpec
@@ -28,7 +28,7 @@ from diffserve.executor.pipeline import pipeline_class_of
 from diffserve.topology import Degrees
 from diffserve.processes import bound_openmp_spin
 from diffserve.launcher import free_port
-from diffserve.models.registry import resolve_model
+from diffserve.builders.registry import resolve_model
 
 # name: blocks, hidden, heads, MLP width, image (video) tokens, text tokens, joint (the text in
 # the self-attention's sequence), output channels per token; classifier-free guidance.

@@ -18,7 +18,7 @@ import numpy as np
 from kit import cli, loadgen, server_metrics, servers, stats
 from kit.servers import Bench, Scenario
 from kit.stats import ms, ratio
-from diffserve.models.random.loras import write_lora
+from diffserve.builders.random.loras import write_lora
 
 STEP_OVER_REQUEST = "step/request"
 QUALITY_DB = 30.0  # the cache scenario's bound on an image's PSNR against its uncached twin

@@ -19,13 +19,13 @@ from pydantic import BaseModel, Field
 
 from kit import cli
 from diffserve.config import DEFAULT_MODEL
-from diffserve.executor.families import published_dtype
+from diffserve.executor.families.known import published_dtype
 from diffserve.executor.model.dtypes import resolve_dtype
 from diffserve.executor.model.loading import quiet_libraries
 from diffserve.executor.pipeline import pipeline_class_of
 from diffserve.frontend.encode import encode_image
-from diffserve.models import random as random_weights
-from diffserve.models.registry import resolve_model, serving_defaults
+from diffserve.builders import random as random_weights
+from diffserve.builders.registry import resolve_model, serving_defaults
 
 
 class Body(BaseModel):

@@ -72,7 +72,7 @@ def measure(model: str, device: str, dtype: str, sides: list[float], batches: li
             steps: int, threads: int) -> tuple[list[Sample], dict]:
     from diffserve.config import ServerConfig
     from diffserve.costs import image_cost, uses_cfg
-    from diffserve.executor.families import UnsupportedMode
+    from diffserve.executor.families.known import UnsupportedMode
     from diffserve.executor.runtime import build_runtime
     from diffserve.work import ImageRequest, WorkItem
 

@@ -65,15 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "models":
         from diffserve.config import DEFAULT_MODEL
-        from diffserve.models.embedded import EMBEDDED, EMBEDDED_CONTROLNETS, PACKAGED
-        from diffserve.models.random.architectures import ARCHITECTURES
+        from diffserve.builders.embedded import EMBEDDED, EMBEDDED_CONTROLNETS, PACKAGED
+        from diffserve.executor.families import architectures
 
         for name, (description, _) in {**PACKAGED, **EMBEDDED}.items():
             marker = " (default)" if name == DEFAULT_MODEL else ""
             print(f"{name}{marker}: {description}")
         for name, (description, base, _) in EMBEDDED_CONTROLNETS.items():
             print(f"{name} (--controlnet NAME={name}, with --model {base}): {description}")
-        for name, arch in ARCHITECTURES.items():
+        for name, arch in architectures().items():
             print(f"random:{name}[:tiny]: {arch.description}; random weights, built in memory "
                   "(:tiny: the same structure, few and narrow layers, for a CPU)")
         return 0

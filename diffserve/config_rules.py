@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from diffserve.models import random as random_weights
+from diffserve.builders import random as random_weights
 from diffserve.policies import QUEUE_POLICIES
 from diffserve.topology import device_list
 

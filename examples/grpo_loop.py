@@ -38,7 +38,7 @@ class Trainer:
     def __init__(self, model: str, lr: float, noise_level: float) -> None:
         from diffusers import DiffusionPipeline
 
-        from diffserve.models.registry import resolve_model, serving_defaults
+        from diffserve.builders.registry import resolve_model, serving_defaults
 
         path = resolve_model(model)
         self.pipe = DiffusionPipeline.from_pretrained(path)

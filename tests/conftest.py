@@ -90,7 +90,7 @@ def sd3_four_channels():
     """SD3's architecture with 4-channel latents: every task runs but inpainting, which diffusers'
     SD3 inpainting pipeline refuses ("should have 16 input channels or 33 input channels").
     Built once per session beside the embedded models."""
-    from diffserve.models.tiny import sd3
+    from diffserve.executor.families.sd3 import tiny as sd3
 
     return _session_model("sd3-four-channels", lambda d: sd3.build(d, latent_channels=4))
 
@@ -108,8 +108,8 @@ def _build_nan_sd(directory):
     import torch
     from diffusers import DiffusionPipeline
 
-    from diffserve.models.registry import resolve_model
-    from diffserve.models.tiny.common import SERVING_DEFAULTS_FILE
+    from diffserve.builders.registry import resolve_model
+    from diffserve.builders.common import SERVING_DEFAULTS_FILE
 
     source = resolve_model("tiny-sd")
     pipe = DiffusionPipeline.from_pretrained(source)
@@ -122,7 +122,7 @@ def _build_nan_sd(directory):
 
 def _session_model(name: str, build):
     """A test model built once (its directory beside the embedded models), ``build(directory)``."""
-    from diffserve.models.embedded import cache_root
+    from diffserve.builders.embedded import cache_root
 
     directory = cache_root() / "test-models" / name
     if not (directory / "model_index.json").exists():

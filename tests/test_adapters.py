@@ -15,11 +15,11 @@ import openai
 import pytest
 from diffusers import DiffusionPipeline
 
-from diffserve.models.registry import resolve_model
+from diffserve.builders.registry import resolve_model
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff, solo, with_adapters
 from server import Queue, assert_openai_error, decode, metric, spec, wait_for_metric
-from diffserve.models.random.loras import write_kohya, write_lora
+from diffserve.builders.random.loras import write_kohya, write_lora
 from pace import scaled
 
 GENERATE = "/v1/images/generations"

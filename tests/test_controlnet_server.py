@@ -18,7 +18,7 @@ from diffusers import AutoModel, DiffusionPipeline
 from PIL import Image
 
 from diffserve.executor.checks.reference import max_diff, sample_image, solo
-from diffserve.models.registry import resolve_controlnet, resolve_model
+from diffserve.builders.registry import resolve_controlnet, resolve_model
 from diffserve.work import Control
 from helpers import make_request
 from server import LAUNCHES, assert_openai_error, decode, metric, serves, spec

@@ -5,7 +5,12 @@ where it is; one moved to the top of a file breaks the import of the whole packa
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import diffserve
 
@@ -124,3 +129,26 @@ def test_the_denoiser_component_names_are_defined_once():
     spelled = re.compile(r"""\(\s*["'](unet|transformer)["']\s*,\s*["'](unet|transformer|transformer_2)["']""")
     found = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if spelled.search(p.read_text())]
     assert found == ["executor/pipeline.py"]
+
+
+LIGHT = {
+    # The frontend's and the scheduler's processes: they never touch a model.
+    "frontend": "import diffserve.frontend.app",
+    "scheduler": "import diffserve.scheduler.process",
+    # The family tables they read (the embedded models, the random: architectures, the families
+    # that take ControlNet): a family folder's tables import none of its step adapter.
+    "family tables": ("from diffserve.executor import families; families.embedded_models(); "
+                      "families.architectures(); families.controlnet_titles()"),
+}
+
+
+@pytest.mark.parametrize("what", LIGHT)
+def test_the_frontend_the_scheduler_and_the_family_tables_import_no_torch(what):
+    """In a fresh interpreter: neither torch nor diffusers is imported (each costs seconds of a
+    process's start and hundreds of MB)."""
+    code = f"import sys; {LIGHT[what]}; print(sorted({{'torch', 'diffusers'}} & set(sys.modules)))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

@@ -16,7 +16,7 @@ from diffusers import DiffusionPipeline
 from safetensors.numpy import load
 
 from diffserve.client import Client, RolloutError
-from diffserve.models.registry import resolve_model, serving_defaults
+from diffserve.builders.registry import resolve_model, serving_defaults
 from helpers import sde_log_prob
 from server import LAUNCHES, assert_openai_error, decode, serves, spec
 

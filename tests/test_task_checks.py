@@ -17,7 +17,7 @@ import pytest
 
 from diffserve.config import ServerConfig
 from diffserve.executor.checks import verdicts as check_verdicts
-from diffserve.executor.families.sd3 import StableDiffusion3
+from diffserve.executor.families.sd3.step import StableDiffusion3
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.runtime import build_runtime

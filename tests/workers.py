@@ -33,12 +33,12 @@ SECONDS = {
     "tests/test_rollouts.py": 23, "tests/test_soak.py": 19, "tests/test_server_e2e.py": 13,
     "tests/frontend/test_fuzz.py": 12, "tests/test_weight_updates.py": 12,
     "tests/test_prometheus.py": 11, "tests/frontend/test_video_playground.py": 10,
-    "tests/frontend/test_playground.py": 9, "tests/models/test_shapes_serving.py": 8,
+    "tests/frontend/test_playground.py": 9, "tests/builders/test_shapes_serving.py": 8,
     "tests/test_non_finite.py": 8, "tests/scheduler/test_process.py": 6,
     "tests/test_task_checks.py": 6, "tests/test_accelerators_server.py": 5,
     "tests/test_client.py": 4, "tests/test_config.py": 4, "tests/test_instruction_edits.py": 4,
     "tests/test_priorities.py": 4, "tests/frontend/test_light.py": 2,
-    "tests/test_memory_server.py": 2, "tests/models/test_random.py": 12,
+    "tests/test_memory_server.py": 2, "tests/builders/test_random.py": 12,
     "tests/test_controlnet_server.py": 20,
     # Its tests take their results from the Ray application's background run, which has ended
     # by the time they come (it keeps both cores' share busy from the session's start instead).
@@ -53,8 +53,8 @@ IN_PROCESS = {
     "tests/executor/test_step_engine.py": 16, "tests/executor/test_adapter_rows.py": 15,
     "tests/executor/test_memory.py": 14, "tests/executor/test_dit_families.py": 12,
     "tests/executor/test_self_check.py": 12, "tests/executor/test_half_precision.py": 9,
-    "tests/models/test_shapes.py": 9, "tests/executor/test_step_cache.py": 8,
-    "tests/models/test_embedded.py": 8, "tests/executor/test_request_runner.py": 6,
+    "tests/builders/test_shapes.py": 9, "tests/executor/test_step_cache.py": 8,
+    "tests/builders/test_embedded.py": 8, "tests/executor/test_request_runner.py": 6,
     "tests/test_calibrate.py": 5, "tests/executor/test_z_image_chroma.py": 4,
     "tests/executor/test_quantization.py": 3, "tests/executor/test_stages.py": 3,
     **dict.fromkeys([

@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 
 from diffserve.config import DEFAULT_MODEL
 from diffserve.launcher import LaunchError, ServerProcess, free_port
-from diffserve.models.registry import resolve_model, serving_defaults
+from diffserve.builders.registry import resolve_model, serving_defaults
 from kit.cli import BENCHMARKS, parser, report, write_json
 from kit.loadgen import Load, run_load
 from kit.stats import Target, format_table, ms

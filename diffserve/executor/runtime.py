@@ -16,7 +16,7 @@ from diffserve.executor.accel.setup import compiled_for, step_cache_for, warm_up
 from diffserve.executor.checks import apply as checks
 from diffserve.executor.checks import verdicts
 from diffserve.executor.control.models import control_paths, load_controls
-from diffserve.executor.families import family_for, published_dtype, resolve_mode
+from diffserve.executor.families.known import family_for, published_dtype, resolve_mode
 from diffserve.executor.lora.store import served_adapters
 from diffserve.executor.memory import budget
 from diffserve.executor.memory.layout import MemoryLayout
@@ -29,7 +29,7 @@ from diffserve.executor.request.runner import RequestRunner
 from diffserve.executor.rl.weights import Weights
 from diffserve.executor.step.engine import StepEngine
 from diffserve.executor.step.prompt_cache import PromptCache
-from diffserve.models.registry import resolve_model
+from diffserve.builders.registry import resolve_model
 from diffserve.policies import set_policy
 from diffserve.protocol import REQUEST_MODE, STEP_MODE
 from diffserve.tasks import GENERATE, TASKS

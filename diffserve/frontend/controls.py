@@ -28,8 +28,8 @@ def control_stack(controls, info: ModelInfo, config: ServerConfig, task: Task) -
         return ()
     if not info.controls_supported:
         raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) takes no controls: "
-                              "ControlNet runs with Stable Diffusion 1.x/2.x, SDXL, Flux and "
-                              "Qwen-Image", "controls", "unsupported_parameter")
+                              f"ControlNet runs with {_controlnet_families()}", "controls",
+                              "unsupported_parameter")
     if len(controls) > config.max_controls_per_request:
         raise invalid_request(f"{len(controls)} controls; this server stacks at most "
                               f"{config.max_controls_per_request} per request "
@@ -89,3 +89,12 @@ def control_frames(controls, width: int, height: int, max_pixels: int) -> list[n
         resized = image.resize((width, height), Image.Resampling.LANCZOS)
         frames.append(np.ascontiguousarray(np.asarray(resized, np.uint8)))
     return frames
+
+
+def _controlnet_families() -> str:
+    """The families that take ControlNet models, as a sentence: the family folders that hold
+    ControlNet tables (no step adapter and no torch is imported for it)."""
+    from diffserve.executor.families import controlnet_titles
+
+    *rest, last = controlnet_titles()
+    return f"{', '.join(rest)} and {last}" if rest else last

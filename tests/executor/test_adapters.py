@@ -12,16 +12,16 @@ from diffusers import DiffusionPipeline
 from safetensors.torch import save_file
 
 from diffserve.executor.lora.store import AdapterError, AdapterStore
-from diffserve.executor.families import family_for
+from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.request.runner import RequestRunner
 from diffserve.executor.step.engine import StepEngine
-from diffserve.models.registry import resolve_model
+from diffserve.builders.registry import resolve_model
 from diffserve.work import Work, WorkItem
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff, solo, with_adapters
-from diffserve.models.random.loras import write_lora
+from diffserve.builders.random.loras import write_lora
 
 # A: rank 4; B: rank 16; C: with text-encoder weights; D: another A for replacing it.
 SPECS = {"A": dict(rank=4, seed=1), "B": dict(rank=16, seed=2),

@@ -8,7 +8,7 @@ from typing import ClassVar
 import pytest
 
 from diffserve.executor.families.blocks import CROSS, JOINT, BlockKind, declared
-from diffserve.executor.families import FAMILIES, block_tables
+from diffserve.executor.families.known import FAMILIES, block_tables
 
 
 def test_the_families_tables_are_one_union_whatever_the_registry_order():

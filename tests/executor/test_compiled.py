@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diffserve.executor.accel.compiled import CompiledBlocks, bucket
-from diffserve.executor.families import family_for
+from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.accel.step_cache import StepCache

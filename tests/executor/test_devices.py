@@ -8,7 +8,7 @@ from diffserve.device import installed
 from diffserve.device.choice import pick_device
 from diffserve.device.fake import FakeCuda
 from diffserve.executor.model.dtypes import resolve_dtype
-from diffserve.executor.families import FAMILIES, family_for
+from diffserve.executor.families.known import FAMILIES, family_for
 
 
 def test_cuda_and_auto_spread_executors_over_the_visible_gpus():

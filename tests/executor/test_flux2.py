@@ -21,11 +21,11 @@ from diffserve.executor.lora.store import AdapterStore
 from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.runtime import build_runtime
 from diffserve.executor.step.engine import StepEngine
-from diffserve.models.registry import resolve_model
+from diffserve.builders.registry import resolve_model
 from diffserve.work import Work, WorkItem
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff, sample_image, solo, with_adapters
-from diffserve.models.random.loras import write_lora
+from diffserve.builders.random.loras import write_lora
 
 MODELS = ["tiny-flux2", "tiny-flux2-klein"]
 TOLERANCE = 1e-4  # on final latents (std ~1); batching moves them by 1e-6 at most here

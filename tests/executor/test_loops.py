@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 
-from diffserve.executor.families import family_for
+from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.loops import RequestLoop, StepLoop

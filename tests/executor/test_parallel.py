@@ -10,7 +10,7 @@ import torch.distributed as dist
 from diffserve.config import ConfigError, ServerConfig
 from diffserve.executor.parallel.failures import is_group_failure
 from diffserve.executor.parallel.model import check_model
-from diffserve.models.registry import resolve_model
+from diffserve.builders.registry import resolve_model
 
 GLOO = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:{line}] {what}"
 

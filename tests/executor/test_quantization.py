@@ -15,7 +15,7 @@ from diffserve.config import ServerConfig
 from diffserve.executor.model.quantization import QuantizationUnavailable, pipeline_config
 from diffserve.executor.tensors import module_bytes
 from diffserve.executor.runtime import build_runtime
-from diffserve.models.registry import resolve_model
+from diffserve.builders.registry import resolve_model
 from diffserve.work import WorkItem
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff, solo, with_adapters
@@ -54,7 +54,7 @@ def test_int8_weight_only_serves_smaller_and_close_to_float(model):
 
 
 def test_lora_adapters_apply_per_row_over_int8_weights(tmp_path):
-    from diffserve.models.random.loras import write_lora
+    from diffserve.builders.random.loras import write_lora
 
     paths = {"A": write_lora("tiny-sd", tmp_path / "A", rank=4, seed=1)}
     rt = build_runtime(ServerConfig(model="tiny-sd", quantization=INT8, batching_mode="step",

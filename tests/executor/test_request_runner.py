@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from diffserve.config import ServerConfig
-from diffserve.executor.families import family_for
+from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.info import model_info
 from diffserve.executor.model.tasks import task_pipelines

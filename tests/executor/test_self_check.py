@@ -10,8 +10,8 @@ import pytest
 
 from diffserve.config import ServerConfig
 from diffserve.executor.checks import verdicts as check_verdicts, startup as self_check
-from diffserve.executor.families.sd import StableDiffusion
-from diffserve.executor.families import UnsupportedMode
+from diffserve.executor.families.sd.step import StableDiffusion
+from diffserve.executor.families.known import UnsupportedMode
 from diffserve.executor.runtime import build_runtime
 
 
@@ -46,7 +46,7 @@ def test_a_verdict_is_remembered_for_the_same_model_and_code_only(monkeypatch, v
     assert len(runs) == 2
     import shutil
 
-    from diffserve.models.registry import resolve_model
+    from diffserve.builders.registry import resolve_model
 
     copy = tmp_path_factory.mktemp("model") / "tiny-sd"
     shutil.copytree(resolve_model("tiny-sd"), copy)

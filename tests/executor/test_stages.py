@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from diffserve.executor.families import family_for
+from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.step.prompt_cache import PromptCache
@@ -276,7 +276,7 @@ def test_every_kind_of_family_stays_exact_with_threaded_stages(model):
 
 
 def test_a_video_decoded_in_parts_equals_its_whole_decode(monkeypatch):
-    from diffserve.executor.families import wan
+    from diffserve.executor.families.wan import step as wan
 
     loaded = load_model("tiny-wan", torch_threads=1)
     family = family_for(loaded.pipeline_class)(loaded.pipe, task_pipelines(loaded.pipe),

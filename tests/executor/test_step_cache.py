@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 
-from diffserve.executor.families import family_for
+from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.accel.step_cache import StepCache, UnsupportedCache
@@ -186,7 +186,7 @@ def test_a_paused_request_keeps_its_cache():
 
 def test_adapters_follow_the_rows_that_compute(tmp_path):
     from diffserve.executor.lora.store import AdapterStore
-    from diffserve.models.random.loras import write_lora
+    from diffserve.builders.random.loras import write_lora
 
     loaded, _, fam, cache = parts("tiny-sd")
     store = AdapterStore(loaded.pipe, 4, max_rank=64)

@@ -9,7 +9,7 @@ import diffusers
 import pytest
 import torch
 
-from diffserve.executor.families import family_for
+from diffserve.executor.families.known import family_for
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.results import partial_steps

@@ -2,7 +2,7 @@
 
 import inspect
 
-from diffserve.executor.families import FAMILIES
+from diffserve.executor.families.known import FAMILIES
 
 
 def test_each_familys_strength_pipelines_are_those_diffusers_auto_pipelines_pick():

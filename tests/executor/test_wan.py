@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from diffserve.executor.families import family_for
+from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.request.runner import RequestRunner

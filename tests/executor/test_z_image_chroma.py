@@ -17,16 +17,16 @@ import torch
 from diffusers import DiffusionPipeline
 
 from diffserve.executor.lora.store import AdapterStore
-from diffserve.executor.families import family_for
+from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.step.rollout import log_prob
 from diffserve.executor.step.engine import StepEngine
-from diffserve.models.registry import resolve_model, serving_defaults
-from diffserve.models.tiny import EMBEDDED
+from diffserve.builders.registry import resolve_model, serving_defaults
+from diffserve.builders.embedded import EMBEDDED
 from helpers import make_request, run_plan
 from diffserve.executor.checks.reference import max_diff, sample_image, solo, with_adapters
-from diffserve.models.random.loras import write_lora
+from diffserve.builders.random.loras import write_lora
 
 # Each family's largest guidance scale without a negative pass, and a small one with it.
 NO_CFG = {"tiny-z-image": 0.0, "tiny-chroma": 1.0}

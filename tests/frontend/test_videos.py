@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffserve.executor.families import family_for
+from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.frontend.videos.encode import decode_mp4

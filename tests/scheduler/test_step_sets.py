@@ -149,7 +149,7 @@ def test_losing_one_executor_touches_only_its_requests():
 
 def test_what_an_image_costs():
     from diffserve.costs import default_bounds, image_cost, uses_cfg
-    from diffserve.executor.families import family_named
+    from diffserve.executor.families.known import family_named
 
     sd, flux = (family_named(name).guidance_rule for name in ("stable-diffusion", "flux"))
 

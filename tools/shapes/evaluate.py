@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from diffusers import DiffusionPipeline
 
-    from diffserve.models.registry import serving_defaults
+    from diffserve.builders.registry import serving_defaults
 
     torch.set_num_threads(args.threads)
     defaults = serving_defaults(args.model)

@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from diffserve.models.tokenizers import write_byte_clip_tokenizer
+    from diffserve.builders.tokenizers import write_byte_clip_tokenizer
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -32,7 +32,7 @@ from functools import partial
 
 from diffserve.executor.families.blocks import CROSS, BlockKind, is_unet
 from diffserve.executor.accel.wrapping import map_rows, rows_of, wrap_forward
-from diffserve.executor.families import block_tables
+from diffserve.executor.families.known import block_tables
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ from diffserve.executor.families.blocks import (
     transformer_blocks,
 )
 from diffserve.executor.accel.wrapping import argument, map_rows, wrap_forward
-from diffserve.executor.families import block_tables
+from diffserve.executor.families.known import block_tables
 from diffserve.executor.rows import put, take
 
 OFF, FIRST_BLOCK = "off", "first-block"

@@ -10,7 +10,7 @@ import logging
 
 from diffserve.config import ServerConfig
 from diffserve.executor.checks import float32, startup, verdicts
-from diffserve.executor.families import UnsupportedMode
+from diffserve.executor.families.known import UnsupportedMode
 from diffserve.executor.memory.budget import budget_of
 from diffserve.protocol import REQUEST_MODE, STEP_MODE
 from diffserve.tasks import GENERATE, TASKS

@@ -10,39 +10,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffserve.executor.families import family_for
+from diffserve.executor.families.base import BY_AREA, IMAGE_LIST, ONE_IMAGE
+from diffserve.executor.families.control_hooks import control_kwargs
+from diffserve.executor.families.known import family_for
 from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.model.loading import FORCED_KWARGS, LoadedModel
 from diffserve.executor.pipeline import built_from
 from diffserve.work import ImageRequest
-
-
-# What the documented rules add to a plain call of these pipelines (docs/edits.md, "Instruction edits"):
-# the size asked for, and an input image taken as it is (the server fits it to that size).
-SIZE_BY_AREA = {"FluxKontextPipeline"}
-# Pipelines called for one prompt with the request's images: as one image, or as a list.
-ONE_PROMPT = {"QwenImageEditPipeline": "single", "QwenImageEditPlusPipeline": "list"}
-# diffusers' ControlNet pipeline of each (pipeline, task), the keyword of its control images,
-# and the class that stacks several control models.
-CONTROLNET = {
-    ("StableDiffusionPipeline", "generate"): ("StableDiffusionControlNetPipeline", "image"),
-    ("StableDiffusionPipeline", "image-to-image"): ("StableDiffusionControlNetImg2ImgPipeline",
-                                                    "control_image"),
-    ("StableDiffusionPipeline", "inpaint"): ("StableDiffusionControlNetInpaintPipeline",
-                                             "control_image"),
-    ("StableDiffusionXLPipeline", "generate"): ("StableDiffusionXLControlNetPipeline", "image"),
-    ("StableDiffusionXLPipeline", "image-to-image"): ("StableDiffusionXLControlNetImg2ImgPipeline",
-                                                      "control_image"),
-    ("StableDiffusionXLPipeline", "inpaint"): ("StableDiffusionXLControlNetInpaintPipeline",
-                                               "control_image"),
-    ("FluxPipeline", "generate"): ("FluxControlNetPipeline", "control_image"),
-    ("FluxPipeline", "image-to-image"): ("FluxControlNetImg2ImgPipeline", "control_image"),
-    ("FluxPipeline", "inpaint"): ("FluxControlNetInpaintPipeline", "control_image"),
-    ("QwenImagePipeline", "generate"): ("QwenImageControlNetPipeline", "control_image"),
-}
-MULTI_CONTROLNET = {"ControlNetModel": "MultiControlNetModel",
-                    "FluxControlNetModel": "FluxMultiControlNetModel",
-                    "QwenImageControlNetModel": "QwenImageMultiControlNetModel"}
 
 
 def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None, mask=None,
@@ -55,14 +29,17 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
     diffusers' ControlNet pipeline for the task, every row with those images."""
     stop = request.n if stop is None else stop
     pipe = pipelines.get(request.task, loaded.pipe)
-    control_kwargs = {}
+    family = family_for(type(loaded.pipe).__name__)
+    # What the documented rules add to a plain call of an edit's pipeline (docs/edits.md,
+    # "Instruction edits"): its family's ``reference_call``, where the pipeline is the family's.
+    rule = family.reference_call if family and type(pipe).__name__ in family.pipelines else None
+    controlled = {}
     if controls:
-        pipe, control_kwargs = controlnet_call(loaded, pipe, request, controls)
+        pipe, controlled = controlnet_call(family, pipe, request, controls)
     accepts = set(inspect.signature(pipe.__call__).parameters)
     count = stop - start
     # The server's own keywords count (use_resolution_binning=False: the size asked for).
     kwargs = {k: v for k, v in {**loaded.call_kwargs, **FORCED_KWARGS}.items() if k in accepts}
-    family = family_for(type(loaded.pipe).__name__)
     kwargs.update(prompt=[request.prompt] * count, output_type="np",
                   generator=[torch.Generator("cpu").manual_seed(request.seed_of(i))
                              for i in range(start, stop)],
@@ -82,43 +59,36 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
         kwargs.update(image=[Image.fromarray(image)] * count, strength=request.strength)
     if request.task_spec.masked:
         kwargs["mask_image"] = [Image.fromarray(mask)] * count
-    if type(pipe).__name__ in SIZE_BY_AREA:
+    if rule == BY_AREA:
         kwargs["max_area"] = request.width * request.height
         if references:
             kwargs["_auto_resize"] = False
     pictures = [Image.fromarray(r) for r in references or ()]
-    if type(pipe).__name__ in ONE_PROMPT:
+    if rule in (ONE_IMAGE, IMAGE_LIST):
         kwargs.update(prompt=request.prompt, num_images_per_prompt=count,
-                      image=pictures[0] if ONE_PROMPT[type(pipe).__name__] == "single" else pictures)
+                      image=pictures[0] if rule == ONE_IMAGE else pictures)
         if request.negative_prompt:
             kwargs["negative_prompt"] = request.negative_prompt
     elif pictures:
         (picture,) = pictures  # one image a row
         kwargs["image"] = [picture] * count
-    kwargs.update(control_kwargs)
+    kwargs.update(controlled)
     with torch.inference_mode():
         output = pipe(**kwargs)
     return to_uint8(output.frames if request.num_frames else output.images)
 
 
-def controlnet_call(loaded: LoadedModel, pipe, request: ImageRequest, controls) -> tuple:
-    """diffusers' ControlNet pipeline for ``request``'s task, built from ``pipe``, and the
-    keywords of its controls: each model's one image for every row, scale, window and mode
-    (several models through diffusers' multi-ControlNet)."""
+def controlnet_call(family, pipe, request: ImageRequest, controls) -> tuple:
+    """diffusers' ControlNet pipeline for ``request``'s task (``family``'s tables), built from
+    ``pipe``, and the keywords of its controls: each model's one image for every row, scale,
+    window and mode (several models through diffusers' multi-ControlNet)."""
     import diffusers
 
-    cls, keyword = CONTROLNET[(type(loaded.pipe).__name__, request.task)]
     modules, images = [m for m, _ in controls], [Image.fromarray(i) for _, i in controls]
-    one = len(modules) == 1
-    net = modules[0] if one else getattr(diffusers, MULTI_CONTROLNET[type(modules[0]).__name__])(modules)
-    pick = (lambda values: values[0]) if one else list  # noqa: E731
-    spec = request.controls
-    kwargs = {keyword: pick(images), "controlnet_conditioning_scale": pick([c.scale for c in spec]),
-              "control_guidance_start": pick([c.start for c in spec]),
-              "control_guidance_end": pick([c.end for c in spec])}
-    if any(c.mode is not None for c in spec):
-        kwargs["control_mode"] = pick([c.mode for c in spec])
-    built = built_from(pipe, cls, controlnet=net)  # the modules as loaded (from_pipe casts them)
+    net = modules[0] if len(modules) == 1 else getattr(diffusers, family.control_multi)(modules)
+    kwargs = control_kwargs(family.control_image_kwarg[request.task], request.controls, images)
+    # The modules as loaded (from_pipe would cast them).
+    built = built_from(pipe, family.control_pipelines[request.task], controlnet=net)
     built.set_progress_bar_config(disable=True)
     return built, kwargs
 

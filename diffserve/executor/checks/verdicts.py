@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import diffserve
-from diffserve.models.embedded import cache_root
+from diffserve.builders.embedded import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def key_of(rt, config) -> str | None:
 
     from diffserve.device import of
     from diffserve.executor.memory.layout import MemoryLayout
-    from diffserve.models.registry import resolve_model
+    from diffserve.builders.registry import resolve_model
 
     device = torch.device(rt.loaded.device)
     card = of(device).describe(device)
@@ -112,7 +112,7 @@ def key_of(rt, config) -> str | None:
 
 def _control_dirs(config, rt) -> dict[str, str]:
     from diffserve.executor.control.models import control_paths
-    from diffserve.models.registry import resolve_controlnet
+    from diffserve.builders.registry import resolve_controlnet
 
     return {name: resolve_controlnet(path) for name, path in control_paths(config, rt.loaded).items()}
 

@@ -52,7 +52,7 @@ def control_paths(config, loaded) -> dict[str, str]:
     --controlnet flags (which win)."""
     from pathlib import Path
 
-    from diffserve.models.registry import resolve_model
+    from diffserve.builders.registry import resolve_model
 
     model_dir = Path(resolve_model(config.model))
     declared = {name: str(model_dir / path) if (model_dir / path).exists() else path
@@ -68,7 +68,7 @@ def load_controls(paths: dict[str, str], family, device: str, dtype) -> ControlM
         return ControlModels({})
     from diffusers import AutoModel
 
-    from diffserve.models.registry import resolve_controlnet
+    from diffserve.builders.registry import resolve_controlnet
 
     if family is None or not family.control_classes:
         raise ControlModelError(

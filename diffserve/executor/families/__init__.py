@@ -1,97 +1,89 @@
-"""The pipeline families the step engine knows, found by the loaded pipeline's class, and the
-batching mode a pipeline runs in (the step engine where its family is known).
+"""The pipeline families, one folder each, and the tables derived from their folders.
 
-What every family shares is ``base`` (a request's schedule, its first latents for each task, the
-inpainting blend, decoding), ``conditioning`` (the rows a forward combines), ``packed_flow``
-(packed flow-matching latents), ``blocks`` (the denoisers' block declarations), ``schedulers``
-(a request's scheduler inside its pipeline's helpers) and ``outputs`` (pixels as answered); each
-family's own file says only what differs. May import ``model``, ``memory`` and the house's low
-modules."""
+A family's folder holds all that is its own: ``step`` (its step adapter, a
+:class:`~diffserve.executor.families.base.Family` subclass per pipeline, listed in the module's
+``FAMILIES``), ``tiny`` (its tiny random-weight test models, ``EMBEDDED``), ``architecture`` (its
+released architecture for ``random:NAME``, ``ARCHITECTURES``) and ``controls`` (its ControlNet
+pipelines, for families that take control models). A folder has the parts it needs: HunyuanDiT
+runs in request mode only, so its folder holds its tiny model alone. The folder's ``__init__``
+names the family (``TITLE``) and nothing else, so that reading a table imports no torch and no
+step adapter: the frontend and the scheduler read the tables too.
+
+What every family's step adapter shares lives beside the folders: ``base`` (a request's
+schedule, its first latents for each task, the inpainting blend, decoding), ``conditioning``
+(the rows a forward combines), ``packed_flow`` (packed flow-matching latents), ``blocks`` (the
+denoisers' block declarations), ``control_hooks`` (what a family does for ControlNet),
+``reference_batch`` (instruction edits' references), ``schedulers`` (a request's scheduler
+inside its pipeline's helpers) and ``outputs`` (pixels as answered); ``known`` is the step
+engine's lookup of a family by pipeline class. May import ``model``, ``memory`` and the house's
+low modules.
+
+Adding a family is its folder plus its line in :data:`FOLDERS`.
+"""
 
 from __future__ import annotations
 
 from functools import cache
+from importlib import import_module
+from importlib.util import find_spec
+from types import ModuleType
+from typing import Any
 
-from diffserve.config import ConfigError
-
-from diffserve.executor.families.blocks import BlockTables, declared
-from diffserve.executor.families.base import Family
-from diffserve.executor.families.chroma import Chroma
-from diffserve.executor.families.flux import Flux
-from diffserve.executor.families.flux2 import Flux2, Flux2Klein
-from diffserve.executor.families.flux_kontext import FluxKontext
-from diffserve.executor.families.pixart import PixArtSigma
-from diffserve.executor.families.qwen_image import QwenImage
-from diffserve.executor.families.qwen_image_edit import QwenImageEdit, QwenImageEditPlus
-from diffserve.executor.families.sana import Sana
-from diffserve.executor.families.sd import StableDiffusion
-from diffserve.executor.families.sd3 import StableDiffusion3
-from diffserve.executor.families.sdxl import StableDiffusionXL
-from diffserve.executor.families.wan import Wan, WanImageToVideo
-from diffserve.executor.families.z_image import ZImage
-from diffserve.protocol import REQUEST_MODE, STEP_MODE
-
-# One line a family; where two could take a pipeline class, the first wins.
-FAMILIES: tuple[type[Family], ...] = (
-    StableDiffusion,
-    StableDiffusionXL,
-    StableDiffusion3,
-    Flux,
-    Flux2,
-    Flux2Klein,
-    FluxKontext,
-    QwenImage,
-    QwenImageEdit,
-    QwenImageEditPlus,
-    PixArtSigma,
-    Sana,
-    ZImage,
-    Chroma,
-    Wan,
-    WanImageToVideo,
+# One line a family: its folder. Where two step adapters could take a pipeline class, the
+# first wins; the tables list their entries in this order.
+FOLDERS: tuple[str, ...] = (
+    "sd",
+    "sdxl",
+    "sd3",
+    "flux",
+    "flux2",
+    "flux_kontext",
+    "hunyuandit",
+    "qwen_image",
+    "qwen_image_edit",
+    "pixart",
+    "sana",
+    "z_image",
+    "chroma",
+    "wan",
 )
 
 
-def family_for(pipeline_class: str) -> type[Family] | None:
-    for family in FAMILIES:
-        if pipeline_class in family.pipelines:
-            return family
-    return None
+def having(part: str) -> list[str]:
+    """The folders that have a module ``part`` (``step``, ``tiny``, ``architecture``,
+    ``controls``), in folder order; the module itself is not imported."""
+    return [folder for folder in FOLDERS if find_spec(f"{__name__}.{folder}.{part}") is not None]
 
 
-def family_named(name: str) -> type[Family] | None:
-    return next((family for family in FAMILIES if family.name == name), None)
+def parts(part: str) -> list[ModuleType]:
+    """Each folder's module ``part``, imported, in folder order, for the folders that have one."""
+    return [import_module(f"{__name__}.{folder}.{part}") for folder in having(part)]
 
 
-def supported_pipelines() -> list[str]:
-    return [name for family in FAMILIES for name in family.pipelines]
+def _merged(part: str, table: str) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for module in parts(part):
+        for key, value in getattr(module, table).items():
+            if key in merged:
+                raise ValueError(f"{key!r} is declared twice ({module.__name__})")
+            merged[key] = value
+    return merged
 
 
 @cache
-def block_tables() -> BlockTables:
-    """Every family's block lists (denoiser class -> its lists in call order) and block kinds
-    (block class -> how it is called), as the families declare them (``Family.block_lists``,
-    ``Family.block_kinds``), for the step cache and --compile."""
-    return declared(FAMILIES)
+def embedded_models() -> dict[str, tuple[str, Any]]:
+    """The tiny test models: name -> (description, builder(directory))."""
+    return _merged("tiny", "EMBEDDED")
 
 
-def published_dtype(pipeline_class: str | None) -> str | None:
-    """The dtype the family of ``pipeline_class`` is published in (None: no family knows it)."""
-    family = family_for(pipeline_class) if pipeline_class else None
-    return family.published_dtype if family else None
+@cache
+def architectures() -> dict[str, Any]:
+    """The released architectures ``random:NAME`` builds: name -> its
+    :class:`~diffserve.builders.random.parts.Architecture`."""
+    return _merged("architecture", "ARCHITECTURES")
 
 
-class UnsupportedMode(ConfigError):
-    """--batching-mode step on a pipeline whose family the step engine does not know."""
-
-
-def resolve_mode(requested: str, family: type[Family] | None, pipeline_class: str) -> str:
-    """The batching mode to run: ``auto`` takes the step engine where it knows the family."""
-    if requested == STEP_MODE and family is None:
-        raise UnsupportedMode(
-            f"--batching-mode step does not support {pipeline_class}; it runs "
-            f"{', '.join(supported_pipelines())}. Use --batching-mode request (or auto) for this "
-            "model.")
-    if requested == REQUEST_MODE or family is None:
-        return REQUEST_MODE
-    return STEP_MODE
+@cache
+def controlnet_titles() -> tuple[str, ...]:
+    """The families that take ControlNet models, by title (for messages)."""
+    return tuple(import_module(f"{__name__}.{folder}").TITLE for folder in having("controls"))

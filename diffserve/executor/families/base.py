@@ -35,6 +35,11 @@ from diffserve.tasks import Task
 
 
 BY_MODEL, BY_ROW, SHARED = "by-model", "by-row", "shared"
+# How the reference oracle (diffserve.executor.checks.reference) calls an edit's own pipeline, as
+# the documented rules add to a plain call (docs/edits.md): the size asked for as an area with
+# the input image taken as it is (BY_AREA); one prompt with the request's images as one image
+# (ONE_IMAGE) or as a list (IMAGE_LIST).
+BY_AREA, ONE_IMAGE, IMAGE_LIST = "by-area", "one-image", "image-list"
 
 
 class Family(ControlHooks):
@@ -56,6 +61,7 @@ class Family(ControlHooks):
     # family's pipeline generates without one.
     max_references: ClassVar[int] = 0
     encodes_references: ClassVar[bool] = False
+    reference_call: ClassVar[str | None] = None  # BY_AREA, ONE_IMAGE or IMAGE_LIST
     # The tasks that redraw an input image by strength which the family runs, each with the
     # diffusers pipeline built from the loaded one's components: what diffusers' auto-pipelines
     # pick (a test pins it), named here so that a start imports those pipelines alone, not every

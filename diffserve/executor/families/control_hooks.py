@@ -16,6 +16,23 @@ from diffserve.executor.pipeline import built_from
 CONTROL_PIPES_KEPT = 16  # ControlNet pipelines kept built (request mode): task x model stacks
 
 
+def control_kwargs(keyword: str, controls, images: list) -> dict[str, Any]:
+    """A diffusers ControlNet pipeline call's keywords for the stack ``controls``
+    (:class:`~diffserve.work.Control`): ``images`` (one entry a control model, as the pipeline
+    takes its images) under ``keyword``, and each control's scale, window and mode; one control
+    as itself, several as lists, as diffusers takes them. Request mode and the reference oracle
+    both call it."""
+    one = len(controls) == 1
+    pick = (lambda values: values[0]) if one else list  # noqa: E731
+    kwargs = {keyword: images[0] if one else images,
+              "controlnet_conditioning_scale": pick([c.scale for c in controls]),
+              "control_guidance_start": pick([c.start for c in controls]),
+              "control_guidance_end": pick([c.end for c in controls])}
+    if any(c.mode is not None for c in controls):
+        kwargs["control_mode"] = pick([c.mode for c in controls])
+    return kwargs
+
+
 class ControlHooks:
     # The control model classes it takes; the diffusers pipeline that runs each task with control
     # (request mode, the start-up check), the class that stacks several models in one of its

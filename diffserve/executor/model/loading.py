@@ -14,8 +14,8 @@ from typing import Any
 from diffserve.device.choice import pick_device, use_device
 from diffserve.executor.model.dtypes import auto_dtype
 from diffserve.executor.pipeline import denoisers
-from diffserve.models import random as random_weights
-from diffserve.models.registry import resolve_model, serving_defaults
+from diffserve.builders import random as random_weights
+from diffserve.builders.registry import resolve_model, serving_defaults
 
 log = logging.getLogger(__name__)
 

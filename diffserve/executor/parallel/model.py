@@ -25,7 +25,7 @@ from pathlib import Path
 
 from diffserve.config import ConfigError
 from diffserve.costs import NEVER
-from diffserve.executor.families import family_for
+from diffserve.executor.families.known import family_for
 from diffserve.executor.model.compat import on_rank_device, one_device_per_cpu_rank
 from diffserve.executor.parallel.topology import Group
 from diffserve.executor.pipeline import DENOISERS, declared_components, pipeline_class_of

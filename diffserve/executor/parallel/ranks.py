@@ -35,7 +35,7 @@ from diffserve.config import ServerConfig
 from diffserve.executor.parallel.model import check_model
 from diffserve.executor.parallel.topology import Group, RankSpec, rank_title
 from diffserve.launcher import free_port
-from diffserve.models.registry import resolve_model
+from diffserve.builders.registry import resolve_model
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import numpy as np
 from diffserve.costs import WITH_NEGATIVE
 from diffserve.executor.memory import oom as memory
 from diffserve.executor.lora.store import AdapterStore
-from diffserve.executor.families.base import BY_MODEL, BY_ROW, SHARED
+from diffserve.executor.families.base import BY_MODEL, BY_ROW, SHARED, Family
+from diffserve.executor.families.control_hooks import control_kwargs
 from diffserve.executor.families.schedulers import PIPELINE_LOCK, scheduler_swapped
-from diffserve.executor.families.base import Family
 from diffserve.executor.families.outputs import NonFiniteOutput, split_finite, to_uint8
 from diffserve.executor.model.loading import LoadedModel
 from diffserve.executor.model.samplers import build as build_sampler
@@ -199,19 +199,12 @@ class RequestRunner:
         images = [[Image.fromarray(a[CONTROLS][c]) for a, (item, _) in zip(arrays, pairs)
                    for _ in range(item.samples)] for c in range(len(controls))]
         one = len(controls) == 1
-        pick = (lambda values: values[0]) if one else list  # noqa: E731
         stacks = self.family.control_stacks.get(first.task, BY_MODEL)
         if not one and stacks == BY_ROW:
             images = [list(row) for row in zip(*images)]
         elif not one and stacks == SHARED:  # one request a call: its rows share its images
             images = [model[0] for model in images]
-        kwargs = {self.family.control_image_kwarg[first.task]: images[0] if one else images,
-                  "controlnet_conditioning_scale": pick([c.scale for c in controls]),
-                  "control_guidance_start": pick([c.start for c in controls]),
-                  "control_guidance_end": pick([c.end for c in controls])}
-        if any(c.mode is not None for c in controls):
-            kwargs["control_mode"] = pick([c.mode for c in controls])
-        return kwargs
+        return control_kwargs(self.family.control_image_kwarg[first.task], controls, images)
 
     def _sampler(self, pipe, request):
         """The call with the request's sampler (a batch shares it: it is a call field) in place

@@ -26,7 +26,7 @@ from diffserve.control import BASE_VERSION, COMMIT, DISCARD, PREPARE, SLEEP, SYN
 
 from diffserve.executor.pipeline import denoisers, torch_modules
 from diffserve.executor.rl.sleep import Sleep, free
-from diffserve.models import random as random_weights
+from diffserve.builders import random as random_weights
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,3 @@
+"""HunyuanDiT: a DiT with BERT and T5; request mode only (no step adapter)."""
+
+TITLE = "HunyuanDiT"

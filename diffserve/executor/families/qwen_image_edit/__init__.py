@@ -1,0 +1,3 @@
+"""Qwen-Image-Edit: Qwen-Image edited by instruction (Edit and Edit-Plus)."""
+
+TITLE = "Qwen-Image-Edit"

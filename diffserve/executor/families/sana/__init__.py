@@ -1,0 +1,3 @@
+"""Sana: a linear-attention DiT, a deep-compression VAE, Gemma 2."""
+
+TITLE = "Sana"
