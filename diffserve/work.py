@@ -85,7 +85,8 @@ def frame_manifest(task: Task, width: int, height: int, references: int = 0,
             *(entry(REFERENCE, c, CONTROLS) for c in range(controls)))
 
 
-def in_manifest_order(manifest: Sequence[FrameSpec], by_role: dict[str, Sequence[Any]]) -> list:
+def in_manifest_order(manifest: Sequence[FrameSpec],
+                      by_role: dict[str, Sequence[Any]]) -> list:
     """The frames to send after a header with ``manifest``: each entry's from ``by_role``
     (role -> its frames by owner)."""
     return [by_role[spec.role][spec.owner] for spec in manifest]

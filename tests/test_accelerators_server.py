@@ -100,10 +100,10 @@ def test_a_server_without_a_step_cache_refuses_a_threshold():
         to_engine_request(generation_spec(body), "r", info, ServerConfig(), TASK)
     assert refused.value.param == "cache_threshold" and "--step-cache" in str(refused.value)
     # Zero asks for nothing, and a server that caches takes any threshold.
-    assert to_engine_request(generation_spec(ImageGenerationRequest(prompt="x", cache_threshold=0.0)), "r", info,
-                             ServerConfig(), TASK).cache_threshold == 0.0
+    zero = generation_spec(ImageGenerationRequest(prompt="x", cache_threshold=0.0))
+    assert to_engine_request(zero, "r", info, ServerConfig(), TASK).cache_threshold == 0.0
     import dataclasses
 
-    accepted = to_engine_request(generation_spec(body), "r", dataclasses.replace(info, step_cache=True),
-                                 ServerConfig(), TASK)
+    accepted = to_engine_request(generation_spec(body), "r",
+                                 dataclasses.replace(info, step_cache=True), ServerConfig(), TASK)
     assert accepted.cache_threshold == 0.3

@@ -87,8 +87,8 @@ def test_a_priority_needs_the_priority_policy():
         to_engine_request(generation_spec(body), "r", info, ServerConfig(), GENERATE)
     assert (caught.value.status, caught.value.param) == (400, "priority")
     assert "--scheduling-policy priority" in caught.value.message
-    assert to_engine_request(generation_spec(ImageGenerationRequest(prompt="x", priority=0)), "r", info,
-                             ServerConfig(), GENERATE).priority == 0
+    zero = generation_spec(ImageGenerationRequest(prompt="x", priority=0))
+    assert to_engine_request(zero, "r", info, ServerConfig(), GENERATE).priority == 0
     config = ServerConfig(scheduling_policy="priority")
     assert to_engine_request(generation_spec(body), "r", info, config, GENERATE).priority == 3
 

@@ -42,7 +42,8 @@ def test_a_videos_body_with_a_priority_out_of_range_is_a_400_naming_it(priority)
     assert (body["error"]["param"], body["error"]["code"]) == ("priority", "invalid_value")
     assert body["error"]["type"] == "invalid_request_error"
     # The images API refuses it with the same words.
-    assert error_body(ImageGenerationRequest, {"prompt": "x", "priority": priority}) == (status, body)
+    images = error_body(ImageGenerationRequest, {"prompt": "x", "priority": priority})
+    assert images == (status, body)
     assert validate(VideoCreate, {"prompt": "x", "priority": 1_000_000}).priority == 1_000_000
 
 

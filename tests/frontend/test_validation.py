@@ -19,7 +19,8 @@ INFO = ModelInfo(name="tiny-sd", pipeline_class="StableDiffusionPipeline", width
 
 def convert(config=None, info=INFO, **fields):
     body = ImageGenerationRequest(**{"prompt": "a cat", **fields})
-    return to_engine_request(generation_spec(body), "rid", info, config or ServerConfig(), GENERATE)
+    return to_engine_request(generation_spec(body), "rid", info, config or ServerConfig(),
+                             GENERATE)
 
 
 def test_defaults_come_from_the_model():
