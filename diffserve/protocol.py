@@ -235,13 +235,13 @@ class Empty:
 class Kind(enum.IntEnum):
     """The one-byte message kind, and what each kind carries."""
 
-    SUBMIT = 1          # frontend -> scheduler: ImageRequest + input frames
+    SUBMIT = 1          # frontend -> scheduler: ImageRequest + the frames its manifest lists
     ABORT = 2           # frontend -> scheduler: Abort
     READY = 3           # executor -> scheduler -> frontend: ModelInfo
     REQUEST_DONE = 4    # scheduler -> frontend: RequestDone
     REQUEST_FAILED = 5  # scheduler -> frontend: RequestFailed
     ENGINE_STATUS = 6   # scheduler -> frontend: EngineStatus
-    WORK = 7            # scheduler -> executor: Work + input frames
+    WORK = 7            # scheduler -> executor: Work + its items' manifests' frames
     ITEMS_DONE = 8      # executor -> scheduler: ItemsDone
     SHUTDOWN = 9        # parent -> child: Empty
     FATAL = 10          # child -> parent: Fatal

@@ -35,7 +35,8 @@ class Control:
     """One control a request stacks (ControlNet): the served control model by name, its scale,
     the part of the denoising it acts in (fractions of the request's steps, as diffusers'
     control_guidance_start and end) and, for a union model, the control type. Its image travels
-    as an input frame, fitted to the request's size."""
+    as the input frame its request's manifest lists as ``controls[c]`` (c: its place in the
+    stack), fitted to the request's size."""
 
     model: str
     scale: float = 1.0
