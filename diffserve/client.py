@@ -23,8 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from diffserve.work import SEED_MODULUS  # the server's seeds wrap here
+
 RETRIED = (429, 503)
-SEED_MODULUS = 2**32  # the server's seeds wrap here (diffserve.protocol)
 
 
 class RolloutError(RuntimeError):

@@ -48,7 +48,7 @@ class ModelInfo:
     width: int
     height: int
     spatial_stride: int
-    default_steps: int
+    default_steps: int  # its serving default, else its pipeline's, else work.DEFAULT_STEPS
     max_steps: int  # the noise scheduler's limit (its training timesteps)
     default_guidance_scale: float
     supports_negative_prompt: bool

@@ -5,6 +5,11 @@ dataclass below); any further frames are raw pixel buffers (uint8), so pixels ar
 into a header. Headers are decoded with validation against their dataclass: a malformed message
 fails loudly at the boundary (:class:`ProtocolError`), never deep inside the scheduler.
 
+A request's input frames are declared in its header (``ImageRequest.manifest``: each frame's
+role, owner and shape), and :func:`decode` checks the frames that came against it, once
+(:class:`FramesMismatch`, which carries the header so that its requests can be answered);
+everything downstream trusts them.
+
 The request and the work it becomes are :mod:`diffserve.work`; the model's description,
 :mod:`diffserve.model_info`.
 """
@@ -230,13 +235,13 @@ class Empty:
 class Kind(enum.IntEnum):
     """The one-byte message kind, and what each kind carries."""
 
-    SUBMIT = 1          # frontend -> scheduler: ImageRequest + input frames
+    SUBMIT = 1          # frontend -> scheduler: ImageRequest + the frames its manifest lists
     ABORT = 2           # frontend -> scheduler: Abort
     READY = 3           # executor -> scheduler -> frontend: ModelInfo
     REQUEST_DONE = 4    # scheduler -> frontend: RequestDone
     REQUEST_FAILED = 5  # scheduler -> frontend: RequestFailed
     ENGINE_STATUS = 6   # scheduler -> frontend: EngineStatus
-    WORK = 7            # scheduler -> executor: Work + input frames
+    WORK = 7            # scheduler -> executor: Work + its items' manifests' frames
     ITEMS_DONE = 8      # executor -> scheduler: ItemsDone
     SHUTDOWN = 9        # parent -> child: Empty
     FATAL = 10          # child -> parent: Fatal
@@ -275,6 +280,49 @@ class ProtocolError(ValueError):
     """A message that is not what its kind says it is."""
 
 
+class FramesMismatch(ProtocolError):
+    """A request or work message whose frames are not those its header declares. It carries
+    the decoded header (``message``), whose requests are to be answered with the error."""
+
+    def __init__(self, kind: Kind, message: Any, reason: str) -> None:
+        super().__init__(reason)
+        self.kind, self.message = kind, message
+
+
+def declared_frames(kind: Kind, message: Any) -> list | None:
+    """The input frames a message's header declares (their specs, in order), or None where its
+    kind carries no input frames."""
+    if kind is Kind.SUBMIT:
+        return list(message.manifest)
+    if kind is Kind.WORK:
+        return [spec for item in message.items for spec in item.manifest]
+    return None
+
+
+def _nbytes(frame: Any) -> int:
+    buffer = frame.buffer if hasattr(frame, "buffer") else frame  # a zmq.Frame's, or itself
+    return memoryview(buffer).nbytes
+
+
+def check_frames(kind: Kind, message: Any, frames: Sequence[Any]) -> None:
+    """Raise :class:`FramesMismatch` unless ``frames`` are the input frames the header
+    declares: as many, each of its declared size."""
+    specs = declared_frames(kind, message)
+    if specs is None:
+        return
+    what = (f"request {message.request_id!r} ({message.task})" if kind is Kind.SUBMIT
+            else f"work {message.work_id}")
+    if len(frames) != len(specs):
+        raise FramesMismatch(kind, message, f"{what} declares {len(specs)} input frames "
+                             f"({', '.join(f'{s.role}[{s.owner}]' for s in specs) or 'none'}) "
+                             f"but carries {len(frames)}")
+    for i, (spec, frame) in enumerate(zip(specs, frames)):
+        if _nbytes(frame) != spec.nbytes:
+            raise FramesMismatch(kind, message, f"{what}: input frame {i} ({spec.role}"
+                                 f"[{spec.owner}], {'x'.join(map(str, spec.shape))} uint8) "
+                                 f"holds {_nbytes(frame)} bytes, not {spec.nbytes}")
+
+
 def encode(kind: Kind, message: Any = None, buffers: Sequence[Any] = ()) -> list[Any]:
     """Frames for ``socket.send_multipart``; ``buffers`` go as-is (bytes, memoryview, zmq.Frame)."""
     payload = Empty() if message is None else message
@@ -285,7 +333,8 @@ def encode(kind: Kind, message: Any = None, buffers: Sequence[Any] = ()) -> list
 
 
 def decode(frames: Sequence[Any]) -> tuple[Kind, Any, list[Any]]:
-    """Inverse of :func:`encode`: (kind, message, raw buffer frames)."""
+    """Inverse of :func:`encode`: (kind, message, raw buffer frames), the input frames checked
+    against the header's manifest."""
     if not frames:
         raise ProtocolError("empty message")
     head = frames[0]
@@ -298,4 +347,6 @@ def decode(frames: Sequence[Any]) -> tuple[Kind, Any, list[Any]]:
         message = _DECODERS[kind].decode(head[1:])
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise ProtocolError(f"malformed {kind.name} message: {error}") from None
-    return kind, message, list(frames[1:])
+    buffers = list(frames[1:])
+    check_frames(kind, message, buffers)
+    return kind, message, buffers

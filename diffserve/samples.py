@@ -1,7 +1,8 @@
 """A request's samples and the rows they take in a batch: the bookkeeping both engines share.
 
 - :func:`chunks`: consecutive runs of a stacked batch (tensor, array or list), one per member;
-- :func:`split_inputs` / :func:`input_arrays`: the input frames each work item carries, as arrays;
+- :func:`split_inputs` / :func:`input_arrays`: the input frames each work item carries, as arrays
+  by their manifest (the frames were checked against it when the message was decoded);
 - :func:`generators`: one generator per image, so each image depends on its own seed only;
 - :func:`group_by`: members grouped by a key, in first-seen order (e.g. with or without a
   negative prompt);
@@ -17,13 +18,11 @@ import logging
 import traceback
 from typing import Any, Callable, Hashable, Iterable, Sequence, TypeVar
 
-from diffserve.work import ImageRequest, WorkItem
-from diffserve.protocol import ProtocolError
+from diffserve.work import CONTROLS, REFERENCES, ImageRequest, WorkItem
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-CONTROLS = "controls"  # input_arrays' key of the control images
 R = TypeVar("R")
 
 
@@ -41,33 +40,28 @@ def chunks(stacked: Any, sizes: Iterable[int]) -> list[Any]:
 
 def split_inputs(items: Sequence[WorkItem], frames: list[Any]) -> list[list[Any]]:
     """The input frames of each item, which follow a work message's header item after item."""
-    counts = [item.request.input_frames for item in items]
-    if sum(counts) != len(frames):
-        raise ProtocolError(f"work carries {len(frames)} input frames, its items {sum(counts)}")
-    return chunks(frames, counts)
+    return chunks(frames, [len(item.manifest) for item in items])
 
 
 def input_arrays(request: ImageRequest, frames: list[Any]) -> dict[str, Any]:
-    """A request's input frames as uint8 arrays, by the pipeline keyword of each input; an
-    instruction edit's reference images as a list under ``references``, the control images (one
-    per control, in order) under ``controls``."""
+    """A request's input frames as uint8 arrays, each placed by its manifest entry: a task
+    input under its pipeline keyword; an instruction edit's reference images as a list under
+    ``references``; the control images under ``controls``, item c the image of control c."""
     import numpy as np
 
-    from diffserve.tasks import REFERENCE
-
-    task = request.task_spec
-    if len(frames) != request.input_frames:
-        raise ProtocolError(f"a {request.task} request carries {request.input_frames} input "
-                            f"frames, not {len(frames)}")
-    size = (request.width, request.height)
-    arrays: dict[str, Any] = {spec.name: np.asarray(frame, np.uint8).reshape(spec.shape(*size))
-                              for spec, frame in zip(task.inputs, frames)}
-    if task.references:
-        arrays[REFERENCE.name] = [np.asarray(frame, np.uint8).reshape(REFERENCE.shape(*size))
-                                  for frame in frames[len(task.inputs):][:request.references]]
+    arrays: dict[str, Any] = {}
+    owned: dict[str, list] = {REFERENCES: [None] * request.references,
+                              CONTROLS: [None] * len(request.controls)}
+    for spec, frame in zip(request.manifest, frames):
+        array = np.asarray(frame, np.uint8).reshape(spec.shape)
+        if spec.role in owned:
+            owned[spec.role][spec.owner] = array
+        else:
+            arrays[spec.role] = array
+    if request.task_spec.references:
+        arrays[REFERENCES] = owned[REFERENCES]
     if request.controls:
-        arrays[CONTROLS] = [np.asarray(frame, np.uint8).reshape(REFERENCE.shape(*size))
-                            for frame in frames[len(frames) - len(request.controls):]]
+        arrays[CONTROLS] = owned[CONTROLS]
     return arrays
 
 

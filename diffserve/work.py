@@ -14,10 +14,17 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from diffserve.roles import batch_key_fields, bookkeeping, call, sample, shape
-from diffserve.tasks import GENERATE, Task, task_named
+from diffserve.tasks import GENERATE, REFERENCE, Input, Task, task_named
 
-# Seeds are 32-bit, as the API accepts them; image i of a request uses (seed + i) modulo this.
+# Seeds are unsigned 32-bit: the API accepts 0..SEED_MAX, and image i of a request uses
+# (seed + i) modulo SEED_MODULUS.
 SEED_MODULUS = 2**32
+SEED_MAX = SEED_MODULUS - 1
+# The step count of a request that gives none, where neither the model's serving defaults
+# (its diffserve.json) nor its pipeline's call signature name one. Every embedded model and every
+# diffusers pipeline names its own, so this is the last resort, and the dataclass default of a
+# request built in code.
+DEFAULT_STEPS = 30
 # A request's mode key names its task, and that it carries controls (their start-up check and
 # batching mode are their own: diffserve.executor.checks).
 WITH_CONTROLS = "+controls"
@@ -28,7 +35,8 @@ class Control:
     """One control a request stacks (ControlNet): the served control model by name, its scale,
     the part of the denoising it acts in (fractions of the request's steps, as diffusers'
     control_guidance_start and end) and, for a union model, the control type. Its image travels
-    as an input frame, fitted to the request's size."""
+    as the input frame its request's manifest lists as ``controls[c]`` (c: its place in the
+    stack), fitted to the request's size."""
 
     model: str
     scale: float = 1.0
@@ -39,6 +47,50 @@ class Control:
     def acts_at(self, step: int, steps: int) -> bool:
         """Whether it acts at ``step`` of ``steps``: diffusers' rule (``controlnet_keep``)."""
         return not (step / steps < self.start or (step + 1) / steps > self.end)
+
+
+# The roles of a request's input frames besides its task's inputs (whose role is their pipeline
+# keyword): an instruction edit's reference images, and the controls' images.
+REFERENCES, CONTROLS = REFERENCE.name, "controls"
+
+
+@dataclass(frozen=True)
+class FrameSpec:
+    """One input frame after a request's header: what it is for (``role``: a task input's
+    pipeline keyword, :data:`REFERENCES` or :data:`CONTROLS`), whose it is (``owner``: which
+    reference, or which of the request's controls; 0 for a task input), and its array's shape
+    and dtype. A control and its image are paired by this entry, wherever the frame lies."""
+
+    role: str
+    owner: int
+    shape: tuple[int, ...]
+    dtype: str = "uint8"
+
+    @property
+    def nbytes(self) -> int:
+        size = 1
+        for side in self.shape:
+            size *= side
+        return size  # uint8 (a request's manifest is checked against frame_manifest's)
+
+
+def frame_manifest(task: Task, width: int, height: int, references: int = 0,
+                   controls: int = 0) -> tuple[FrameSpec, ...]:
+    """The frames a request carries, in the order they are sent: its task's inputs, an
+    edit's references, then each control's image (all at the request's size)."""
+    def entry(spec: Input, owner: int, role: str | None = None) -> FrameSpec:
+        return FrameSpec(role or spec.name, owner, spec.shape(width, height))
+
+    return (*(entry(spec, 0) for spec in task.inputs),
+            *(entry(REFERENCE, i) for i in range(references if task.references else 0)),
+            *(entry(REFERENCE, c, CONTROLS) for c in range(controls)))
+
+
+def in_manifest_order(manifest: Sequence[FrameSpec],
+                      by_role: dict[str, Sequence[Any]]) -> list:
+    """The frames to send after a header with ``manifest``: each entry's from ``by_role``
+    (role -> its frames by owner)."""
+    return [by_role[spec.role][spec.owner] for spec in manifest]
 
 
 @dataclass(frozen=True)
@@ -53,7 +105,7 @@ class ImageRequest:
     # row's sequence, so requests with different counts never share a forward.
     references: int = shape(0)
     task: str = call(GENERATE.name)  # a name in diffserve.tasks.TASKS
-    num_inference_steps: int = call(20)
+    num_inference_steps: int = call(DEFAULT_STEPS)
     guidance_scale: float = call(5.0)
     strength: float = call(1.0)  # edits: how far from the input image (1.0: ignore it)
     scheduler: str = call("")  # a sampler name (diffserve.executor.model.samplers); "": the model's own
@@ -85,6 +137,19 @@ class ImageRequest:
     # ControlNet controls, stacked (their residuals summed, each scaled in its own window). One
     # stack per pipeline call in request mode; per row in the step engine.
     controls: tuple[Control, ...] = call(())
+    # Its input frames, as they follow its header (see FrameSpec); left empty, the layout
+    # frame_manifest gives. Any order, but exactly the frames the request needs.
+    manifest: tuple[FrameSpec, ...] = bookkeeping(())
+
+    def __post_init__(self) -> None:
+        needed = frame_manifest(self.task_spec, self.width, self.height, self.references,
+                                len(self.controls))
+        if not self.manifest:
+            object.__setattr__(self, "manifest", needed)
+        elif sorted(self.manifest, key=_order) != sorted(needed, key=_order):
+            raise ValueError(f"request {self.request_id!r}: its frame manifest "
+                             f"{_listed(self.manifest)} is not the frames it needs "
+                             f"({_listed(needed)})")
 
     def batch_key(self, mode: str) -> tuple:
         """What another request must share with this one to run in the same batch (request mode)
@@ -99,9 +164,7 @@ class ImageRequest:
     def input_frames(self) -> int:
         """Frames after the header: the task's inputs, an edit's references, a control image
         for each control."""
-        task = self.task_spec
-        return (len(task.inputs) + (self.references if task.references else 0)
-                + len(self.controls))
+        return len(self.manifest)
 
     @property
     def mode_key(self) -> str:
@@ -111,6 +174,15 @@ class ImageRequest:
     def seed_of(self, index: int) -> int:
         """The seed of image ``index``: consecutive from the request's seed, wrapping at 2**32."""
         return (self.seed + index) % SEED_MODULUS
+
+
+def _order(spec: FrameSpec) -> tuple:
+    return (spec.role, spec.owner, tuple(spec.shape), spec.dtype)
+
+
+def _listed(manifest: Sequence[FrameSpec]) -> str:
+    return "[" + ", ".join(f"{s.role}[{s.owner}] {'x'.join(map(str, s.shape))}"
+                           for s in manifest) + "]"
 
 
 def repeated_adapter(loras: Sequence[tuple[str, float]]) -> str | None:
@@ -130,8 +202,9 @@ def _frozen(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class WorkItem:
-    """Images ``start``..``stop-1`` of one request, handed to an executor. Its input frames (if
-    the request is an edit) follow the header, item after item."""
+    """Images ``start``..``stop-1`` of one request, handed to an executor. Its input frames (its
+    request's manifest) follow the header, item after item; a resumed item carries none (its
+    executor holds its state)."""
 
     request: ImageRequest
     start: int
@@ -158,6 +231,11 @@ class WorkItem:
     @property
     def samples(self) -> int:
         return self.stop - self.start
+
+    @property
+    def manifest(self) -> tuple[FrameSpec, ...]:
+        """The input frames that travel with it."""
+        return () if self.resume else self.request.manifest
 
 
 @dataclass(frozen=True)

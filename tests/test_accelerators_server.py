@@ -88,6 +88,7 @@ def test_a_server_without_a_step_cache_refuses_a_threshold():
     from diffserve.config import ServerConfig
     from diffserve.errors import APIError
     from diffserve.frontend.schemas import ImageGenerationRequest
+    from diffserve.frontend.spec import generation_spec
     from diffserve.frontend.validation import to_engine_request
     from diffserve.model_info import ModelInfo
     from diffserve.tasks import GENERATE as TASK
@@ -96,13 +97,13 @@ def test_a_server_without_a_step_cache_refuses_a_threshold():
                      "float32", "step", ["generate"], True)
     body = ImageGenerationRequest(prompt="x", cache_threshold=0.3)
     with pytest.raises(APIError) as refused:
-        to_engine_request(body, "r", info, ServerConfig(), TASK)
+        to_engine_request(generation_spec(body), "r", info, ServerConfig(), TASK)
     assert refused.value.param == "cache_threshold" and "--step-cache" in str(refused.value)
     # Zero asks for nothing, and a server that caches takes any threshold.
-    assert to_engine_request(ImageGenerationRequest(prompt="x", cache_threshold=0.0), "r", info,
-                             ServerConfig(), TASK).cache_threshold == 0.0
+    zero = generation_spec(ImageGenerationRequest(prompt="x", cache_threshold=0.0))
+    assert to_engine_request(zero, "r", info, ServerConfig(), TASK).cache_threshold == 0.0
     import dataclasses
 
-    accepted = to_engine_request(body, "r", dataclasses.replace(info, step_cache=True),
-                                 ServerConfig(), TASK)
+    accepted = to_engine_request(generation_spec(body), "r",
+                                 dataclasses.replace(info, step_cache=True), ServerConfig(), TASK)
     assert accepted.cache_threshold == 0.3

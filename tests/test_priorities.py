@@ -14,6 +14,7 @@ from diffserve.config import ServerConfig
 from diffserve.errors import APIError
 from diffserve.executor.model.loading import load_model
 from diffserve.frontend.schemas import ImageGenerationRequest
+from diffserve.frontend.spec import generation_spec
 from diffserve.frontend.validation import to_engine_request
 from diffserve.model_info import ModelInfo
 from diffserve.tasks import GENERATE
@@ -83,13 +84,13 @@ def test_a_priority_needs_the_priority_policy():
                      ["generate"], True)
     body = ImageGenerationRequest(prompt="x", priority=3)
     with pytest.raises(APIError) as caught:
-        to_engine_request(body, "r", info, ServerConfig(), GENERATE)
+        to_engine_request(generation_spec(body), "r", info, ServerConfig(), GENERATE)
     assert (caught.value.status, caught.value.param) == (400, "priority")
     assert "--scheduling-policy priority" in caught.value.message
-    assert to_engine_request(ImageGenerationRequest(prompt="x", priority=0), "r", info,
-                             ServerConfig(), GENERATE).priority == 0
+    zero = generation_spec(ImageGenerationRequest(prompt="x", priority=0))
+    assert to_engine_request(zero, "r", info, ServerConfig(), GENERATE).priority == 0
     config = ServerConfig(scheduling_policy="priority")
-    assert to_engine_request(body, "r", info, config, GENERATE).priority == 3
+    assert to_engine_request(generation_spec(body), "r", info, config, GENERATE).priority == 3
 
 
 def test_api_keys_with_classes_are_read_and_checked():

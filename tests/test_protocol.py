@@ -68,8 +68,8 @@ def test_messages_round_trip_with_raw_buffers():
     assert kind is Kind.SUBMIT and decoded == request and buffers == [image.tobytes()]
     assert decoded.input_frames == 1
 
-    work = Work(3, [WorkItem(request, 0, 2)])
-    assert decode(encode(Kind.WORK, work))[1] == work
+    work = Work(3, [WorkItem(request, 0, 2)])  # its item's input frame travels with it
+    assert decode(encode(Kind.WORK, work, [image.tobytes()]))[1] == work
 
     done = ItemsDone([ItemResult(request.request_id, 0, 1, "finished", 0.5)])
     assert decode(encode(Kind.ITEMS_DONE, done)) == (Kind.ITEMS_DONE, done, [])

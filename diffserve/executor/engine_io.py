@@ -10,7 +10,7 @@ from typing import Any
 import zmq
 
 from diffserve import metrics
-from diffserve.executor.results import NON_FINITE
+from diffserve.executor.results import NON_FINITE, Outcome
 from diffserve.protocol import (
     AdapterResult,
     ItemImages,
@@ -19,6 +19,7 @@ from diffserve.protocol import (
     Kind,
     Partial,
     Progress,
+    FramesMismatch,
     ProtocolError,
     TensorSpec,
     decode,
@@ -63,6 +64,12 @@ class EngineIO:
             return None
         try:
             return decode(frames)
+        except FramesMismatch as error:  # work whose frames are not its items': answer them
+            log.error("%s", error)
+            if error.kind is Kind.WORK:
+                self.send_outcomes([Outcome.failed(item, f"malformed work: {error}", 0.0)
+                                    for item in error.message.items])
+            return None
         except ProtocolError as error:
             log.error("dropped a malformed message from the scheduler: %s", error)
             return None

@@ -16,8 +16,8 @@ from collections import deque
 from typing import Any
 
 from diffserve.executor.engine_io import EngineIO
-from diffserve.executor.results import Outcome, describe
-from diffserve.protocol import CANCELLED, LOAD, Kind, ProtocolError
+from diffserve.executor.results import describe
+from diffserve.protocol import CANCELLED, LOAD, Kind
 from diffserve.work import Work
 from diffserve.samples import split_inputs
 
@@ -108,11 +108,8 @@ class RequestLoop:
         self.running = {item.request.request_id for item in work.items}
         self.io.count_memory(sum(item.samples * item.request.cost for item in work.items))
         start = time.perf_counter()
-        try:
+        try:  # its frames were checked against its items' manifests when it was decoded
             outcomes = self.runner.execute(work, split_inputs(work.items, frames))
-        except ProtocolError as error:  # the work cannot be read: answer each item, go on
-            log.error("%s", error)
-            outcomes = [Outcome.failed(item, f"malformed work: {error}", 0.0) for item in work.items]
         finally:
             self.cancelled -= self.running  # a request id is never reused
             self.running = set()
@@ -241,17 +238,13 @@ class StepLoop:
     def _join(self, work: list[tuple[Work, list[Any]]]) -> None:
         if not work:
             return
-        items, inputs, malformed = [], [], []
-        for msg, frames in work:
-            try:
-                inputs.extend(split_inputs(msg.items, frames))
-                items.extend(msg.items)
-            except ProtocolError as error:  # that work cannot be read: answer its items, go on
-                log.error("%s", error)
-                malformed += [Outcome.failed(item, f"malformed work: {error}", 0.0) for item in msg.items]
+        items, inputs = [], []
+        for msg, frames in work:  # checked against the items' manifests when decoded
+            inputs.extend(split_inputs(msg.items, frames))
+            items.extend(msg.items)
         admitted = []  # the admission's device time is read with the next step's (deferred)
         self.engine.timer.begin(lambda seconds, inner: self.io.count_admission(seconds, *admitted))
-        failed = malformed + self.engine.admit(items, inputs)
-        admitted.append(len(items) + len(malformed) - len(failed))
+        failed = self.engine.admit(items, inputs)
+        admitted.append(len(items) - len(failed))
         self.engine.timer.end(keep=1 if self.engine else 0)
         self.io.send_outcomes(failed)

@@ -1,6 +1,8 @@
 """The routes that make images: generations, edits (multipart uploads) and rollouts (one
-safetensors body). Each reads and validates its body; :class:`~diffserve.frontend.serving.Serving`
-does the rest."""
+safetensors body). Each reads and validates its body, turns it into its typed spec
+(:mod:`diffserve.frontend.spec`) and the engine's request, and decodes the request's input frames
+in the order its manifest lists them; :class:`~diffserve.frontend.serving.Serving` does the
+rest."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from diffserve.frontend.bodies import form_body_schema, json_body_schema, parse_
 from diffserve.frontend.schemas import (ImageEditForm, ImageGenerationRequest, ImagesResponse,
                                         RolloutRequest)
 from diffserve.frontend.serving import Accepted, Serving
+from diffserve.frontend.spec import RequestSpec, edit_spec, generation_spec, rollout_spec
 from diffserve.frontend.uploads import decode_inputs, image_size, parse_form, read_limited
 from diffserve.frontend.validation import fitted_size, to_engine_request
-from diffserve.work import ImageRequest
+from diffserve.work import CONTROLS, ImageRequest, in_manifest_order
 from diffserve.rollouts import LATENTS_LAYOUT, safetensors_body
 from diffserve.tasks import EDIT, GENERATE, IMAGE_TO_IMAGE, INPAINT, ROLLOUT, Task
 
@@ -37,6 +40,14 @@ def rollout_fields(request: ImageRequest) -> dict:
 def key_priority(http_request: Request) -> int | None:
     """The priority class of the API key the request came with (see frontend.auth)."""
     return getattr(http_request.state, PRIORITY, None)
+
+
+def input_frames(request: ImageRequest, spec: RequestSpec, max_pixels: int,
+                 uploads: dict[str, list] | None = None) -> list:
+    """The frames to send with ``request``, in its manifest's order: the uploads (by role),
+    and each control's own image."""
+    controls = control_frames(spec.controls, request.width, request.height, max_pixels)
+    return in_manifest_order(request.manifest, {**(uploads or {}), CONTROLS: controls})
 
 
 def edit_task(info, form) -> Task:
@@ -57,12 +68,13 @@ def image_routes(serving: Serving) -> APIRouter:
         async def accept() -> Accepted:
             body = await parse_json(http_request, ImageGenerationRequest, config.max_body_bytes,
                                     "--max-body-bytes")
-            request = to_engine_request(body, f"img-{uuid.uuid4().hex}", engine.model_info,
+            spec = generation_spec(body)
+            request = to_engine_request(spec, f"img-{uuid.uuid4().hex}", engine.model_info,
                                         config, GENERATE, engine.adapters,
                                         key_priority=key_priority(http_request))
             frames = await asyncio.get_running_loop().run_in_executor(
-                serving.pool, control_frames, body.controls, request.width, request.height,
-                config.max_input_pixels) if body.controls else []
+                serving.pool, input_frames, request, spec, config.max_input_pixels
+            ) if request.manifest else []
             return request, frames, body
 
         return await serving.serve(http_request, accept, streaming.GENERATIONS)
@@ -76,6 +88,7 @@ def image_routes(serving: Serving) -> APIRouter:
                                      "--max-upload-bytes")
             form = await parse_form(http_request.headers, raw, config.max_upload_bytes)
             body = validate(ImageEditForm, form.fields)
+            spec = edit_spec(body)
             info = engine.model_info
             task, size = edit_task(info, form), None
             if task.references:  # without a size, the first input's, fitted to the model
@@ -84,14 +97,14 @@ def image_routes(serving: Serving) -> APIRouter:
             elif len(form.images) > 1:
                 raise invalid_request(f"{len(form.images)} input images; model {info.name!r} "
                                       "takes one per edit", "image", "invalid_value")
-            request = to_engine_request(body, f"edit-{uuid.uuid4().hex}", info, config, task,
+            request = to_engine_request(spec, f"edit-{uuid.uuid4().hex}", info, config, task,
                                         engine.adapters, len(form.images), size,
                                         key_priority(http_request))
             frames = await asyncio.get_running_loop().run_in_executor(
-                serving.pool, lambda: decode_inputs(form, request.width, request.height,
-                                                    config.max_input_pixels)
-                + control_frames(body.controls, request.width, request.height,
-                                 config.max_input_pixels))
+                serving.pool, lambda: input_frames(
+                    request, spec, config.max_input_pixels,
+                    decode_inputs(form, task, request.width, request.height,
+                                  config.max_input_pixels)))
             return request, frames, body
 
         return await serving.serve(http_request, accept, streaming.EDITS)
@@ -107,12 +120,13 @@ def image_routes(serving: Serving) -> APIRouter:
                 raise invalid_request("a rollout is answered with one safetensors body: no "
                                       "stream, no url", "stream" if body.stream else
                                       "response_format", "unsupported_value")
-            request = to_engine_request(body, f"roll-{uuid.uuid4().hex}", engine.model_info,
+            spec = rollout_spec(body)
+            request = to_engine_request(spec, f"roll-{uuid.uuid4().hex}", engine.model_info,
                                         config, ROLLOUT, engine.adapters,
                                         key_priority=key_priority(http_request))
             frames = await asyncio.get_running_loop().run_in_executor(
-                serving.pool, control_frames, body.controls, request.width, request.height,
-                config.max_input_pixels) if body.controls else []
+                serving.pool, input_frames, request, spec, config.max_input_pixels
+            ) if request.manifest else []
             return request, frames, body
 
         def respond(request: ImageRequest, done) -> Response:

@@ -7,9 +7,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from diffserve.frontend.fields import Guidance, Priority, Prompt, Seed, Steps, User
 from diffserve.rollouts import DEFAULT_RETURN, RETURNABLE
 
-SEED_MAX = 2**32 - 1  # image i of a request uses (seed + i) modulo 2**32
 MAX_PARTIAL_IMAGES = 3
 LORA_SCALE_LIMIT = 4.0
 CONTROL_SCALE_LIMIT = 10.0
@@ -49,7 +49,7 @@ class ImageOptions(BaseModel):
     """Fields both endpoints take. Bounds that depend on the server's configuration or on the
     loaded model are checked in :mod:`diffserve.frontend.validation`."""
 
-    prompt: str = Field(min_length=1, description="What to draw.")
+    prompt: Prompt = Field(description="What to draw.")
     model: str | None = Field(None, description="Must be the served model's name if given.")
     n: int = Field(1, ge=1, description="Number of images.")
     size: str | None = Field(None, description='"WIDTHxHEIGHT" or "auto" (the model\'s native size).')
@@ -57,7 +57,7 @@ class ImageOptions(BaseModel):
     output_format: Literal["png", "jpeg", "webp"] = "png"
     output_compression: int | None = Field(None, ge=0, le=100,
                                            description="JPEG/WebP quality, PNG effort, 0-100.")
-    user: str | None = Field(None, max_length=256)
+    user: User | None = None
     quality: Quality = Field("auto", description="Accepted for compatibility; the server runs "
                              "the request's own steps and guidance.")
     background: Literal["auto", "opaque"] = Field(
@@ -66,14 +66,14 @@ class ImageOptions(BaseModel):
     partial_images: int = Field(0, ge=0, le=MAX_PARTIAL_IMAGES,
                                 description="Streamed previews per image (stream only).")
     # Extensions (the openai client sends them through extra_body).
-    seed: int | None = Field(None, ge=0, le=SEED_MAX,
-                             description="Seed of image 0; image i uses seed+i, modulo 2**32.")
+    seed: Seed | None = Field(None, description="Seed of image 0; image i uses seed+i, "
+                              "modulo 2**32.")
     negative_prompt: str | None = None
-    num_inference_steps: int | None = Field(None, ge=1)
-    guidance_scale: float | None = Field(None, ge=0, le=100)
-    priority: int | None = Field(None, ge=-1_000_000, le=1_000_000, description="Its priority "
-                                 "class under --scheduling-policy priority: lower runs sooner "
-                                 "(default 0, or the API key's).")
+    num_inference_steps: Steps | None = None
+    guidance_scale: Guidance | None = None
+    priority: Priority | None = Field(None, description="Its priority class under "
+                                      "--scheduling-policy priority: lower runs sooner (default "
+                                      "0, or the API key's).")
     scheduler: str | None = Field(None, max_length=64, description="A sampler the model offers "
                                   "(GET /v1/models lists them); the model's own by default.")
     loras: list[LoraRef] | None = Field(

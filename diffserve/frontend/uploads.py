@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from diffserve.errors import body_too_large, invalid_request
+from diffserve.tasks import IMAGE, MASK, REFERENCE, Task
 
 FORMATS = {"PNG", "JPEG", "WEBP"}
 IMAGE_FIELDS = ("image", "image[]")
@@ -180,13 +181,15 @@ def image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
     return open_image(data, "image", max_pixels, header_only=True).size
 
 
-def decode_inputs(form: EditForm, width: int, height: int,
-                  max_pixels: int) -> list[Any]:
-    """The raw frames an edit carries to the engine: each image, then the mask if any."""
+def decode_inputs(form: EditForm, task: Task, width: int, height: int,
+                  max_pixels: int) -> dict[str, list[Any]]:
+    """The raw frames an edit carries to the engine, by their manifest role: its images (an
+    instruction edit's references, or the one image it redraws) and its mask if any."""
     images = [open_image(data, "image", max_pixels) for data in form.images]
-    frames = [image_pixels(image, width, height) for image in images]
+    role = REFERENCE.name if task.references else IMAGE.name
+    frames = {role: [image_pixels(image, width, height) for image in images]}
     if form.mask is not None:
-        frames.append(mask_pixels(open_image(form.mask, "mask", max_pixels), images[0], width,
-                                  height))
+        frames[MASK.name] = [mask_pixels(open_image(form.mask, "mask", max_pixels), images[0],
+                                         width, height)]
     return frames
 

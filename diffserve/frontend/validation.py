@@ -1,5 +1,6 @@
-"""Checks that need the server's configuration or the loaded model, and the step from an HTTP
-body to the engine's :class:`~diffserve.work.ImageRequest`. Pure functions."""
+"""Checks that need the server's configuration or the loaded model, and the step from a route's
+typed spec (:class:`~diffserve.frontend.spec.RequestSpec`) to the engine's
+:class:`~diffserve.work.ImageRequest`. Pure functions."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from diffserve.policies import QUEUE_POLICIES
 from diffserve.costs import image_cost, uses_cfg, video_cost
 from diffserve.errors import invalid_request, model_not_found
 from diffserve.frontend.controls import control_cost, control_stack
-from diffserve.frontend.schemas import ImageOptions
+from diffserve.frontend.spec import RequestSpec
 from diffserve.work import SEED_MODULUS, ImageRequest, repeated_adapter
 from diffserve.model_info import ModelInfo
 from diffserve.tasks import EDIT, GENERATE, Task
@@ -53,7 +54,7 @@ def fitted_size(width: int, height: int, info: ModelInfo, config: ServerConfig) 
     return tuple(max(stride, int(side * scale) // stride * stride) for side in (width, height))
 
 
-def lora_stack(body: ImageOptions, info: ModelInfo, adapters: Collection[str],
+def lora_stack(body: RequestSpec, info: ModelInfo, adapters: Collection[str],
                config: ServerConfig) -> tuple[tuple[str, float], ...]:
     """The request's adapters and scales: ``model`` naming an adapter is that adapter at scale
     1, ahead of the ``loras`` field's."""
@@ -62,7 +63,7 @@ def lora_stack(body: ImageOptions, info: ModelInfo, adapters: Collection[str],
         if body.model not in adapters:
             raise model_not_found(body.model, info.name, adapters)
         stack.append((body.model, 1.0))
-    for i, ref in enumerate(body.loras or ()):
+    for i, ref in enumerate(body.loras):
         if ref.name not in adapters:
             raise model_not_found(ref.name, info.name, adapters, f"loras[{i}].name")
         stack.append((ref.name, float(ref.scale)))
@@ -77,7 +78,7 @@ def lora_stack(body: ImageOptions, info: ModelInfo, adapters: Collection[str],
     return tuple(stack)
 
 
-def priority_of(body: ImageOptions, config: ServerConfig, key_priority: int | None) -> int:
+def priority_of(body: RequestSpec, config: ServerConfig, key_priority: int | None) -> int:
     """The request's priority class: its own, or its API key's, never better than the key's
     (a better one is lowered to it)."""
     asked = body.priority
@@ -89,15 +90,17 @@ def priority_of(body: ImageOptions, config: ServerConfig, key_priority: int | No
     return key_priority if asked is None else max(asked, key_priority)
 
 
-def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
+def to_engine_request(body: RequestSpec, request_id: str, info: ModelInfo,
                       config: ServerConfig, task: Task, adapters: Collection[str] = (),
                       references: int = 0, size: tuple[int, int] | None = None,
-                      key_priority: int | None = None, frames: int = 0) -> ImageRequest:
-    """``adapters``: the names of the LoRA adapters served now; ``references``: an instruction
-    edit's image count; ``size``: the size when the body has none (default: the native one);
-    ``key_priority``: the priority class of the API key it came with."""
+                      key_priority: int | None = None) -> ImageRequest:
+    """``body``: the route's spec; ``adapters``: the names of the LoRA adapters served now;
+    ``references``: an instruction edit's image count; ``size``: the size when the body has
+    none (default: the native one); ``key_priority``: the priority class of the API key it
+    came with."""
     loras = lora_stack(body, info, adapters, config)
-    if bool(frames) != bool(info.num_frames):  # ``frames``: a video's, checked by the caller
+    frames = body.num_frames  # a video's, checked by its route
+    if bool(frames) != bool(info.num_frames):
         made, route = (("videos", "POST /v1/videos") if info.num_frames else
                        ("images", "/v1/images/generations or /v1/images/edits"))
         raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) makes {made}: use "
@@ -116,7 +119,7 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
                               f"supports: {', '.join(info.tasks)})",
                               task.inputs[-1].param if task.inputs else None,
                               "unsupported_task")
-    given_strength = getattr(body, "strength", None)
+    given_strength = body.strength
     if task.references and given_strength is not None:
         raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) edits by instruction "
                               "and takes no strength; leave it out", "strength",
@@ -162,7 +165,7 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
     guidance = info.default_guidance_scale if body.guidance_scale is None else body.guidance_scale
     negative = body.negative_prompt or ""
     cfg = uses_cfg(info.guidance_rule, guidance, negative)
-    controls = control_stack(getattr(body, "controls", None), info, config, task)
+    controls = control_stack(body.controls, info, config, task)
     cost = (video_cost(width, height, frames, info.width, info.height, info.num_frames,
                        info.frame_stride, cfg) if frames
             else image_cost(width, height, info.width, info.height, cfg)
@@ -179,7 +182,7 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
             f"classifier-free guidance, in rows of the native {info.width}x{info.height}), above "
             f"the {info.max_batch_cost:g} one denoiser forward may carry (--max-batch-cost)",
             "size", "invalid_size")
-    threshold = getattr(body, "cache_threshold", None)
+    threshold = body.cache_threshold
     if threshold:
         if not info.step_cache:
             raise invalid_request("cache_threshold needs a server that runs a step cache "
@@ -198,5 +201,5 @@ def to_engine_request(body: ImageOptions, request_id: str, info: ModelInfo,
         # Previews exist only in a stream; without one they would be decoded for nothing.
         partial_images=body.partial_images if body.stream else 0, loras=loras, cost=cost,
         references=references if task.references else 0, num_frames=frames,
-        noise_level=float(getattr(body, "noise_level", 0.0)), cache_threshold=threshold,
-        returns=tuple(getattr(body, "return_", None) or ()), controls=controls)
+        noise_level=float(body.noise_level), cache_threshold=threshold, returns=body.returns,
+        controls=controls, guidance_scale_2=body.guidance_scale_2, progress=body.progress)

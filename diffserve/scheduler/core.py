@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Tracked:
     request: ImageRequest
-    frames: list[Any]  # input pixels (edits), forwarded with every item of the request
+    frames: list[Any]  # its input frames (checked against its manifest when it was decoded),
+    # forwarded with every item of the request
     enqueued_at: float
     first_dispatch_at: float | None = None
     made: int = 0  # images finished (their pixels went to the frontend)
@@ -140,14 +141,11 @@ class SchedulerCore(Placement, Completion):
     # -- requests in -----------------------------------------------------------------------
 
     def add(self, request: ImageRequest, frames: list[Any], now: float) -> Finished | None:
-        """Queue a request; returns a failure answer if it cannot be accepted."""
+        """Queue a request; returns a failure answer if it cannot be accepted. ``frames`` are
+        the ones its manifest declares (:func:`diffserve.protocol.decode` checked them)."""
         if request.request_id in self.requests:
             return self._refuse(request.request_id, 409, f"request id {request.request_id!r} is "
                                 "already in use", "invalid_request_error", "duplicate_request_id")
-        if len(frames) != request.input_frames:
-            return self._refuse(request.request_id, 400, f"a {request.task} request carries "
-                                f"{request.input_frames} input frames, not {len(frames)}",
-                                "invalid_request_error", "invalid_value")
         if self.refusing:
             return self._refuse(request.request_id, 503, self.refusing, "server_error", "sleeping")
         if self.max_queue_size and self.num_waiting >= self.max_queue_size:
@@ -157,6 +155,14 @@ class SchedulerCore(Placement, Completion):
         self.requests[request.request_id] = _Tracked(request, list(frames), now)
         self.batcher.add(request, now)
         return None
+
+    def refuse_malformed(self, request: ImageRequest, reason: str) -> Finished | None:
+        """The answer to a request whose frames were not those it declared (a 400), unless its
+        id belongs to a request already queued (which is not touched)."""
+        if request.request_id in self.requests:
+            return None
+        return self._refuse(request.request_id, 400, reason, "invalid_request_error",
+                            "invalid_value")
 
     def abort(self, request_id: str) -> bool:
         """Forget a request whose caller has gone; whether it was known. Each executor holding

@@ -28,6 +28,7 @@ from diffserve.protocol import (
     EngineStatus,
     Fatal,
     Kind,
+    FramesMismatch,
     ProtocolError,
     decode,
     encode,
@@ -166,6 +167,12 @@ class SchedulerProc:
                 return
             try:
                 kind, msg, buffers = decode(frames)
+            except FramesMismatch as error:  # a request to answer: it cannot be run
+                log.error("refused a request from the frontend: %s", error)
+                if error.kind is Kind.SUBMIT and (refused := self.core.refuse_malformed(
+                        error.message, str(error))):
+                    self._answer([refused])
+                continue
             except ProtocolError as error:
                 log.error("dropped a malformed message from the frontend: %s", error)
                 continue

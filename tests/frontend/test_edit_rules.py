@@ -11,6 +11,7 @@ import pytest
 from diffserve.config import ServerConfig
 from diffserve.errors import APIError
 from diffserve.frontend.schemas import ImageEditForm, ImageGenerationRequest
+from diffserve.frontend.spec import edit_spec, generation_spec
 from diffserve.frontend.validation import fitted_size, to_engine_request
 from diffserve.model_info import ModelInfo
 from diffserve.tasks import EDIT, GENERATE, IMAGE_TO_IMAGE
@@ -30,7 +31,7 @@ SD = dataclasses.replace(KONTEXT, name="sd", pipeline_class="StableDiffusionPipe
 def edit(info, references=1, default_size=None, **fields):
     body = ImageEditForm(**{"prompt": "make it red", **fields})
     task = EDIT if EDIT.name in info.tasks else IMAGE_TO_IMAGE
-    return to_engine_request(body, "rid", info, ServerConfig(), task, (), references,
+    return to_engine_request(edit_spec(body), "rid", info, ServerConfig(), task, (), references,
                              default_size)
 
 
@@ -57,7 +58,8 @@ def test_an_edit_takes_up_to_the_models_images_and_the_message_names_the_limit()
 
 def test_a_generation_on_an_edit_only_model_names_the_edits_endpoint():
     body = ImageGenerationRequest(prompt="a cat")
-    e = error_of(lambda: to_engine_request(body, "rid", EDIT_ONLY, ServerConfig(), GENERATE))
+    e = error_of(lambda: to_engine_request(generation_spec(body), "rid", EDIT_ONLY,
+                                           ServerConfig(), GENERATE))
     assert (e.status, e.code) == (400, "unsupported_task") and "/v1/images/edits" in e.message
 
 
@@ -75,7 +77,9 @@ def test_an_edit_without_a_size_takes_the_first_inputs_fitted_to_the_model():
 
 def test_a_sampler_must_be_one_the_model_offers():
     body = ImageGenerationRequest(prompt="a cat", scheduler="euler")
-    assert to_engine_request(body, "r", SD, ServerConfig(), GENERATE).scheduler == "euler"
+    spec = generation_spec(body)
+    assert to_engine_request(spec, "r", SD, ServerConfig(), GENERATE).scheduler == "euler"
     body = ImageGenerationRequest(prompt="a cat", scheduler="dpm++2m")
-    e = error_of(lambda: to_engine_request(body, "r", SD, ServerConfig(), GENERATE))
+    e = error_of(lambda: to_engine_request(generation_spec(body), "r", SD, ServerConfig(),
+                                           GENERATE))
     assert (e.status, e.param) == (400, "scheduler") and "ddim, euler" in e.message

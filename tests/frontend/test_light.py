@@ -15,6 +15,7 @@ from diffserve.costs import GUIDANCE_RULES
 from diffserve.engine import Engine  # the host both `diffserve serve` and a Ray replica use
 from diffserve.frontend.app import create_app
 from diffserve.frontend.schemas import ImageGenerationRequest
+from diffserve.frontend.spec import generation_spec
 from diffserve.frontend.validation import to_engine_request
 from diffserve.metrics import FrontendMetrics
 from diffserve.protocol import ModelInfo
@@ -26,7 +27,7 @@ for rule in GUIDANCE_RULES:
     info = ModelInfo("m", "P", 64, 64, 16, 4, 1000, 4.0, True, "cpu", "float32", "step",
                      ["generate"], True, guidance_rule=rule, max_batch_cost=16.0)
     body = ImageGenerationRequest(prompt="x", negative_prompt="y", size="64x64")
-    r = to_engine_request(body, "id", info, ServerConfig(), GENERATE)
+    r = to_engine_request(generation_spec(body), "id", info, ServerConfig(), GENERATE)
     print(rule, r.cost)
 heavy = sorted(m for m in ("torch", "diffusers", "transformers", "diffserve.executor.families")
                if m in sys.modules)

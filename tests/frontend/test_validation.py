@@ -6,6 +6,7 @@ from pydantic import ValidationError
 from diffserve.config import ServerConfig
 from diffserve.errors import APIError
 from diffserve.frontend.schemas import ImageGenerationRequest
+from diffserve.frontend.spec import edit_spec, generation_spec
 from diffserve.frontend.validation import to_engine_request
 from diffserve.model_info import ModelInfo
 from diffserve.tasks import GENERATE, TASKS
@@ -18,7 +19,8 @@ INFO = ModelInfo(name="tiny-sd", pipeline_class="StableDiffusionPipeline", width
 
 def convert(config=None, info=INFO, **fields):
     body = ImageGenerationRequest(**{"prompt": "a cat", **fields})
-    return to_engine_request(body, "rid", info, config or ServerConfig(), GENERATE)
+    return to_engine_request(generation_spec(body), "rid", info, config or ServerConfig(),
+                             GENERATE)
 
 
 def test_defaults_come_from_the_model():
@@ -82,7 +84,7 @@ def edit(info=INFO, task="image-to-image", **fields):
     from diffserve.frontend.schemas import ImageEditForm
 
     body = ImageEditForm.model_validate({"prompt": "make it blue", **fields})
-    return to_engine_request(body, "rid", info, ServerConfig(), TASKS[task])
+    return to_engine_request(edit_spec(body), "rid", info, ServerConfig(), TASKS[task])
 
 
 def test_form_fields_arrive_as_strings_and_are_converted():

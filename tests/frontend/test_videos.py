@@ -173,6 +173,7 @@ def test_unknown_ids_are_404_with_the_openai_error_body(wan):
     ({"size": "32x32"}, "prompt"),  # missing
     ({"prompt": "x", "n": "2"}, "n"),  # not a field of a video
     ({"prompt": "x", "guidance_scale_2": "2"}, "guidance_scale_2"),  # one expert only
+    ({"prompt": "x", "priority": "2000000"}, "priority"),  # the images API's bound
 ])
 def test_bad_input_is_a_400_naming_the_field(wan, fields, param):
     with wan.client() as c:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from diffserve.protocol import CANCELLED, FINISHED, REQUEST_MODE, STEP_MODE, ItemResult, ItemsDone
+from diffserve.protocol import (CANCELLED, FINISHED, REQUEST_MODE, STEP_MODE, FramesMismatch,
+                               ItemResult, ItemsDone, Kind, decode, encode)
 from diffserve.scheduler.core import DELAY, DRAIN, EXECUTOR_FREE, FULL, SchedulerCore
 from helpers import make_request, ready_core as core, run, taken
 
@@ -46,9 +47,18 @@ def test_edit_input_frames_travel_with_every_item():
 
 
 def test_an_edit_without_its_frames_is_refused():
+    """Its frames are checked once, when its message is decoded; the core answers with a 400
+    (and leaves a queued request of the same id alone)."""
     c = core()
-    refused = c.add(make_request(request_id="e", task="image-to-image"), [], 0.0)
+    request = make_request(request_id="e", task="image-to-image")
+    with pytest.raises(FramesMismatch) as caught:
+        decode(encode(Kind.SUBMIT, request))
+    assert caught.value.message == request and "declares 1 input frames" in str(caught.value)
+    refused = c.refuse_malformed(caught.value.message, str(caught.value))
     assert refused.failed.status == 400 and "e" not in c.requests
+    assert refused.failed.code == "invalid_value"
+    c.add(make_request(request_id="q"), [], 0.0)
+    assert c.refuse_malformed(make_request(request_id="q"), "no") is None and "q" in c.requests
 
 
 def test_error_of_one_request_fails_only_that_request():

@@ -14,6 +14,7 @@ from diffserve.executor.model.samplers import offered
 from diffserve.protocol import STEP_MODE
 from diffserve.model_info import ModelInfo
 from diffserve.tasks import EDIT, IMAGE_TO_IMAGE
+from diffserve.work import DEFAULT_STEPS
 
 DEFAULT_FPS = 16  # Wan's; a video model's diffserve.json may say otherwise
 
@@ -44,6 +45,7 @@ def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: typ
     stride = d.get("spatial_stride") or scale * (2 if getattr(pipe, "transformer", None) else 1)
     guidance = d.get("guidance_scale", call_defaults.get(
         family.guidance_kwarg if family else "guidance_scale"))
+    # The step count: the serving defaults', else the pipeline's own, else DEFAULT_STEPS.
     steps = d.get("num_inference_steps", call_defaults.get("num_inference_steps"))
     sched = getattr(getattr(pipe, "scheduler", None), "config", {})
     max_steps = int(sched.get("num_train_timesteps", 1000)) - int(sched.get("steps_offset", 0) or 0)
@@ -56,7 +58,8 @@ def model_info(loaded: LoadedModel, config: ServerConfig, mode: str, family: typ
         name=config.model_name, pipeline_class=type(pipe).__name__,
         width=int(d.get("width", native)), height=int(d.get("height", native)),
         spatial_stride=int(stride),
-        default_steps=int(steps if isinstance(steps, int) else 30), max_steps=max_steps,
+        default_steps=int(steps if isinstance(steps, int) else DEFAULT_STEPS),
+        max_steps=max_steps,
         default_guidance_scale=guidance,
         supports_negative_prompt="negative_prompt" in loaded.accepts,
         device=loaded.device, dtype=loaded.dtype, batching_mode=mode, tasks=tasks,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import dataclasses
 import json
 import re
 
@@ -16,6 +15,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from diffserve.errors import APIError, invalid_request
 from diffserve.frontend.bodies import validate
 from diffserve.frontend.serving import Serving
+from diffserve.frontend.spec import video_spec
 from diffserve.frontend.image_routes import key_priority
 from diffserve.frontend.uploads import image_pixels, open_image, read_limited, read_multipart
 from diffserve.frontend.validation import to_engine_request
@@ -25,7 +25,8 @@ from diffserve.frontend.videos.peers import Peers
 from diffserve.frontend.videos.schemas import Video, VideoCreate, VideoDeleted, VideoError, VideoList
 from diffserve.frontend.videos.store import COMPLETED, Job
 from diffserve.model_info import ModelInfo
-from diffserve.tasks import GENERATE, IMAGE_TO_VIDEO
+from diffserve.tasks import FIRST_FRAME, GENERATE, IMAGE_TO_VIDEO
+from diffserve.work import in_manifest_order
 
 REFERENCE_FIELD = "input_reference"
 POLL_AFTER_MS = "500"  # how soon the SDK's poll helper asks again
@@ -137,15 +138,15 @@ def video_routes(serving: Serving, jobs: VideoJobs, peers: Peers | None = None) 
                                   "guidance_scale_2", "guidance_scale_2", "unsupported_parameter")
         fps = body.fps or info.fps
         frames = frame_count(body, info, fps, config.max_video_frames)
-        request = to_engine_request(body, new_id(peers.tag if peers else ""), info, config, task,
-                                    engine.adapters, frames=frames,
+        request = to_engine_request(video_spec(body, frames), new_id(peers.tag if peers else ""),
+                                    info, config, task, engine.adapters,
                                     key_priority=key_priority(http_request))
-        request = dataclasses.replace(request, progress=True, guidance_scale_2=body.guidance_scale_2)
         inputs = []
         if reference is not None:
             picture = open_image(reference, REFERENCE_FIELD, config.max_input_pixels)
-            inputs = [await asyncio.get_running_loop().run_in_executor(
-                serving.pool, image_pixels, picture, request.width, request.height)]
+            first = await asyncio.get_running_loop().run_in_executor(
+                serving.pool, image_pixels, picture, request.width, request.height)
+            inputs = in_manifest_order(request.manifest, {FIRST_FRAME.name: [first]})
         params = {"seed": request.seed, "num_frames": frames, "fps": fps,
                   "num_inference_steps": request.num_inference_steps,
                   "guidance_scale": request.guidance_scale, "task": task.name}

@@ -3,53 +3,46 @@ server's extensions, and the Video object as the SDK reads it."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from diffserve.frontend.schemas import SEED_MAX
+from diffserve.frontend.fields import Guidance, Priority, Prompt, Seed, Steps, User
 
 MAX_FPS = 120
 
 
 class VideoCreate(BaseModel):
-    """``POST /v1/videos``. Fields the images API has and a video does not (n, streaming, ...)
-    are fixed here, so the one validation of requests applies to both."""
+    """``POST /v1/videos``. The fields it shares with the images API have the same bounds
+    (:mod:`diffserve.frontend.fields`); :func:`diffserve.frontend.spec.video_spec` makes it
+    the same typed spec an image request becomes."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1, description="What the video shows.")
+    prompt: Prompt = Field(description="What the video shows.")
     model: str | None = Field(None, description="Must be the served model's name if given.")
     seconds: str | None = Field(None, pattern=r"^\d+(\.\d+)?$", description="Duration: frames "
                                 "are seconds x fps, rounded to the model's frame rule.")
     size: str | None = Field(None, description='"WIDTHxHEIGHT" (default: the model\'s native).')
     # Extensions (the openai client sends them through extra_body).
-    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    seed: Seed | None = None
     num_frames: int | None = Field(None, ge=1, description="Frame count (wins over seconds).")
     fps: int | None = Field(None, ge=1, le=MAX_FPS, description="Frame rate of the MP4 (default: "
                             "the model's).")
-    num_inference_steps: int | None = Field(None, ge=1)
-    guidance_scale: float | None = Field(None, ge=0, le=100)
-    guidance_scale_2: float | None = Field(None, ge=0, le=100, description="Two-expert models "
-                                           "(Wan 2.2): the low-noise expert's guidance scale.")
+    num_inference_steps: Steps | None = None
+    guidance_scale: Guidance | None = None
+    guidance_scale_2: Guidance | None = Field(None, description="Two-expert models (Wan 2.2): "
+                                              "the low-noise expert's guidance scale.")
     negative_prompt: str | None = None
-    priority: int | None = None
-    user: str | None = Field(None, max_length=256)
+    priority: Priority | None = Field(None, description="Its priority class, as the images "
+                                      "API's.")
+    user: User | None = None
 
     @field_validator("seconds", mode="before")
     @classmethod
     def _number(cls, value):
         """JSON clients may send a number; the SDK sends a string."""
         return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
-
-    # What the images API's validation reads, fixed for a video: one, unstreamed, no adapters,
-    # the model's own sampler.
-    n: ClassVar[int] = 1
-    response_format: ClassVar[str] = "b64_json"
-    stream: ClassVar[bool] = False
-    partial_images: ClassVar[int] = 0
-    scheduler: ClassVar[None] = None
-    loras: ClassVar[None] = None
 
 
 class VideoError(BaseModel):
