@@ -11,7 +11,7 @@ import sys
 import time
 
 from kit import cli
-from diffserve.work import ImageRequest
+from diffserve.wire.request import ImageRequest
 from diffserve.scheduler.batcher import Batcher
 
 SIGNATURES = [(64, 64, 4, 5.0), (64, 64, 8, 5.0), (128, 128, 4, 5.0), (64, 64, 4, 7.5)]

@@ -25,9 +25,9 @@ from diffserve.executor.model.loading import leave_out_unused_libraries, load_mo
 from diffserve.executor.parallel.model import parallelize
 from diffserve.executor.parallel.topology import Group, RankSpec
 from diffserve.executor.pipeline import pipeline_class_of
-from diffserve.topology import Degrees
+from diffserve.config.topology import Degrees
 from diffserve.processes import bound_openmp_spin
-from diffserve.launcher import free_port
+from diffserve.serving.launcher import free_port
 from diffserve.builders.registry import resolve_model
 
 # name: blocks, hidden, heads, MLP width, image (video) tokens, text tokens, joint (the text in

@@ -34,8 +34,8 @@ import gpu.speed  # noqa: F401
 import gpu.seed  # noqa: F401
 from gpu import FAMILIES, IMAGES, SECTIONS, Context, failures, section
 from kit import cli, in_process, stats
-from diffserve import shared_tensors
-from diffserve.control import PATH, SHARED, WeightSource
+from diffserve.wire import shared_tensors
+from diffserve.wire.weight_commands import PATH, SHARED, WeightSource
 from diffserve.executor.memory import oom as memory
 
 @section("first-day")

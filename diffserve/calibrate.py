@@ -1,5 +1,5 @@
 """``diffserve calibrate``: what one denoising step costs on this model and device, against its
-cost in rows at the native size (:mod:`diffserve.costs`), and the bounds that follow.
+cost in rows at the native size (:mod:`diffserve.wire.costs`), and the bounds that follow.
 
 It runs the step engine itself on the loaded model: for each size and batch it admits that many
 requests and times their steps (the forward, every request's scheduler step), after a warm-up.
@@ -70,11 +70,11 @@ def suggest(samples: list[Sample], free_bytes: int | None, latent_bytes_per_unit
 
 def measure(model: str, device: str, dtype: str, sides: list[float], batches: list[int],
             steps: int, threads: int) -> tuple[list[Sample], dict]:
-    from diffserve.config import ServerConfig
-    from diffserve.costs import image_cost, uses_cfg
+    from diffserve.config.server import ServerConfig
+    from diffserve.wire.costs import image_cost, uses_cfg
     from diffserve.executor.families.known import UnsupportedMode
     from diffserve.executor.runtime import build_runtime
-    from diffserve.work import ImageRequest, WorkItem
+    from diffserve.wire.request import ImageRequest, WorkItem
 
     try:
         rt = build_runtime(ServerConfig(model=model, device=device, dtype=dtype,

@@ -7,11 +7,11 @@ import argparse
 import dataclasses
 import sys
 
-from diffserve.config import ConfigError, ServerConfig
+from diffserve.config.server import ConfigError, ServerConfig
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    from diffserve.config_speed import SpeedOptions
+    from diffserve.config.speed import SpeedOptions
 
     speed = {f.name for f in dataclasses.fields(SpeedOptions)}
     group = parser.add_argument_group("speed (step cache, compilation, quantization, attention)")
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return calibrate(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "models":
-        from diffserve.config import DEFAULT_MODEL
+        from diffserve.config.server import DEFAULT_MODEL
         from diffserve.builders.embedded import EMBEDDED, EMBEDDED_CONTROLNETS, PACKAGED
         from diffserve.executor.families import architectures
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"diffserve serve: error: {error}", file=sys.stderr)
         return 2
-    from diffserve.server import serve
+    from diffserve.serving.server import serve
 
     return serve(config)
 

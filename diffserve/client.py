@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from diffserve.work import SEED_MODULUS  # the server's seeds wrap here
+from diffserve.wire.request import SEED_MODULUS  # the server's seeds wrap here
 
 RETRIED = (429, 503)
 
@@ -98,7 +98,7 @@ class Client:
         to shared memory on this host, which the server takes over). ``mode``: ``drain`` lets
         running requests finish on the old weights, ``abort`` ends them. Returns once applied:
         ``{"weight_version": ..., "applied_at": ...}``."""
-        from diffserve import shared_tensors
+        from diffserve.wire import shared_tensors
 
         body: dict[str, Any] = {"mode": mode}
         if weight_version is not None:

@@ -4,7 +4,7 @@ The scheduler and the executors are processes of their own; prometheus-client's 
 mode keeps their values in files under one directory per server, and ``/metrics`` on the
 frontend sums them. Each of those processes calls :func:`record_to` first thing at its start,
 before prometheus-client is imported there (the library reads the directory from the environment
-at import), then makes its one :class:`EngineMetrics` and hands it to what counts. The frontend's own figures (requests by outcome, latency) live in a private registry of
+at import), then makes its one :class:`ProcessMetrics` and hands it to what counts. The frontend's own figures (requests by outcome, latency) live in a private registry of
 its process, so a host process (a Ray Serve replica) keeps its other metrics exactly as they were:
 nothing here changes the environment or the library's state of the process that hosts the
 frontend.
@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 
-from diffserve.config import NO_ADAPTER, OTHER_ADAPTERS
+from diffserve.config.server import NO_ADAPTER, OTHER_ADAPTERS
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -38,7 +38,7 @@ LORA_LABELS = 64
 # Distinct priority classes the per-class figures keep apart (the rest count as "other").
 PRIORITY_LABELS = 16
 
-# How a request ended, as the frontend counts it (an item's end is diffserve.protocol.ITEM_OUTCOMES).
+# How a request ended, as the frontend counts it (an item's end is diffserve.wire.protocol.ITEM_OUTCOMES).
 REQUEST_OUTCOMES = ("success", "invalid", "rejected", "failed", "cancelled")
 
 
@@ -119,7 +119,7 @@ class FrontendMetrics:
             self.class_latency_seconds.labels(priority=self._classes.label(priority)).observe(seconds)
 
 
-class EngineMetrics:
+class ProcessMetrics:
     """What the scheduler and the executors observe, summed over their processes."""
 
     def __init__(self) -> None:
@@ -303,7 +303,7 @@ class EngineMetrics:
     def declare_executor(self, index: int) -> None:
         """Create executor ``index``'s series at zero, so that dashboards and alert rules see
         them before the first event (a series that does not exist cannot be alerted on)."""
-        from diffserve.protocol import ITEM_OUTCOMES
+        from diffserve.wire.protocol import ITEM_OUTCOMES
         from diffserve.scheduler.core import DISPATCH_REASONS
 
         label = str(index)

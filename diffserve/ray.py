@@ -22,7 +22,7 @@ import dataclasses
 from contextlib import asynccontextmanager
 from typing import Any
 
-from diffserve.config import ConfigError, ServerConfig, parse_value
+from diffserve.config.server import ConfigError, ServerConfig, parse_value
 
 # Deployment options, with their types; everything else is a ServerConfig field.
 _DEPLOYMENT_ARGS = {"num_replicas": str, "min_replicas": int, "max_replicas": int,
@@ -71,12 +71,12 @@ def deployment_options(config: ServerConfig, given: dict[str, Any]) -> dict[str,
 
 def start_engine(config: ServerConfig):
     """A replica's engine, started (its model loads in the engine's own processes)."""
-    from diffserve.engine import Engine
+    from diffserve.serving.backend import Backend
 
     rank = _rank()
     if config.video_dir:
         config = dataclasses.replace(config, video_dir=f"{config.video_dir}/replica-{rank}")
-    return Engine(config)
+    return Backend(config)
 
 
 def _rank() -> int:
@@ -196,7 +196,7 @@ def app(args: dict[str, Any]):
 
     from ray import serve
 
-    from diffserve.frontend.engine_client import StartupError
+    from diffserve.frontend.scheduler_client import StartupError
 
     config, options = parse_args(args)
 

@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from diffserve.protocol import FAILED, FINISHED, REQUEST_MODE, ItemResult, ItemsDone
+from diffserve.wire.protocol import FAILED, FINISHED, REQUEST_MODE, ItemResult, ItemsDone
 from diffserve.scheduler.core import SchedulerCore
-from diffserve.work import ImageRequest
+from diffserve.wire.request import ImageRequest
 
 _ids = itertools.count()
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def run_plan(engine, plan: dict) -> dict:
     step; every request must finish. Each request's images, by request id."""
     import select
 
-    from diffserve.work import WorkItem
+    from diffserve.wire.request import WorkItem
 
     images, step = {}, 0
     while step == 0 or engine:
@@ -120,7 +120,7 @@ def exit_with(code: int) -> None:
 def scheduler_failing_at_dispatch(spec) -> None:
     """The real scheduler process entry, with a fault injected: its loop raises as soon as a
     request waits to be dispatched (a stand-in for any bug in the loop)."""
-    from diffserve.scheduler import process
+    from diffserve.scheduler import service as process
 
     def fail(self, now):
         if self.core.num_waiting:

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from diffserve.launcher import free_port
+from diffserve.serving.launcher import free_port
 from pace import scaled
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from diffserve.launcher import ServerProcess
+from diffserve.serving.launcher import ServerProcess
 from pace import scaled
 from server import pids_titled, process_title
 
@@ -150,7 +150,7 @@ def stop_while_loading(logs: Path, env: dict) -> dict:
         if serve.proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError("the replicas' executors did not both start:\n" + serve.log[-3000:])
         time.sleep(0.05)
-    loading = 2 - serve.log.count("diffserve.scheduler.process: executor 0 is ready")
+    loading = 2 - serve.log.count("diffserve.scheduler.service: executor 0 is ready")
     started = time.monotonic()
     stopped = ctrl_c(serve)
     # A stopped replica kills its engine (scheduler and executor) whether it had loaded or not:

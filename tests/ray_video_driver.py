@@ -13,7 +13,7 @@ import warnings
 
 import httpx
 
-from diffserve.launcher import ServerProcess
+from diffserve.serving.launcher import ServerProcess
 from pace import scaled
 from ray_driver import RAY_PORT, replicas_running, serving, start_serve, wait_for_replicas
 

@@ -85,13 +85,13 @@ def test_rollouts_are_never_cached(server):
 
 
 def test_a_server_without_a_step_cache_refuses_a_threshold():
-    from diffserve.config import ServerConfig
+    from diffserve.config.server import ServerConfig
     from diffserve.errors import APIError
     from diffserve.frontend.schemas import ImageGenerationRequest
     from diffserve.frontend.spec import generation_spec
     from diffserve.frontend.validation import to_engine_request
-    from diffserve.model_info import ModelInfo
-    from diffserve.tasks import GENERATE as TASK
+    from diffserve.wire.model_info import ModelInfo
+    from diffserve.wire.tasks import GENERATE as TASK
 
     info = ModelInfo("m", "StableDiffusionPipeline", 64, 64, 8, 4, 1000, 5.0, True, "cpu",
                      "float32", "step", ["generate"], True)

@@ -5,8 +5,8 @@ import sys
 import pytest
 
 from diffserve.cli import build_parser, main
-from diffserve.config import ConfigError, ServerConfig
-from diffserve.topology import executor_threads
+from diffserve.config.server import ConfigError, ServerConfig
+from diffserve.config.topology import executor_threads
 
 
 def test_defaults_are_valid():
@@ -114,7 +114,7 @@ def test_lora_flags_parse_and_check_each_other():
 
 
 def test_switches_and_lists_parse_from_text_as_ray_arguments_arrive():
-    from diffserve.config import parse_value
+    from diffserve.config.server import parse_value
 
     fields = {f.name: f for f in dataclasses.fields(ServerConfig)}
     assert parse_value(fields["enable_lora_runtime_updates"], "true") is True
@@ -127,7 +127,7 @@ def test_switches_and_lists_parse_from_text_as_ray_arguments_arrive():
 def test_a_quantization_that_cannot_run_here_stops_the_start_with_one_line(tmp_path):
     """fp8 on a CPU: the start fails with the reason, said once by the executor without a
     traceback (and once by the server as it gives up), and nothing of torchao's import noise."""
-    from diffserve.launcher import LaunchError, ServerProcess, diffserve_command, free_port
+    from diffserve.serving.launcher import LaunchError, ServerProcess, diffserve_command, free_port
 
     pytest.importorskip("torchao")
     port = free_port()

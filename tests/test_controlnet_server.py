@@ -19,7 +19,7 @@ from PIL import Image
 
 from diffserve.executor.checks.reference import max_diff, sample_image, solo
 from diffserve.builders.registry import resolve_controlnet, resolve_model
-from diffserve.work import Control
+from diffserve.wire.request import Control
 from helpers import make_request
 from server import LAUNCHES, assert_openai_error, decode, metric, serves, spec
 

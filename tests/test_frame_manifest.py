@@ -9,11 +9,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from diffserve.protocol import FramesMismatch, Kind, ProtocolError, decode, encode
-from diffserve.samples import CONTROLS, input_arrays, split_inputs
-from diffserve.work import (REFERENCES, Control, FrameSpec, Work, WorkItem, frame_manifest,
+from diffserve.wire.protocol import FramesMismatch, Kind, ProtocolError, decode, encode
+from diffserve.wire.samples import CONTROLS, input_arrays, split_inputs
+from diffserve.wire.request import (REFERENCES, Control, FrameSpec, Work, WorkItem, frame_manifest,
                             in_manifest_order)
-from diffserve.tasks import EDIT
+from diffserve.wire.tasks import EDIT
 from helpers import make_request
 
 W, H = 32, 16

@@ -134,7 +134,7 @@ def test_the_denoiser_component_names_are_defined_once():
 LIGHT = {
     # The frontend's and the scheduler's processes: they never touch a model.
     "frontend": "import diffserve.frontend.app",
-    "scheduler": "import diffserve.scheduler.process",
+    "scheduler": "import diffserve.scheduler.service",
     # The family tables they read (the embedded models, the random: architectures, the families
     # that take ControlNet): a family folder's tables import none of its step adapter.
     "family tables": ("from diffserve.executor import families; families.embedded_models(); "

@@ -1,4 +1,4 @@
-"""diffserve/launcher.py's free ports: below the kernel's ephemeral range, where no outgoing
+"""diffserve/serving/launcher.py's free ports: below the kernel's ephemeral range, where no outgoing
 connection can take one between its choice and the server's bind, never one that is taken, and
 never one that another draw on this machine claimed a moment ago."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from diffserve import launcher
+from diffserve.serving import launcher
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_bind():

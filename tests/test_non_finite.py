@@ -14,7 +14,7 @@ import pytest
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.request.runner import RequestRunner
-from diffserve.work import Work, WorkItem
+from diffserve.wire.request import Work, WorkItem
 from helpers import make_request
 from server import Server, assert_openai_error, decode, metric
 

@@ -20,7 +20,7 @@ import pytest
 
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
-from diffserve.work import WorkItem
+from diffserve.wire.request import WorkItem
 from helpers import make_request
 from pace import scaled
 from diffserve.executor.checks.reference import max_diff, solo
@@ -99,9 +99,9 @@ def test_ulysses_groups_serve_staggered_mixed_requests_as_one_device(flux):
 def test_the_step_cache_in_a_group_decides_as_on_one_device(flux):
     """Each image's cache decisions are summed over the ranks' shares of its tokens: the group
     reuses exactly the steps one device does, and makes its images."""
-    from diffserve.config import ServerConfig
+    from diffserve.config.server import ServerConfig
     from diffserve.executor.runtime import build_runtime
-    from diffserve.work import WorkItem
+    from diffserve.wire.request import WorkItem
 
     body = {"prompt": "a cached cat", "seed": 4, "num_inference_steps": 12, "cache_threshold": 0.5}
     with flux.client() as c:
@@ -145,9 +145,9 @@ def test_cfg_and_ulysses_parallel_wan_videos_equal_one_device():
     differences as well as a wrong seed), the other three started as the server starts them.
     Videos with different steps and negative prompts join at different steps; every frame
     equals the pipeline alone within 2/255."""
-    from diffserve.config import ServerConfig
+    from diffserve.config.server import ServerConfig
     from diffserve.executor.parallel.ranks import LeaderEngine, start_group
-    from diffserve.executor.process import run_follower
+    from diffserve.executor.entry import run_follower
     from diffserve.executor.runtime import build_runtime
     from frontend.test_videos import reference
 
@@ -214,7 +214,7 @@ def test_a_killed_rank_takes_its_group_down_and_back_every_request_answered(flux
     (("--model", "tiny-sd", "--ulysses-degree", "2"), "--ulysses-degree: UNet2DConditionModel has no context-parallel plan"),
 ])
 def test_bad_combinations_fail_at_start_naming_the_flag(flags, message, tmp_path):
-    from diffserve.launcher import LaunchError, ServerProcess, diffserve_command, free_port
+    from diffserve.serving.launcher import LaunchError, ServerProcess, diffserve_command, free_port
 
     port = free_port()
     model = () if "--model" in flags else ("--model", "tiny-flux")

@@ -10,14 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.errors import APIError
 from diffserve.executor.model.loading import load_model
 from diffserve.frontend.schemas import ImageGenerationRequest
 from diffserve.frontend.spec import generation_spec
 from diffserve.frontend.validation import to_engine_request
-from diffserve.model_info import ModelInfo
-from diffserve.tasks import GENERATE
+from diffserve.wire.model_info import ModelInfo
+from diffserve.wire.tasks import GENERATE
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff, solo
 from server import LAUNCHES, decode, metric, serves, spec, wait_for_metric
@@ -95,7 +95,7 @@ def test_a_priority_needs_the_priority_policy():
 
 def test_api_keys_with_classes_are_read_and_checked():
     from diffserve.cli import build_parser
-    from diffserve.config import ConfigError
+    from diffserve.config.server import ConfigError
 
     args = build_parser().parse_args(["serve", "--scheduling-policy", "priority", "--api-key",
                                       "plain", "--api-key", "trainer:10", "odd:key", "neg:-2"])

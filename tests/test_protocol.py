@@ -4,7 +4,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from diffserve.protocol import (
+from diffserve.wire.protocol import (
     CALL,
     PAYLOADS,
     REQUEST_MODE,
@@ -21,7 +21,7 @@ from diffserve.protocol import (
     fields_with_role,
     batch_key_fields,
 )
-from diffserve.work import ImageRequest, Work, WorkItem
+from diffserve.wire.request import ImageRequest, Work, WorkItem
 from helpers import make_request
 
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.checks import verdicts as check_verdicts
 from diffserve.executor.families.sd3.step import StableDiffusion3
 from diffserve.executor.model.loading import load_model

@@ -34,7 +34,7 @@ SECONDS = {
     "tests/frontend/test_fuzz.py": 12, "tests/test_weight_updates.py": 12,
     "tests/test_prometheus.py": 11, "tests/frontend/test_video_playground.py": 10,
     "tests/frontend/test_playground.py": 9, "tests/builders/test_shapes_serving.py": 8,
-    "tests/test_non_finite.py": 8, "tests/scheduler/test_process.py": 6,
+    "tests/test_non_finite.py": 8, "tests/scheduler/test_service.py": 6,
     "tests/test_task_checks.py": 6, "tests/test_accelerators_server.py": 5,
     "tests/test_client.py": 4, "tests/test_config.py": 4, "tests/test_instruction_edits.py": 4,
     "tests/test_priorities.py": 4, "tests/frontend/test_light.py": 2,
@@ -46,7 +46,7 @@ SECONDS = {
 }
 # The pool's files (the pytest process alone), with their seconds: the heaviest go first.
 IN_PROCESS = {
-    "tests/test_gpu_check_smoke.py": 90, "tests/executor/test_process.py": 23, "tests/executor/test_qwen_image_edit.py": 22,
+    "tests/test_gpu_check_smoke.py": 90, "tests/executor/test_entry.py": 23, "tests/executor/test_qwen_image_edit.py": 22,
     "tests/executor/test_controlnet.py": 20, "tests/executor/test_flops.py": 25,
     "tests/executor/test_adapter_families.py": 21, "tests/executor/test_flux2.py": 19,
     "tests/executor/test_adapters.py": 18, "tests/executor/test_compiled.py": 16,
@@ -67,7 +67,7 @@ IN_PROCESS = {
         "tests/executor/test_flux_kontext.py", "tests/executor/test_loops.py", "tests/executor/test_parallel.py",
         "tests/executor/test_planner.py", "tests/executor/test_step_timer.py",
         "tests/executor/test_weights.py", "tests/frontend/test_edit_rules.py",
-        "tests/frontend/test_encode.py", "tests/frontend/test_engine_client.py",
+        "tests/frontend/test_encode.py", "tests/frontend/test_scheduler_client.py",
         "tests/frontend/test_validation.py", "tests/policies/test_fair.py",
         "tests/policies/test_oldest.py", "tests/policies/test_priority.py",
         "tests/policies/test_sjf.py", "tests/policies/test_srpt.py",

@@ -8,9 +8,9 @@ import select
 import time
 from typing import Any, Callable
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.runtime import build_runtime
-from diffserve.work import ImageRequest, Work, WorkItem
+from diffserve.wire.request import ImageRequest, Work, WorkItem
 from kit.cli import prompts
 
 

@@ -2,9 +2,9 @@
 batch) or in the step engine (requests join and leave a running batch between denoising steps).
 
 The house is a set of rooms, one per concern, each a package whose docstring says what it owns.
-The modules at the top are the process around them (``process``: the entry functions of an
+The modules at the top are the process around them (``entry``: the entry functions of an
 executor and of a parallel group's other ranks; ``loops``: the loops of the two modes;
-``engine_io``: the sockets; ``runtime``: a model built ready to serve) and four small facts every
+``sockets``: the sockets; ``runtime``: a model built ready to serve) and four small facts every
 room may use (``results``: what an engine hands back; ``rows``: rows of a batched forward;
 ``tensors``: tensors inside values, their bytes, moving them; ``pipeline``: the denoiser
 component names, a pipeline's modules, a model directory's index).
@@ -28,5 +28,5 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("request",),    # request mode
     ("checks",),     # the start-up checks and their verdicts
     ("rl",),         # weight updates and sleep
-    ("engine_io", "loops", "runtime", "process"),
+    ("sockets", "loops", "runtime", "entry"),
 )

@@ -15,16 +15,16 @@ import time
 from collections import deque
 from typing import Any
 
-from diffserve.executor.engine_io import EngineIO
+from diffserve.executor.sockets import ExecutorSockets
 from diffserve.executor.results import describe
-from diffserve.protocol import CANCELLED, LOAD, Kind
-from diffserve.work import Work
-from diffserve.samples import split_inputs
+from diffserve.wire.protocol import CANCELLED, LOAD, Kind
+from diffserve.wire.request import Work
+from diffserve.wire.samples import split_inputs
 
 log = logging.getLogger(__name__)
 
 
-def apply_adapter_message(adapters, io: EngineIO, kind: Kind, msg) -> None:
+def apply_adapter_message(adapters, io: ExecutorSockets, kind: Kind, msg) -> None:
     """A runtime load or unload (answered), or the server's whole adapter table (reconciled)."""
     from diffserve.executor.lora.store import AdapterError
 
@@ -52,7 +52,7 @@ def apply_adapter_message(adapters, io: EngineIO, kind: Kind, msg) -> None:
 ADAPTER_KINDS = (Kind.ADAPTER, Kind.ADAPTER_SYNC)
 
 
-def apply_weight_step(weights, io: EngineIO, step) -> None:
+def apply_weight_step(weights, io: ExecutorSockets, step) -> None:
     """A step of a weight update or a sleep (diffserve.executor.rl.weights), answered."""
     from diffserve.executor.rl.weights import run_step
 
@@ -62,7 +62,7 @@ def apply_weight_step(weights, io: EngineIO, step) -> None:
 class RequestLoop:
     """One work message at a time, one pipeline call each."""
 
-    def __init__(self, make_runner, io: EngineIO, adapters=None, nested: bool = False,
+    def __init__(self, make_runner, io: ExecutorSockets, adapters=None, nested: bool = False,
                  weights=None) -> None:
         """``make_runner(should_interrupt, emit_partial, emit_progress)`` builds the request
         runner. ``nested``: the calls of a step loop's request-mode tasks, whose cancels (which
@@ -136,7 +136,7 @@ class StepLoop:
     ``is_call`` names (their mode key runs in request mode: the start-up check sent it there)
     runs as one pipeline call of ``calls`` between two steps."""
 
-    def __init__(self, engine, io: EngineIO, adapters=None, calls: RequestLoop | None = None,
+    def __init__(self, engine, io: ExecutorSockets, adapters=None, calls: RequestLoop | None = None,
                  is_call=lambda request: False, link=None, weights=None) -> None:
         """``link``: a parallel group's control link (the engine is then its leader's), which
         adapter changes, weight steps and the shutdown also go through."""

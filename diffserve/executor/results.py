@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from diffserve.protocol import CANCELLED, FAILED, FINISHED, ItemResult
-from diffserve.work import WorkItem
+from diffserve.wire.protocol import CANCELLED, FAILED, FINISHED, ItemResult
+from diffserve.wire.request import WorkItem
 
 if TYPE_CHECKING:
     import numpy as np
@@ -26,7 +26,7 @@ class Outcome:
     error: str | None
     execution_s: float
     prompt_tokens: int = 0
-    tensors: dict | None = None  # rollouts: the answer's tensors (diffserve.rollouts)
+    tensors: dict | None = None  # rollouts: the answer's tensors (diffserve.wire.rollouts)
     cached_steps: list[int] | None = None  # per image, steps that reused its step cache
     code: str | None = None  # a failure's error code for the client (e.g. non_finite_output)
 

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.accel import attention, flops, quantized
 from diffserve.executor.accel.setup import compiled_for, step_cache_for, warm_up
 from diffserve.executor.checks import apply as checks
@@ -31,10 +31,10 @@ from diffserve.executor.step.engine import StepEngine
 from diffserve.executor.step.prompt_cache import PromptCache
 from diffserve.builders.registry import resolve_model
 from diffserve.policies import set_policy
-from diffserve.protocol import REQUEST_MODE, STEP_MODE
-from diffserve.tasks import GENERATE, TASKS
-from diffserve.work import WITH_CONTROLS
-from diffserve.model_info import ModelInfo
+from diffserve.wire.protocol import REQUEST_MODE, STEP_MODE
+from diffserve.wire.tasks import GENERATE, TASKS
+from diffserve.wire.request import WITH_CONTROLS
+from diffserve.wire.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 

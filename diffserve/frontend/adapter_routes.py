@@ -11,18 +11,18 @@ from diffserve.frontend import adapters as rules
 from diffserve.frontend.bodies import json_body_schema, parse_json
 from diffserve.frontend.schemas import LoadLoraAdapter, UnloadLoraAdapter
 from diffserve.frontend.serving import Serving
-from diffserve.protocol import LOAD, UNLOAD
+from diffserve.wire.protocol import LOAD, UNLOAD
 
 
 def adapter_routes(serving: Serving) -> APIRouter:
     router = APIRouter()
-    config, engine = serving.config, serving.engine
+    config, scheduler = serving.config, serving.scheduler
 
     async def update(op: str, name: str, path: str = "") -> JSONResponse:
-        served = engine.model_info.name
+        served = scheduler.model_info.name
         rules.check_name(name, served)
-        result = await engine.adapter_command(op, name, path)
-        rules.raise_for(result, name, served, engine.adapters)
+        result = await scheduler.adapter_command(op, name, path)
+        rules.raise_for(result, name, served, scheduler.adapters)
         return JSONResponse({"object": "lora_adapter", "name": name,
                              "status": "loaded" if op == LOAD else "unloaded"})
 

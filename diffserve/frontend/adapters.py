@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffserve.config import RESERVED_ADAPTER_NAMES
+from diffserve.config.server import RESERVED_ADAPTER_NAMES
 from diffserve.errors import APIError, forbidden, invalid_request, model_not_found
-from diffserve.protocol import AdapterResult
+from diffserve.wire.protocol import AdapterResult
 
 
 def path_inside(path: str, root_dir: str, param: str = "lora_path",

@@ -18,12 +18,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffserve import __version__
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.errors import APIError, error_response, internal_error, method_not_allowed, not_found
 from diffserve.frontend.adapter_routes import adapter_routes
 from diffserve.frontend.auth import BearerAuth
 from diffserve.frontend.bodies import validation_error
-from diffserve.frontend.engine_client import EngineClient
+from diffserve.frontend.scheduler_client import SchedulerClient
 from diffserve.frontend.image_routes import image_routes
 from diffserve.frontend.info_routes import info_routes
 from diffserve.frontend.serving import Serving
@@ -31,7 +31,7 @@ from diffserve.frontend.weight_routes import weight_routes
 from diffserve.metrics import FrontendMetrics
 
 
-def create_app(config: ServerConfig, engine: EngineClient, counts: FrontendMetrics,
+def create_app(config: ServerConfig, scheduler: SchedulerClient, counts: FrontendMetrics,
                render_metrics: Callable[[], tuple[bytes, str]], video_peers=None) -> FastAPI:
     """``counts``: where the frontend counts requests; ``render_metrics``: the /metrics body;
     ``video_peers``: a Ray Serve replica's view of the others, where their video jobs live."""
@@ -40,10 +40,10 @@ def create_app(config: ServerConfig, engine: EngineClient, counts: FrontendMetri
     if config.api_key:
         app.add_middleware(BearerAuth, keys=config.api_keys)
     add_error_handlers(app)
-    serving = Serving(config, engine, counts,
+    serving = Serving(config, scheduler, counts,
                       ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode"))
     app.include_router(image_routes(serving))
-    if getattr(getattr(engine, "model_info", None), "num_frames", 0):  # a video model
+    if getattr(getattr(scheduler, "model_info", None), "num_frames", 0):  # a video model
         from diffserve.frontend.videos.setup import video_api
 
         router, app.state.video_jobs = video_api(serving, counts, video_peers)
@@ -52,7 +52,7 @@ def create_app(config: ServerConfig, engine: EngineClient, counts: FrontendMetri
         app.include_router(adapter_routes(serving))
     if config.enable_weight_updates:
         app.include_router(weight_routes(serving))
-    app.include_router(info_routes(engine, render_metrics))
+    app.include_router(info_routes(scheduler, render_metrics))
     return app
 
 

@@ -12,12 +12,12 @@ import re
 
 import numpy as np
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.errors import invalid_request
 from diffserve.frontend.uploads import open_image
-from diffserve.model_info import ModelInfo
-from diffserve.tasks import Task
-from diffserve.work import WITH_CONTROLS, Control
+from diffserve.wire.model_info import ModelInfo
+from diffserve.wire.tasks import Task
+from diffserve.wire.request import WITH_CONTROLS, Control
 
 _DATA_URL = re.compile(r"^data:image/[a-zA-Z+.-]+;base64,", re.ASCII)
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from diffserve.work import SEED_MAX
+from diffserve.wire.request import SEED_MAX
 
 PRIORITY_LIMIT = 1_000_000
 GUIDANCE_LIMIT = 100

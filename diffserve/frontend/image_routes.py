@@ -23,9 +23,9 @@ from diffserve.frontend.serving import Accepted, Serving
 from diffserve.frontend.spec import RequestSpec, edit_spec, generation_spec, rollout_spec
 from diffserve.frontend.uploads import decode_inputs, image_size, parse_form, read_limited
 from diffserve.frontend.validation import fitted_size, to_engine_request
-from diffserve.work import CONTROLS, ImageRequest, in_manifest_order
-from diffserve.rollouts import LATENTS_LAYOUT, safetensors_body
-from diffserve.tasks import EDIT, GENERATE, IMAGE_TO_IMAGE, INPAINT, ROLLOUT, Task
+from diffserve.wire.request import CONTROLS, ImageRequest, in_manifest_order
+from diffserve.wire.rollouts import LATENTS_LAYOUT, safetensors_body
+from diffserve.wire.tasks import EDIT, GENERATE, IMAGE_TO_IMAGE, INPAINT, ROLLOUT, Task
 
 
 def rollout_fields(request: ImageRequest) -> dict:
@@ -60,7 +60,7 @@ def edit_task(info, form) -> Task:
 
 def image_routes(serving: Serving) -> APIRouter:
     router = APIRouter()
-    config, engine = serving.config, serving.engine
+    config, scheduler = serving.config, serving.scheduler
 
     @router.post("/v1/images/generations", openapi_extra=json_body_schema(ImageGenerationRequest),
                  responses={200: {"model": ImagesResponse}})
@@ -69,8 +69,8 @@ def image_routes(serving: Serving) -> APIRouter:
             body = await parse_json(http_request, ImageGenerationRequest, config.max_body_bytes,
                                     "--max-body-bytes")
             spec = generation_spec(body)
-            request = to_engine_request(spec, f"img-{uuid.uuid4().hex}", engine.model_info,
-                                        config, GENERATE, engine.adapters,
+            request = to_engine_request(spec, f"img-{uuid.uuid4().hex}", scheduler.model_info,
+                                        config, GENERATE, scheduler.adapters,
                                         key_priority=key_priority(http_request))
             frames = await asyncio.get_running_loop().run_in_executor(
                 serving.pool, input_frames, request, spec, config.max_input_pixels
@@ -89,7 +89,7 @@ def image_routes(serving: Serving) -> APIRouter:
             form = await parse_form(http_request.headers, raw, config.max_upload_bytes)
             body = validate(ImageEditForm, form.fields)
             spec = edit_spec(body)
-            info = engine.model_info
+            info = scheduler.model_info
             task, size = edit_task(info, form), None
             if task.references:  # without a size, the first input's, fitted to the model
                 size = fitted_size(*image_size(form.images[0], config.max_input_pixels), info,
@@ -98,7 +98,7 @@ def image_routes(serving: Serving) -> APIRouter:
                 raise invalid_request(f"{len(form.images)} input images; model {info.name!r} "
                                       "takes one per edit", "image", "invalid_value")
             request = to_engine_request(spec, f"edit-{uuid.uuid4().hex}", info, config, task,
-                                        engine.adapters, len(form.images), size,
+                                        scheduler.adapters, len(form.images), size,
                                         key_priority(http_request))
             frames = await asyncio.get_running_loop().run_in_executor(
                 serving.pool, lambda: input_frames(
@@ -121,8 +121,8 @@ def image_routes(serving: Serving) -> APIRouter:
                                       "stream, no url", "stream" if body.stream else
                                       "response_format", "unsupported_value")
             spec = rollout_spec(body)
-            request = to_engine_request(spec, f"roll-{uuid.uuid4().hex}", engine.model_info,
-                                        config, ROLLOUT, engine.adapters,
+            request = to_engine_request(spec, f"roll-{uuid.uuid4().hex}", scheduler.model_info,
+                                        config, ROLLOUT, scheduler.adapters,
                                         key_priority=key_priority(http_request))
             frames = await asyncio.get_running_loop().run_in_executor(
                 serving.pool, input_frames, request, spec, config.max_input_pixels
@@ -131,7 +131,7 @@ def image_routes(serving: Serving) -> APIRouter:
 
         def respond(request: ImageRequest, done) -> Response:
             metadata = {"request": rollout_fields(request), "seeds": done.done.seeds,
-                        "model": engine.model_info.name, "latents_layout": LATENTS_LAYOUT,
+                        "model": scheduler.model_info.name, "latents_layout": LATENTS_LAYOUT,
                         "weight_version": done.done.weight_version}
             return Response(safetensors_body(done.tensors, metadata),
                             media_type="application/octet-stream")

@@ -11,11 +11,11 @@ from typing import Callable
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from diffserve.frontend.engine_client import EngineClient
+from diffserve.frontend.scheduler_client import SchedulerClient
 from diffserve.frontend.schemas import ModelCard, ModelList
 
 
-def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, str]]) -> APIRouter:
+def info_routes(scheduler: SchedulerClient, render_metrics: Callable[[], tuple[bytes, str]]) -> APIRouter:
     router = APIRouter()
     started = time.time()
     playground = resources.files("diffserve.frontend").joinpath("static/index.html").read_text()
@@ -24,7 +24,7 @@ def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, 
     async def list_models():
         """The base model, then every LoRA adapter as a model of its own (its ``parent`` the
         base), so that the unmodified SDK can pick one by name."""
-        info = engine.model_info
+        info = scheduler.model_info
         card = dict(created=int(started), pipeline=info.pipeline_class, dtype=info.dtype,
                     batching_mode=info.batching_mode, tasks=info.tasks,
                     task_modes=info.task_modes, unavailable_tasks=info.unavailable_tasks,
@@ -32,24 +32,24 @@ def info_routes(engine: EngineClient, render_metrics: Callable[[], tuple[bytes, 
                     schedulers=info.schedulers, num_frames=info.num_frames,
                     frame_stride=info.frame_stride, fps=info.fps, parallel=info.parallel,
                     components=[dataclasses.asdict(c) for c in info.components],
-                    weight_version=engine.status.weight_version,
+                    weight_version=scheduler.status.weight_version,
                     random_weights=info.random_weights,
                     controls=[dataclasses.asdict(m) for m in info.control_models],
                     max_controls=info.max_controls if info.controls_supported else 0,
                     speed=info.speed)
         return ModelList(data=[ModelCard(id=info.name, **card),
                                *(ModelCard(id=name, parent=info.name, **card)
-                                 for name in engine.adapters)])
+                                 for name in scheduler.adapters)])
 
     @router.get("/health")
     async def health():
-        info = engine.model_info
-        body = {"status": "ok" if engine.ready else "unavailable", "model": info.name,
+        info = scheduler.model_info
+        body = {"status": "ok" if scheduler.ready else "unavailable", "model": info.name,
                 "batching_mode": info.batching_mode,
-                "executors": [dataclasses.asdict(e) for e in engine.status.executors]}
-        if engine.stopped_reason:
-            body["reason"] = engine.stopped_reason
-        return JSONResponse(body, status_code=200 if engine.ready else 503)
+                "executors": [dataclasses.asdict(e) for e in scheduler.status.executors]}
+        if scheduler.stopped_reason:
+            body["reason"] = scheduler.stopped_reason
+        return JSONResponse(body, status_code=200 if scheduler.ready else 503)
 
     @router.get("/metrics")
     async def prometheus_metrics():

@@ -13,10 +13,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from diffserve.errors import APIError
 from diffserve.frontend import streaming
 from diffserve.frontend.encode import encode_images
-from diffserve.frontend.engine_client import DoneEvent, Submission
+from diffserve.frontend.scheduler_client import DoneEvent, Submission
 from diffserve.frontend.schemas import ImageOptions
 from diffserve.frontend.usage import usage
-from diffserve.work import ImageRequest
+from diffserve.wire.request import ImageRequest
 
 # What the stream events say of quality: the server runs the request's own settings (steps,
 # guidance) and has no quality levels, which the API calls "auto". JSON answers leave the field

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from diffserve.frontend.fields import Guidance, Priority, Prompt, Seed, Steps, User
-from diffserve.rollouts import DEFAULT_RETURN, RETURNABLE
+from diffserve.wire.rollouts import DEFAULT_RETURN, RETURNABLE
 
 MAX_PARTIAL_IMAGES = 3
 LORA_SCALE_LIMIT = 4.0
@@ -244,7 +244,7 @@ class ModelList(BaseModel):
 
 class RolloutRequest(ImageGenerationRequest):
     """``POST /v1/rollouts``: a generations body, sampled by the stochastic sampler RL fine-tuning
-    uses, answered with its trajectory (see diffserve.rollouts)."""
+    uses, answered with its trajectory (see diffserve.wire.rollouts)."""
 
     noise_level: float = Field(0.7, ge=0, le=10, description="The sampler's noise level a; 0 is "
                                "the deterministic sampler (no log-probabilities).")

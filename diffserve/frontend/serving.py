@@ -12,14 +12,14 @@ from typing import Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import Response
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.errors import APIError, unavailable
 from diffserve.frontend.bodies import until_disconnected
-from diffserve.frontend.engine_client import EngineClient
+from diffserve.frontend.scheduler_client import SchedulerClient
 from diffserve.frontend.responses import ImageAnswer
 from diffserve.frontend.schemas import ImageOptions
 from diffserve.metrics import FrontendMetrics
-from diffserve.work import ImageRequest
+from diffserve.wire.request import ImageRequest
 
 # What a route's ``accept`` gives: the request for the engine, its input frames and the body.
 Accepted = tuple[ImageRequest, list, ImageOptions]
@@ -28,14 +28,14 @@ Accepted = tuple[ImageRequest, list, ImageOptions]
 @dataclass
 class Serving:
     config: ServerConfig
-    engine: EngineClient
+    scheduler: SchedulerClient
     counts: FrontendMetrics
     pool: Executor  # encodes and decodes images off the event loop
 
     def check_serving(self) -> None:
-        if self.engine.draining:
+        if self.scheduler.draining:
             raise unavailable("The server is shutting down.", "shutting_down")
-        if not self.engine.ready:
+        if not self.scheduler.ready:
             raise unavailable("The model is not ready (no executor is serving: starting or "
                               "restarting); retry shortly.", "engine_not_ready")
 
@@ -57,12 +57,12 @@ class Serving:
             request, frames, body = await accept()
             self.counts.adapters_used(name for name, _ in request.loras)
             answer = ImageAnswer(request, body, events, arrival,
-                                 self.engine.model_info.spatial_stride, self.pool)
+                                 self.scheduler.model_info.spatial_stride, self.pool)
             if body.stream:
                 response = await self._stream(http_request, answer, request, frames, finished)
                 streamed = response is not None
             else:
-                done = await until_disconnected(http_request, self.engine.generate(request, frames))
+                done = await until_disconnected(http_request, self.scheduler.generate(request, frames))
                 response = (None if done is None else respond(request, done) if respond
                             else await answer.json(done))
             if response is None:
@@ -84,7 +84,7 @@ class Serving:
         """A streamed answer, or None if the client left before the first event. The first
         event decides the status: a request that fails before anything was streamed gets an
         ordinary error response."""
-        submission = await self.engine.submit(request, frames)
+        submission = await self.scheduler.submit(request, frames)
         try:
             first = await until_disconnected(http_request, submission.next())
         except BaseException:

@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from diffserve.errors import body_too_large, invalid_request
-from diffserve.tasks import IMAGE, MASK, REFERENCE, Task
+from diffserve.wire.tasks import IMAGE, MASK, REFERENCE, Task
 
 FORMATS = {"PNG", "JPEG", "WEBP"}
 IMAGE_FIELDS = ("image", "image[]")

@@ -8,7 +8,7 @@ cache): the denoising steps of those images that reused their cache.
 
 from __future__ import annotations
 
-from diffserve.work import ImageRequest
+from diffserve.wire.request import ImageRequest
 
 
 def latent_cells(request: ImageRequest, spatial_stride: int) -> int:

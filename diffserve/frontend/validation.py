@@ -1,6 +1,6 @@
 """Checks that need the server's configuration or the loaded model, and the step from a route's
 typed spec (:class:`~diffserve.frontend.spec.RequestSpec`) to the engine's
-:class:`~diffserve.work.ImageRequest`. Pure functions."""
+:class:`~diffserve.wire.request.ImageRequest`. Pure functions."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import re
 import secrets
 from typing import Collection
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.policies import QUEUE_POLICIES
-from diffserve.costs import image_cost, uses_cfg, video_cost
+from diffserve.wire.costs import image_cost, uses_cfg, video_cost
 from diffserve.errors import invalid_request, model_not_found
 from diffserve.frontend.controls import control_cost, control_stack
 from diffserve.frontend.spec import RequestSpec
-from diffserve.work import SEED_MODULUS, ImageRequest, repeated_adapter
-from diffserve.model_info import ModelInfo
-from diffserve.tasks import EDIT, GENERATE, Task
+from diffserve.wire.request import SEED_MODULUS, ImageRequest, repeated_adapter
+from diffserve.wire.model_info import ModelInfo
+from diffserve.wire.tasks import EDIT, GENERATE, Task
 
 DEFAULT_STRENGTH = 0.8  # image-to-image and inpainting, where a request gives none
 

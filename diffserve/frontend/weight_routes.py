@@ -1,6 +1,6 @@
 """The online-RL control routes, present only with ``--enable-weight-updates`` (404 otherwise):
 new weights, sleeping and waking (docs/rl.md). A path must lie inside ``--weights-dir``; tensors
-come as a file in shared memory (:mod:`diffserve.shared_tensors`), which the server takes over."""
+come as a file in shared memory (:mod:`diffserve.wire.shared_tensors`), which the server takes over."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from diffserve import shared_tensors
-from diffserve.control import PATH, SHARED, SLEEP, UPDATE, WAKE, WeightCommand, WeightResult, WeightSource
+from diffserve.wire import shared_tensors
+from diffserve.wire.weight_commands import PATH, SHARED, SLEEP, UPDATE, WAKE, WeightCommand, WeightResult, WeightSource
 from diffserve.errors import APIError, invalid_request
 from diffserve.frontend.adapters import path_inside
 from diffserve.frontend.bodies import json_body_schema, parse_json, validate, validation_error
@@ -24,7 +24,7 @@ PARAMS = {"invalid_weights": "path", "invalid_value": "weight_version"}
 
 def weight_routes(serving: Serving) -> APIRouter:
     router = APIRouter()
-    config, engine = serving.config, serving.engine
+    config, scheduler = serving.config, serving.scheduler
 
     def raise_for(result: WeightResult) -> None:
         if result.status != 200:
@@ -42,7 +42,7 @@ def weight_routes(serving: Serving) -> APIRouter:
                                                   "--weights-dir"))
         try:
             return WeightSource(SHARED, shared_tensors.take_over(body.tensors.shared_memory,
-                                                                 engine.shared_dir))
+                                                                 scheduler.shared_dir))
         except shared_tensors.NotShared as error:
             raise invalid_request(str(error), "tensors", "invalid_value") from None
 
@@ -52,7 +52,7 @@ def weight_routes(serving: Serving) -> APIRouter:
         body = await parse_json(http_request, UpdateWeights, config.max_body_bytes,
                                 "--max-body-bytes")
         source = source_of(body)
-        result = await engine.weights_command(WeightCommand(
+        result = await scheduler.weights_command(WeightCommand(
             "", UPDATE, source, body.mode, body.weight_version or ""))
         raise_for(result)
         return JSONResponse({"weight_version": result.version, "applied_at": result.applied_at,
@@ -64,7 +64,7 @@ def weight_routes(serving: Serving) -> APIRouter:
         raw = await read_limited(http_request.stream(), config.max_body_bytes,
                                  http_request.headers.get("content-length"), "--max-body-bytes")
         body = sleep_body(raw)
-        result = await engine.weights_command(WeightCommand("", SLEEP, level=body.level))
+        result = await scheduler.weights_command(WeightCommand("", SLEEP, level=body.level))
         raise_for(result)
         return JSONResponse({"is_sleeping": True, "level": result.sleeping})
 
@@ -72,14 +72,14 @@ def weight_routes(serving: Serving) -> APIRouter:
     async def wake_up():
         serving.check_serving()
         began = time.perf_counter()
-        result = await engine.weights_command(WeightCommand("", WAKE))
+        result = await scheduler.weights_command(WeightCommand("", WAKE))
         raise_for(result)
         return JSONResponse({"is_sleeping": False, "weight_version": result.version,
                              "seconds": round(time.perf_counter() - began, 3)})
 
     @router.get("/v1/is_sleeping")
     async def is_sleeping():
-        level = engine.status.sleeping
+        level = scheduler.status.sleeping
         return JSONResponse({"is_sleeping": bool(level), "level": level})
 
     return router

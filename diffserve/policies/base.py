@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Hashable, Mapping, Protocol, Sequence
 
 
-class Job(Protocol):
+class QueuedRequest(Protocol):
     """What the queue order may read of a waiting request (an ``ImageRequest``)."""
 
     n: int
@@ -31,7 +31,7 @@ class QueuePolicy:
         """The policy with its options from the server's configuration."""
         return cls()
 
-    def rank(self, request: Job, enqueued_at: float) -> tuple:
+    def rank(self, request: QueuedRequest, enqueued_at: float) -> tuple:
         raise NotImplementedError
 
 

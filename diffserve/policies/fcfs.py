@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from diffserve.policies.base import Job, QueuePolicy
+from diffserve.policies.base import QueuedRequest, QueuePolicy
 
 
 class FirstCome(QueuePolicy):
     name = "fcfs"
 
-    def rank(self, request: Job, enqueued_at: float) -> tuple:
+    def rank(self, request: QueuedRequest, enqueued_at: float) -> tuple:
         return (enqueued_at,)

@@ -12,7 +12,7 @@ coming)."""
 
 from __future__ import annotations
 
-from diffserve.policies.base import Job, QueuePolicy
+from diffserve.policies.base import QueuedRequest, QueuePolicy
 
 
 class PriorityOrder(QueuePolicy):
@@ -28,7 +28,7 @@ class PriorityOrder(QueuePolicy):
     def from_config(cls, config) -> "PriorityOrder":
         return cls(config.priority_aging_s)
 
-    def rank(self, request: Job, enqueued_at: float) -> tuple:
+    def rank(self, request: QueuedRequest, enqueued_at: float) -> tuple:
         if self.aging_s:
             return (request.priority * self.aging_s + enqueued_at,)
         return (request.priority, enqueued_at)

@@ -6,11 +6,11 @@ several admissions keeps its place (its key is its whole work, fixed when it arr
 
 from __future__ import annotations
 
-from diffserve.policies.base import Job, QueuePolicy
+from diffserve.policies.base import QueuedRequest, QueuePolicy
 
 
 class ShortestJobFirst(QueuePolicy):
     name = "sjf"
 
-    def rank(self, request: Job, enqueued_at: float) -> tuple:
+    def rank(self, request: QueuedRequest, enqueued_at: float) -> tuple:
         return (request.n * request.num_inference_steps * request.cost, enqueued_at)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diffserve.protocol import LOAD, UNLOAD, AdapterCommand, AdapterResult
+from diffserve.wire.protocol import LOAD, UNLOAD, AdapterCommand, AdapterResult
 
 
 @dataclass

@@ -5,11 +5,11 @@ takes ``now``), so tests drive it with a fake clock.
 
 Rules
 - Size counts images: a request with ``n`` images is ``n`` samples, bounded by ``max_batch_size``;
-  and cost (``request.cost`` per image, see :mod:`diffserve.costs`), bounded by
+  and cost (``request.cost`` per image, see :mod:`diffserve.wire.costs`), bounded by
   ``max_batch_cost``. A request larger than the room left is split; its remaining images stay at
   its place in the queue.
 - Requests are grouped by their batch key in the batching mode of their task (the fields that
-  mode cannot vary per sample; see :mod:`diffserve.protocol`), computed once here when a request
+  mode cannot vary per sample; see :mod:`diffserve.wire.protocol`), computed once here when a request
   enters and carried from then on (:class:`Slice`, then the work item). A task the step engine
   does not run on this model is in request mode while the others are in step mode.
 - The queue is ordered by a queue policy (:mod:`diffserve.policies`; first come, first served
@@ -30,9 +30,9 @@ from typing import Iterator, Protocol
 
 from diffserve.policies import QueuePolicy
 from diffserve.policies.fcfs import FirstCome
-from diffserve.model_info import mode_for
-from diffserve.protocol import REQUEST_MODE
-from diffserve.work import ImageRequest
+from diffserve.wire.model_info import mode_for
+from diffserve.wire.protocol import REQUEST_MODE
+from diffserve.wire.request import ImageRequest
 
 
 class Seat(Protocol):

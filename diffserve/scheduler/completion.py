@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from diffserve.protocol import (
+from diffserve.wire.protocol import (
     CANCELLED,
     FINISHED,
     ItemResult,

@@ -1,6 +1,6 @@
 """Scheduler logic: the single owner of request state.
 
-No sockets, no torch, no clock: the process wrapper (:mod:`diffserve.scheduler.process`) feeds
+No sockets, no torch, no clock: the process wrapper (:mod:`diffserve.scheduler.service`) feeds
 it messages and the time, and sends what it returns. That keeps every rule here testable in place.
 
 One queue feeds every executor; a queue policy orders it (:mod:`diffserve.policies`). Each
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.policies import QueuePolicy
-from diffserve.control import BASE_VERSION
-from diffserve.protocol import REQUEST_MODE, Cancel
-from diffserve.work import ImageRequest
+from diffserve.wire.weight_commands import BASE_VERSION
+from diffserve.wire.protocol import REQUEST_MODE, Cancel
+from diffserve.wire.request import ImageRequest
 from diffserve.scheduler.batcher import Batcher
 from diffserve.scheduler.completion import Completion
 from diffserve.scheduler.decisions import (  # noqa: F401  (the reasons are the core's vocabulary)
@@ -142,7 +142,7 @@ class SchedulerCore(Placement, Completion):
 
     def add(self, request: ImageRequest, frames: list[Any], now: float) -> Finished | None:
         """Queue a request; returns a failure answer if it cannot be accepted. ``frames`` are
-        the ones its manifest declares (:func:`diffserve.protocol.decode` checked them)."""
+        the ones its manifest declares (:func:`diffserve.wire.protocol.decode` checked them)."""
         if request.request_id in self.requests:
             return self._refuse(request.request_id, 409, f"request id {request.request_id!r} is "
                                 "already in use", "invalid_request_error", "duplicate_request_id")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffserve.protocol import RequestDone, RequestFailed
-from diffserve.work import Work
+from diffserve.wire.protocol import RequestDone, RequestFailed
+from diffserve.wire.request import Work
 
 # Why a batch (request mode) or an admission (step mode) left the queue.
 FULL, DELAY, EXECUTOR_FREE, DRAIN, JOIN, NEW_SET = (

@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from diffserve.protocol import STEP_MODE
-from diffserve.work import Work, WorkItem
+from diffserve.wire.protocol import STEP_MODE
+from diffserve.wire.request import Work, WorkItem
 from diffserve.scheduler.batcher import Slice
 from diffserve.scheduler.decisions import DELAY, DRAIN, EXECUTOR_FREE, FULL, JOIN, NEW_SET, Dispatch
 from diffserve.scheduler.slots import ExecutorSlot, RunningSet, Seat

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from diffserve.work import WorkItem
+from diffserve.wire.request import WorkItem
 
 
 @dataclass

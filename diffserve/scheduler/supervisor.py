@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from diffserve import processes
-from diffserve.protocol import ExecutorState
+from diffserve.wire.protocol import ExecutorState
 
 log = logging.getLogger(__name__)
 

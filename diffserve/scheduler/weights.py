@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diffserve.control import (
+from diffserve.wire.weight_commands import (
     ABORT_MODE,
     BASE_VERSION,
     COMMIT,

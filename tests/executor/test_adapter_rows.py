@@ -17,7 +17,7 @@ from diffusers import DiffusionPipeline  # noqa: E402
 from peft import LoraConfig, inject_adapter_in_model  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
-from diffserve.executor.lora.rows import METHODS, RowAdapters  # noqa: E402
+from diffserve.executor.lora.row_adapters import METHODS, RowAdapters  # noqa: E402
 from diffserve.builders.embedded import embedded_path  # noqa: E402
 
 ATTN = ["to_q", "to_k", "to_v", "to_out.0"]

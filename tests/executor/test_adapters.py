@@ -18,7 +18,7 @@ from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.request.runner import RequestRunner
 from diffserve.executor.step.engine import StepEngine
 from diffserve.builders.registry import resolve_model
-from diffserve.work import Work, WorkItem
+from diffserve.wire.request import Work, WorkItem
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff, solo, with_adapters
 from diffserve.builders.random.loras import write_lora

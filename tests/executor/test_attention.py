@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from diffserve.config import ConfigError, ServerConfig
+from diffserve.config.server import ConfigError, ServerConfig
 from diffserve.executor.accel import attention
 from diffserve.executor.checks.reference import max_diff
 from diffserve.executor.runtime import build_runtime
-from diffserve.work import WorkItem
+from diffserve.wire.request import WorkItem
 from helpers import make_request
 
 

@@ -17,7 +17,7 @@ from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.accel.step_cache import StepCache
 from diffserve.executor.step.engine import StepEngine
-from diffserve.work import WorkItem
+from diffserve.wire.request import WorkItem
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.checks.reference import max_diff, sample_image, solo
 from diffserve.executor.control.models import ControlModelError, load_controls
 from diffserve.executor.runtime import build_runtime
-from diffserve.work import Control, ImageRequest, Work, WorkItem
+from diffserve.wire.request import Control, ImageRequest, Work, WorkItem
 
 EDGES = np.zeros((64, 64, 3), np.uint8)
 EDGES[16:48, 16:48] = 255

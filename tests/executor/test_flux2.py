@@ -16,13 +16,13 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.lora.store import AdapterStore
 from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.runtime import build_runtime
 from diffserve.executor.step.engine import StepEngine
 from diffserve.builders.registry import resolve_model
-from diffserve.work import Work, WorkItem
+from diffserve.wire.request import Work, WorkItem
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff, sample_image, solo, with_adapters
 from diffserve.builders.random.loras import write_lora

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.checks import (
     verdicts as check_verdicts,
     float32 as float32_reference,
     startup as self_check,
 )
 from diffserve.executor.runtime import build_runtime
-from diffserve.work import Work, WorkItem
+from diffserve.wire.request import Work, WorkItem
 from helpers import make_request, run_plan, sde_log_prob
 from diffserve.executor.checks.reference import sample_image
 

@@ -13,8 +13,8 @@ from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.loops import RequestLoop, StepLoop
 from diffserve.executor.request.runner import RequestRunner
-from diffserve.protocol import Cancel, Kind
-from diffserve.work import Work, WorkItem
+from diffserve.wire.protocol import Cancel, Kind
+from diffserve.wire.request import Work, WorkItem
 from helpers import make_request
 
 

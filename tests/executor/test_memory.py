@@ -13,11 +13,11 @@ import os
 import numpy as np
 import pytest
 
-from diffserve.config import ConfigError, ServerConfig
+from diffserve.config.server import ConfigError, ServerConfig
 from diffserve.executor.memory import layout as memory_layout
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.runtime import build_runtime
-from diffserve.work import Work, WorkItem
+from diffserve.wire.request import Work, WorkItem
 from helpers import make_request, run_plan
 from diffserve.executor.checks.reference import max_diff, solo
 
@@ -122,10 +122,10 @@ def test_a_memory_budget_bounds_the_cost_and_one_too_small_stops_the_start():
 
 MEASURE = """
 import os, sys, threading, time
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.memory.budget import unit_cost
 from diffserve.executor.runtime import build_runtime
-from diffserve.work import ImageRequest, Work, WorkItem
+from diffserve.wire.request import ImageRequest, Work, WorkItem
 
 rt = build_runtime(ServerConfig(model="tiny-sd", device="cpu", skip_startup_check=True,
                                 batching_mode="request", device_memory_bytes=1 << 40,

@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.runtime import build_runtime
-from diffserve.protocol import CANCELLED
-from diffserve.work import WorkItem
+from diffserve.wire.protocol import CANCELLED
+from diffserve.wire.request import WorkItem
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff, solo
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.model.quantization import QuantizationUnavailable, pipeline_config
 from diffserve.executor.tensors import module_bytes
 from diffserve.executor.runtime import build_runtime
 from diffserve.builders.registry import resolve_model
-from diffserve.work import WorkItem
+from diffserve.wire.request import WorkItem
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff, solo, with_adapters
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.info import model_info
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.request.runner import RequestRunner
-from diffserve.protocol import REQUEST_MODE
-from diffserve.work import Work, WorkItem
+from diffserve.wire.protocol import REQUEST_MODE
+from diffserve.wire.request import Work, WorkItem
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff, sample_image, solo
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import diffusers
 import pytest
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.runtime import build_runtime
 from diffserve.executor.model.samplers import SAMPLERS, offered
-from diffserve.work import Work, WorkItem
+from diffserve.wire.request import Work, WorkItem
 from helpers import make_request, run_plan
 from diffserve.executor.checks.reference import max_diff, solo
 

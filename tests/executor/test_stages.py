@@ -17,9 +17,9 @@ from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.step.prompt_cache import PromptCache
-from diffserve.executor.step.stages import Job, Stage
+from diffserve.executor.step.stages import StageJob, Stage
 from diffserve.executor.step.engine import StepEngine
-from diffserve.work import WorkItem
+from diffserve.wire.request import WorkItem
 from helpers import make_request
 from pace import scaled
 from diffserve.executor.checks.reference import max_diff, sample_image, solo
@@ -35,7 +35,7 @@ def _stage(threaded: bool = True, bound: int = 64):
     return Stage("test", torch, "cpu", threaded, done.set, bound), done
 
 
-def _take_all(stage: Stage, done: threading.Event, count: int) -> list[Job]:
+def _take_all(stage: Stage, done: threading.Event, count: int) -> list[StageJob]:
     """Jobs taken back until ``count`` are, each wait for the stage's notice bounded."""
     taken = []
     while True:
@@ -57,7 +57,7 @@ def test_a_stage_runs_its_jobs_in_order_on_its_own_thread_and_hands_back_errors(
             if i == 2:
                 raise ValueError("job 2 breaks")
             return i * 10
-        return Job({f"r{i}"}, run)
+        return StageJob({f"r{i}"}, run)
 
     for i in range(4):
         stage.submit(job(i))
@@ -75,9 +75,9 @@ def test_a_stage_runs_its_jobs_in_order_on_its_own_thread_and_hands_back_errors(
 def test_a_job_cancelled_before_it_starts_never_runs():
     stage, done = _stage()
     release, ran = threading.Event(), []
-    stage.submit(Job({"a"}, lambda: release.wait(scaled(WAIT_S))))
-    stage.submit(Job({"b"}, lambda: ran.append("b")))
-    stage.submit(Job({"c", "d"}, lambda: ran.append("c")))
+    stage.submit(StageJob({"a"}, lambda: release.wait(scaled(WAIT_S))))
+    stage.submit(StageJob({"b"}, lambda: ran.append("b")))
+    stage.submit(StageJob({"c", "d"}, lambda: ran.append("c")))
     stage.cancel({"b", "c"})  # "c"'s job is also "d"'s: it still runs
     release.set()
     taken = _take_all(stage, done, 3)
@@ -88,7 +88,7 @@ def test_a_job_cancelled_before_it_starts_never_runs():
 
 def test_an_inline_stage_runs_the_job_on_the_caller_and_counts_it_as_stall():
     inline, _ = _stage(threaded=False)
-    inline.submit(Job({"a"}, lambda: threading.current_thread().name))
+    inline.submit(StageJob({"a"}, lambda: threading.current_thread().name))
     assert [j.result for j in inline.take()] == [threading.current_thread().name]
     assert inline.take_times()[1] > 0
 
@@ -96,7 +96,7 @@ def test_an_inline_stage_runs_the_job_on_the_caller_and_counts_it_as_stall():
 def test_a_full_stage_makes_the_caller_wait_for_room_and_keeps_the_order():
     full, done = _stage(bound=1)
     release = threading.Event()
-    full.submit(Job({"a"}, lambda: release.wait(scaled(WAIT_S)) and "a"))
+    full.submit(StageJob({"a"}, lambda: release.wait(scaled(WAIT_S)) and "a"))
 
     def open_once_the_caller_waits():  # the stage's condition has no event for "a waiter"
         deadline = time.monotonic() + scaled(WAIT_S)
@@ -105,7 +105,7 @@ def test_a_full_stage_makes_the_caller_wait_for_room_and_keeps_the_order():
         release.set()
 
     threading.Thread(target=open_once_the_caller_waits, daemon=True).start()
-    full.submit(Job({"b"}, lambda: "b"))  # waits until "a" is done
+    full.submit(StageJob({"b"}, lambda: "b"))  # waits until "a" is done
     taken = _take_all(full, done, 2)
     full.close()
     assert [j.result for j in taken] == ["a", "b"]
@@ -124,8 +124,8 @@ def test_a_job_in_parts_lets_the_jobs_behind_it_run_between_its_parts():
             yield
         return "long"
 
-    stage.submit(Job({"long"}, long_job))
-    stage.submit(Job({"short"}, lambda: ran.append("short") or "short"))
+    stage.submit(StageJob({"long"}, long_job))
+    stage.submit(StageJob({"short"}, lambda: ran.append("short") or "short"))
     release.set()
     taken = _take_all(stage, done, 2)
     stage.close()
@@ -133,7 +133,7 @@ def test_a_job_in_parts_lets_the_jobs_behind_it_run_between_its_parts():
     assert ran == ["long 0", "short", "long 1", "long 2"]
 
     inline, _ = _stage(threaded=False)  # inline, a job in parts runs to its end at once
-    inline.submit(Job({"long"}, lambda: (yield) or "all"))
+    inline.submit(StageJob({"long"}, lambda: (yield) or "all"))
     assert [j.result for j in inline.take()] == ["all"]
 
 

@@ -12,7 +12,7 @@ from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.executor.request.runner import RequestRunner
 from diffserve.executor.step.engine import StepEngine
-from diffserve.work import Work, WorkItem
+from diffserve.wire.request import Work, WorkItem
 from helpers import make_request, run_plan
 from diffserve.executor.checks.reference import max_diff, sample_image, solo
 

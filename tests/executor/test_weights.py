@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from diffserve import shared_tensors
-from diffserve.config import ServerConfig
-from diffserve.control import BASE_VERSION, COMMIT, PATH, PREPARE, SHARED, SLEEP, SYNC, WAKE, \
+from diffserve.wire import shared_tensors
+from diffserve.config.server import ServerConfig
+from diffserve.wire.weight_commands import BASE_VERSION, COMMIT, PATH, PREPARE, SHARED, SLEEP, SYNC, WAKE, \
     WeightSource, WeightStep
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines

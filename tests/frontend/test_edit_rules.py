@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.errors import APIError
 from diffserve.frontend.schemas import ImageEditForm, ImageGenerationRequest
 from diffserve.frontend.spec import edit_spec, generation_spec
 from diffserve.frontend.validation import fitted_size, to_engine_request
-from diffserve.model_info import ModelInfo
-from diffserve.tasks import EDIT, GENERATE, IMAGE_TO_IMAGE
+from diffserve.wire.model_info import ModelInfo
+from diffserve.wire.tasks import EDIT, GENERATE, IMAGE_TO_IMAGE
 
 KONTEXT = ModelInfo(name="kontext", pipeline_class="FluxKontextPipeline", width=64, height=64,
                     spatial_stride=16, default_steps=4, max_steps=1000, default_guidance_scale=2.5,

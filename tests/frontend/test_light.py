@@ -10,17 +10,17 @@ import sys
 
 PROGRAM = """
 import sys
-from diffserve.config import ServerConfig
-from diffserve.costs import GUIDANCE_RULES
-from diffserve.engine import Engine  # the host both `diffserve serve` and a Ray replica use
+from diffserve.config.server import ServerConfig
+from diffserve.wire.costs import GUIDANCE_RULES
+from diffserve.serving.backend import Backend  # the host both `diffserve serve` and a Ray replica use
 from diffserve.frontend.app import create_app
 from diffserve.frontend.schemas import ImageGenerationRequest
 from diffserve.frontend.spec import generation_spec
 from diffserve.frontend.validation import to_engine_request
 from diffserve.metrics import FrontendMetrics
-from diffserve.protocol import ModelInfo
-from diffserve.tasks import GENERATE
-import diffserve.server, diffserve.ray
+from diffserve.wire.protocol import ModelInfo
+from diffserve.wire.tasks import GENERATE
+import diffserve.serving.server, diffserve.ray
 
 create_app(ServerConfig(), None, FrontendMetrics(), lambda: (b"", "text/plain"))
 for rule in GUIDANCE_RULES:

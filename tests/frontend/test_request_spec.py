@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.errors import APIError, error_response
 from diffserve.frontend.bodies import validate
 from diffserve.frontend.schemas import ImageEditForm, ImageGenerationRequest, RolloutRequest
@@ -15,9 +15,9 @@ from diffserve.frontend.spec import (RequestSpec, edit_spec, generation_spec, ro
                                      video_spec)
 from diffserve.frontend.validation import to_engine_request
 from diffserve.frontend.videos.schemas import VideoCreate
-from diffserve.model_info import ModelInfo
-from diffserve.tasks import GENERATE
-from diffserve.work import DEFAULT_STEPS, SEED_MAX, SEED_MODULUS, ImageRequest
+from diffserve.wire.model_info import ModelInfo
+from diffserve.wire.tasks import GENERATE
+from diffserve.wire.request import DEFAULT_STEPS, SEED_MAX, SEED_MODULUS, ImageRequest
 
 SHARED = ("prompt", "seed", "num_inference_steps", "guidance_scale", "priority", "user")
 WAN = ModelInfo(name="tiny-wan", pipeline_class="WanPipeline", width=32, height=32,

@@ -18,7 +18,7 @@ from diffserve.metrics import FrontendMetrics
                                                    (False, False, "engine_not_ready")])
 def test_a_server_that_does_not_serve_refuses_before_reading_the_body(draining, ready, code):
     counts = FrontendMetrics()
-    serving = Serving(config=None, engine=SimpleNamespace(draining=draining, ready=ready),
+    serving = Serving(config=None, scheduler=SimpleNamespace(draining=draining, ready=ready),
                       counts=counts, pool=None)
     read = []
 

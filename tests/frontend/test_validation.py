@@ -3,13 +3,13 @@
 import pytest
 from pydantic import ValidationError
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.errors import APIError
 from diffserve.frontend.schemas import ImageGenerationRequest
 from diffserve.frontend.spec import edit_spec, generation_spec
 from diffserve.frontend.validation import to_engine_request
-from diffserve.model_info import ModelInfo
-from diffserve.tasks import GENERATE, TASKS
+from diffserve.wire.model_info import ModelInfo
+from diffserve.wire.tasks import GENERATE, TASKS
 
 INFO = ModelInfo(name="tiny-sd", pipeline_class="StableDiffusionPipeline", width=64, height=64,
                  spatial_stride=8, default_steps=4, max_steps=999, default_guidance_scale=5.0,
@@ -122,7 +122,7 @@ def test_controls_on_a_family_without_controlnet_are_refused():
 
 
 def test_controls_where_no_control_model_is_served_are_refused():
-    from diffserve.model_info import ControlModelInfo
+    from diffserve.wire.model_info import ControlModelInfo
 
     info = ModelInfo(**{**INFO.__dict__, "controls_supported": True})
     with pytest.raises(APIError, match="serves no control model"):

@@ -11,12 +11,12 @@ import time
 import numpy as np
 import pytest
 
-from diffserve.frontend.engine_client import DoneEvent, ProgressEvent
+from diffserve.frontend.scheduler_client import DoneEvent, ProgressEvent
 from diffserve.frontend.videos.jobs import VideoJobs, new_id
 from diffserve.frontend.videos.store import COMPLETED, FAILED, StoreBusy, VideoStore
 from diffserve.metrics import FrontendMetrics
-from diffserve.work import ImageRequest
-from diffserve.protocol import RequestDone
+from diffserve.wire.request import ImageRequest
+from diffserve.wire.protocol import RequestDone
 
 FRAMES, SIDE, STEPS = 5, 16, 4
 
@@ -97,9 +97,9 @@ def test_one_server_holds_a_store_and_a_reopened_one_fails_what_was_running(tmp_
     with pytest.raises(StoreBusy):
         VideoStore(tmp_path)
     running = request(4)
-    from diffserve.frontend.videos.store import IN_PROGRESS, Job
+    from diffserve.frontend.videos.store import IN_PROGRESS, VideoJob
 
-    store.insert(Job(running.request_id, IN_PROGRESS, 40, int(time.time()), "m", "p", "1", "16x16"))
+    store.insert(VideoJob(running.request_id, IN_PROGRESS, 40, int(time.time()), "m", "p", "1", "16x16"))
     store.close()
     reopened = VideoStore(tmp_path)
     job = reopened.get(running.request_id)

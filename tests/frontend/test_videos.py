@@ -19,7 +19,7 @@ from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.tasks import task_pipelines
 from diffserve.frontend.videos.encode import decode_mp4
-from diffserve.work import ImageRequest
+from diffserve.wire.request import ImageRequest
 from diffserve.executor.checks.reference import sample_image, solo
 from server import LAUNCHES, Server, assert_openai_error, metric, serves, spec
 from pace import scaled

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from diffserve.policies import queue_policy
-from diffserve.protocol import STEP_MODE
+from diffserve.wire.protocol import STEP_MODE
 from diffserve.scheduler.batcher import Batcher
 from helpers import make_request
 

@@ -4,7 +4,7 @@ policy they are given, and the head is the request with the least work."""
 from __future__ import annotations
 
 from diffserve.policies import QUEUE_POLICIES, queue_policy
-from diffserve.protocol import STEP_MODE
+from diffserve.wire.protocol import STEP_MODE
 from diffserve.scheduler.batcher import Batcher
 from diffserve.scheduler.core import SchedulerCore
 from helpers import make_request

@@ -4,7 +4,7 @@ inside an executor while the scheduler counts it as running there."""
 
 from __future__ import annotations
 
-from diffserve.protocol import STEP_MODE
+from diffserve.wire.protocol import STEP_MODE
 from diffserve.scheduler.core import SchedulerCore
 from helpers import make_request, run, taken
 

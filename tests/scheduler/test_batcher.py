@@ -2,7 +2,7 @@
 
 import pytest
 
-from diffserve.protocol import REQUEST_MODE, STEP_MODE
+from diffserve.wire.protocol import REQUEST_MODE, STEP_MODE
 from diffserve.scheduler.batcher import Batcher
 from helpers import make_request
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from diffserve.protocol import (CANCELLED, FINISHED, REQUEST_MODE, STEP_MODE, FramesMismatch,
+from diffserve.wire.protocol import (CANCELLED, FINISHED, REQUEST_MODE, STEP_MODE, FramesMismatch,
                                ItemResult, ItemsDone, Kind, decode, encode)
 from diffserve.scheduler.core import DELAY, DRAIN, EXECUTOR_FREE, FULL, SchedulerCore
 from helpers import make_request, ready_core as core, run, taken
@@ -228,7 +228,7 @@ def test_each_request_of_a_shared_call_is_charged_the_whole_call():
 
 
 def test_poll_wait_never_overshoots_a_deadline():
-    from diffserve.scheduler.process import split_wait
+    from diffserve.scheduler.service import split_wait
 
     assert split_wait(None) == (0.0, None)  # nothing to wait for: block until an event
     assert split_wait(0.0) == (0.0, 0)

@@ -6,7 +6,7 @@ ahead of newer requests of its class; what ends, aborts or dies meanwhile is set
 from __future__ import annotations
 
 from diffserve.policies import queue_policy
-from diffserve.protocol import FINISHED, STEP_MODE, ItemResult, ItemsDone
+from diffserve.wire.protocol import FINISHED, STEP_MODE, ItemResult, ItemsDone
 from diffserve.scheduler.core import SchedulerCore
 from helpers import make_request, run, taken
 

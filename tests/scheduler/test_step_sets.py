@@ -1,7 +1,7 @@
 """Step-mode running sets and several executors in the scheduler, in place: no processes, no
 sockets, a fake clock."""
 
-from diffserve.protocol import REQUEST_MODE, STEP_MODE
+from diffserve.wire.protocol import REQUEST_MODE, STEP_MODE
 from diffserve.scheduler.core import DELAY, FULL, JOIN, NEW_SET
 from helpers import make_request, ready_core as core, run, taken
 
@@ -148,7 +148,7 @@ def test_losing_one_executor_touches_only_its_requests():
 
 
 def test_what_an_image_costs():
-    from diffserve.costs import default_bounds, image_cost, uses_cfg
+    from diffserve.wire.costs import default_bounds, image_cost, uses_cfg
     from diffserve.executor.families.known import family_named
 
     sd, flux = (family_named(name).guidance_rule for name in ("stable-diffusion", "flux"))

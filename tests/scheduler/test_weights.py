@@ -7,7 +7,7 @@ weights, a sleeping server refuses where it is told to."""
 
 from __future__ import annotations
 
-from diffserve.control import (
+from diffserve.wire.weight_commands import (
     ABORT_MODE,
     COMMIT,
     DISCARD,
@@ -22,7 +22,7 @@ from diffserve.control import (
     WeightResult,
     WeightSource,
 )
-from diffserve.protocol import ItemResult, ItemsDone, FINISHED
+from diffserve.wire.protocol import ItemResult, ItemsDone, FINISHED
 from diffserve.scheduler.core import SchedulerCore
 from diffserve.scheduler.weights import ABORTED, TWO_VERSIONS, WeightControl
 from helpers import make_request

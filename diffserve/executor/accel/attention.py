@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from diffserve.config import ConfigError
+from diffserve.config.server import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def _timed_step(rt, timed: int = TIMED_STEPS) -> tuple[float, object]:
     import torch
 
     from diffserve.device.stats import synced_clock
-    from diffserve.work import ImageRequest, WorkItem
+    from diffserve.wire.request import ImageRequest, WorkItem
 
     info, outputs = rt.info, []
     denoiser = rt.family.denoisers[0]

@@ -163,8 +163,8 @@ def warm_up(rt, engine) -> float:
     images as make that bucket's rows (up to the most one forward carries at the native size;
     exact rows: one image and two, the specialised graph and the dynamic one). The seconds it
     took."""
-    from diffserve.costs import uses_cfg
-    from diffserve.work import ImageRequest, WorkItem
+    from diffserve.wire.costs import uses_cfg
+    from diffserve.wire.request import ImageRequest, WorkItem
 
     info = rt.info
     per_image = 2 if uses_cfg(info.guidance_rule, info.default_guidance_scale, "") else 1

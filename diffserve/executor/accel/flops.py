@@ -170,7 +170,7 @@ def count_forward(rt, width: int, height: int, frames: int = 0) -> tuple[int, in
     from torch.utils.flop_counter import FlopCounterMode
 
     from diffserve.executor.pipeline import denoisers
-    from diffserve.work import ImageRequest, Work, WorkItem
+    from diffserve.wire.request import ImageRequest, Work, WorkItem
 
     info, counting, seen = rt.info, {}, []
 
@@ -214,7 +214,7 @@ def tokens_of(model: FlopModel, info, width: int, height: int, frames: int = 0) 
 def describe(rt, config) -> dict:
     """What /v1/models shows of the count: the FLOPs of a step of one native-size image at the
     default guidance (its rows), and the device's peak."""
-    from diffserve.costs import uses_cfg
+    from diffserve.wire.costs import uses_cfg
 
     model, info = rt.flops, rt.info
     if model is None:

@@ -54,7 +54,7 @@ def _denoisers(rt) -> list:
 
 def _image(rt) -> np.ndarray:
     """One small generation's pixels through the plain pipeline (a fixed seed and prompt)."""
-    from diffserve.work import ImageRequest, Work, WorkItem
+    from diffserve.wire.request import ImageRequest, Work, WorkItem
 
     info = rt.info
     stride = info.spatial_stride

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from diffserve.config import ServerConfig
-from diffserve.protocol import STEP_MODE
+from diffserve.config.server import ServerConfig
+from diffserve.wire.protocol import STEP_MODE
 
 log = logging.getLogger(__name__)
 

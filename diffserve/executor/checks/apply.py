@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.checks import float32, startup, verdicts
 from diffserve.executor.families.known import UnsupportedMode
 from diffserve.executor.memory.budget import budget_of
-from diffserve.protocol import REQUEST_MODE, STEP_MODE
-from diffserve.tasks import GENERATE, TASKS
-from diffserve.work import WITH_CONTROLS
+from diffserve.wire.protocol import REQUEST_MODE, STEP_MODE
+from diffserve.wire.tasks import GENERATE, TASKS
+from diffserve.wire.request import WITH_CONTROLS
 
 log = logging.getLogger(__name__)
 

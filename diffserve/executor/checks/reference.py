@@ -16,7 +16,7 @@ from diffserve.executor.families.known import family_for
 from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.model.loading import FORCED_KWARGS, LoadedModel
 from diffserve.executor.pipeline import built_from
-from diffserve.work import ImageRequest
+from diffserve.wire.request import ImageRequest
 
 
 def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None, mask=None,

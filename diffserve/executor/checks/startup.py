@@ -28,9 +28,9 @@ import numpy as np
 from diffserve.executor.checks import float32
 from diffserve.executor.results import FAILURE
 from diffserve.policies.base import SetPolicy
-from diffserve.protocol import STEP_MODE
-from diffserve.work import WITH_CONTROLS, Control, ImageRequest, Work, WorkItem
-from diffserve.tasks import TASKS
+from diffserve.wire.protocol import STEP_MODE
+from diffserve.wire.request import WITH_CONTROLS, Control, ImageRequest, Work, WorkItem
+from diffserve.wire.tasks import TASKS
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.model_info import ControlModelInfo
+from diffserve.wire.model_info import ControlModelInfo
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from diffserve.costs import ABOVE_ONE, uses_cfg
+from diffserve.wire.costs import ABOVE_ONE, uses_cfg
 from diffserve.executor.families.blocks import BlockKind
 from diffserve.executor.families.conditioning import Blend, Conditioning, Encoded, Prepared
 from diffserve.executor.families.control_hooks import ControlHooks
@@ -30,8 +30,8 @@ from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.families.schedulers import scheduler_swapped
 from diffserve.executor.model.samplers import build as build_sampler
 from diffserve.executor.rows import RowScope
-from diffserve.samples import CONTROLS
-from diffserve.tasks import Task
+from diffserve.wire.samples import CONTROLS
+from diffserve.wire.tasks import Task
 
 
 BY_MODEL, BY_ROW, SHARED = "by-model", "by-row", "shared"
@@ -53,10 +53,10 @@ class Family(ControlHooks):
     begins_at_index_zero: ClassVar[bool] = False
     # The pipeline keyword the request's guidance_scale is (Qwen-Image: true_cfg_scale).
     guidance_kwarg: ClassVar[str] = "guidance_scale"
-    # When classifier-free guidance runs (diffserve.costs.GUIDANCE_RULES): with a scale above 1
+    # When classifier-free guidance runs (diffserve.wire.costs.GUIDANCE_RULES): with a scale above 1
     # (most), only with a negative prompt too (Qwen-Image), or never (guidance as an input: Flux).
     guidance_rule: ClassVar[str] = ABOVE_ONE
-    # Instruction edits (diffserve.tasks.EDIT): the most reference images one takes (0: none),
+    # Instruction edits (diffserve.wire.tasks.EDIT): the most reference images one takes (0: none),
     # whether the prompt's encoding sees them (a vision-language text encoder), and whether the
     # family's pipeline generates without one.
     max_references: ClassVar[int] = 0

@@ -86,7 +86,7 @@ class Conditioning:
 
     def prompt_tensors(self) -> dict[str, Any]:
         """A one-row conditioning's prompt encoding as a rollout returns it, by name
-        (:mod:`diffserve.rollouts`): ``prompt_embeds`` [L, D] without padding, and
+        (:mod:`diffserve.wire.rollouts`): ``prompt_embeds`` [L, D] without padding, and
         ``pooled_prompt_embeds`` [D] where the family has them."""
         raise NotImplementedError(f"{type(self).__name__} does not return its prompt encoding")
 
@@ -126,5 +126,5 @@ class Prepared:
     step_kwargs: dict[str, Any] = field(default_factory=dict)
     blend: Blend | None = None
     # Its ControlNet controls, each with its condition (the control image as its model takes it,
-    # one row per image): (diffserve.work.Control, tensor) pairs.
+    # one row per image): (diffserve.wire.request.Control, tensor) pairs.
     controls: list = field(default_factory=list)

@@ -18,7 +18,7 @@ CONTROL_PIPES_KEPT = 16  # ControlNet pipelines kept built (request mode): task 
 
 def control_kwargs(keyword: str, controls, images: list) -> dict[str, Any]:
     """A diffusers ControlNet pipeline call's keywords for the stack ``controls``
-    (:class:`~diffserve.work.Control`): ``images`` (one entry a control model, as the pipeline
+    (:class:`~diffserve.wire.request.Control`): ``images`` (one entry a control model, as the pipeline
     takes its images) under ``keyword``, and each control's scale, window and mode; one control
     as itself, several as lists, as diffusers takes them. Request mode and the reference oracle
     both call it."""

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from functools import cache
 
-from diffserve.config import ConfigError
+from diffserve.config.server import ConfigError
 from diffserve.executor.families import parts
 from diffserve.executor.families.base import Family
 from diffserve.executor.families.blocks import BlockTables, declared
-from diffserve.protocol import REQUEST_MODE, STEP_MODE
+from diffserve.wire.protocol import REQUEST_MODE, STEP_MODE
 
 # Each folder's step adapters (its ``step`` module's ``FAMILIES``), in folder order: where two
 # could take a pipeline class, the first wins.

@@ -42,7 +42,7 @@ def to_uint8(pixels) -> np.ndarray:
 def split_finite(decode, sizes: list[int]) -> list:
     """``decode()``'s uint8 rows cut into members of ``sizes`` rows; a member with a non-finite
     row gets a :class:`NonFiniteOutput` instead of its pixels (the others keep theirs)."""
-    from diffserve.samples import chunks
+    from diffserve.wire.samples import chunks
 
     try:
         return chunks(decode(), sizes)

@@ -14,7 +14,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from diffserve.samples import group_by
+from diffserve.wire.samples import group_by
 
 # Images per VAE call: a VAE's activations at 1024x1024 are large, so a batch is bounded.
 MAX_TOGETHER = 8

@@ -1,4 +1,4 @@
-"""The gathered method of per-row adapters (:mod:`~diffserve.executor.lora.rows`): each distinct
+"""The gathered method of per-row adapters (:mod:`~diffserve.executor.lora.row_adapters`): each distinct
 stack's A matrices concatenated along the rank (its B's, scales folded in, likewise), zero-padded
 to the largest, so that every row's update comes from two batched matrix products whatever the
 number of adapters; and the byte-bounded cache of those weights."""

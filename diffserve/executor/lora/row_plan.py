@@ -1,4 +1,4 @@
-"""The adapters of one per-row context (:mod:`~diffserve.executor.lora.rows`): each row's stack,
+"""The adapters of one per-row context (:mod:`~diffserve.executor.lora.row_adapters`): each row's stack,
 grouped by adapter (the rows that use it and their scales) and by distinct stack, with the index
 and scale tensors made once per device and dtype, as a running set's rows stay the same from step
 to step."""

@@ -3,7 +3,7 @@ each a running request holds.
 
 Adapters are loaded with diffusers' own loader (``load_lora_weights``: diffusers/PEFT files and
 the kohya/A1111 layouts it converts) under an internal name per version (``NAME@N``), and applied
-per row by :class:`~diffserve.executor.lora.rows.RowAdapters`. A request resolves its adapter
+per row by :class:`~diffserve.executor.lora.row_adapters.RowAdapters`. A request resolves its adapter
 names to the current versions once, when it is admitted (:meth:`AdapterStore.acquire`), and holds
 them until it leaves (:meth:`AdapterStore.release`): loading a name again makes a new version for
 the requests admitted afterwards, while the running ones finish on theirs, so no request ever
@@ -45,7 +45,7 @@ class _Version:
 class AdapterStore:
     def __init__(self, pipe, max_resident: int, max_rank: int, on_event=lambda event, **kw: None) -> None:
         """``on_event(event, name=..., seconds=...)`` is told of loads, unloads and evictions."""
-        from diffserve.executor.lora.rows import RowAdapters
+        from diffserve.executor.lora.row_adapters import RowAdapters
 
         self.pipe = pipe
         self.max_resident = max_resident

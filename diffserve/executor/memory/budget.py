@@ -6,7 +6,7 @@ and turns the budget into a bound on cost, the unit the scheduler already admits
   offload buffers, compiled graphs); on a CPU, the bytes of every weight and buffer.
 - **Per cost**: one generation of one image at the native size and the model's default guidance,
   then of two (one step each, the prompt encoding and the decode included), through the plain
-  pipeline: the growth from one image to two, per unit of cost (:mod:`diffserve.costs`), and the
+  pipeline: the growth from one image to two, per unit of cost (:mod:`diffserve.wire.costs`), and the
   rest as a fixed part (a call that fails stops the start; where the second image shows no
   growth, the whole two-image call is counted as the images'). On CUDA the allocator's peak; on a
   CPU an estimate: the bytes of every module's outputs in the call (an upper bound: freed tensors
@@ -28,7 +28,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from diffserve.config import ConfigError
+from diffserve.config.server import ConfigError
 from diffserve.executor.pipeline import torch_modules
 from diffserve.executor.tensors import module_bytes, nbytes
 
@@ -108,7 +108,7 @@ def _generation(rt, stats, modules, images: int) -> tuple[int, int]:
     """(bytes a one-step generation of ``images`` native images takes, bytes its decode takes):
     on CUDA the allocator's peaks, on a CPU the bytes of every module's outputs. A call that
     fails leaves nothing to measure by: the start stops, saying why."""
-    from diffserve.work import ImageRequest, Work, WorkItem
+    from diffserve.wire.request import ImageRequest, Work, WorkItem
 
     info = rt.info
     request = ImageRequest(f"memory-{images}", info.name, info.width, info.height,
@@ -158,7 +158,7 @@ def cached_bytes(rt) -> float:
     """What one image's step cache keeps (the first block's signal and the remaining blocks'
     cached output, for each of its rows, as the step cache stores them), read off a real cache
     after one step of a native-size request."""
-    from diffserve.work import ImageRequest, WorkItem
+    from diffserve.wire.request import ImageRequest, WorkItem
 
     info = rt.info
     request = ImageRequest("memory-cache", info.name, info.width, info.height,
@@ -178,7 +178,7 @@ def cached_bytes(rt) -> float:
 
 def unit_cost(info) -> float:
     """The cost of one image at the native size and the model's default guidance."""
-    from diffserve.costs import image_cost, uses_cfg
+    from diffserve.wire.costs import image_cost, uses_cfg
 
     return image_cost(1, 1, 1, 1, uses_cfg(info.guidance_rule, info.default_guidance_scale, ""))
 

@@ -1,6 +1,6 @@
 """Out of memory on the device: what counts as such, and what to do before trying again.
 
-A batch that runs out of memory is run again in halves (:func:`diffserve.samples.isolate`). For
+A batch that runs out of memory is run again in halves (:func:`diffserve.wire.samples.isolate`). For
 the halves to fit, the failed attempt's memory must be free: its activations are held by the
 frames of the error's traceback until those are cleared (``isolate`` leaves its ``except`` block
 and clears them), and then the allocator's cache is emptied so that the memory is the device's

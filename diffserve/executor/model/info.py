@@ -6,15 +6,15 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from diffserve.config import ServerConfig
-from diffserve.costs import ABOVE_ONE, default_bounds, image_cost, uses_cfg
+from diffserve.config.server import ServerConfig
+from diffserve.wire.costs import ABOVE_ONE, default_bounds, image_cost, uses_cfg
 from diffserve.executor.model.loading import LoadedModel
 from diffserve.executor.model.placements import placements
 from diffserve.executor.model.samplers import offered
-from diffserve.protocol import STEP_MODE
-from diffserve.model_info import ModelInfo
-from diffserve.tasks import EDIT, IMAGE_TO_IMAGE
-from diffserve.work import DEFAULT_STEPS
+from diffserve.wire.protocol import STEP_MODE
+from diffserve.wire.model_info import ModelInfo
+from diffserve.wire.tasks import EDIT, IMAGE_TO_IMAGE
+from diffserve.wire.request import DEFAULT_STEPS
 
 DEFAULT_FPS = 16  # Wan's; a video model's diffserve.json may say otherwise
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from diffserve.executor.pipeline import torch_modules
 from diffserve.executor.tensors import module_bytes
-from diffserve.model_info import Component
+from diffserve.wire.model_info import Component
 
 
 def placements(pipe, group=None) -> list[Component]:

@@ -23,14 +23,14 @@ leaving the embedders and the first and last layers in the served dtype (the dyn
 default: those layers are small, and where quantizing costs the most accuracy).
 
 LoRA adapters work on top: PEFT wraps the quantized layers, and each row's adapter deltas are
-added in the served dtype (:mod:`diffserve.executor.lora.rows`).
+added in the served dtype (:mod:`diffserve.executor.lora.row_adapters`).
 """
 
 from __future__ import annotations
 
 import logging
 
-from diffserve.config import ConfigError
+from diffserve.config.server import ConfigError
 from diffserve.executor.pipeline import DENOISERS, declared_components, is_denoiser
 from diffserve.executor.tensors import module_bytes
 

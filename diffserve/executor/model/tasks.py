@@ -9,7 +9,7 @@ from typing import Any
 
 from diffserve.executor.model.samplers import samples_with
 from diffserve.executor.pipeline import built_from
-from diffserve.tasks import GENERATE, TASKS
+from diffserve.wire.tasks import GENERATE, TASKS
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diffserve.config import ConfigError
-from diffserve.costs import NEVER
+from diffserve.config.server import ConfigError
+from diffserve.wire.costs import NEVER
 from diffserve.executor.families.known import family_for
 from diffserve.executor.model.compat import on_rank_device, one_device_per_cpu_rank
 from diffserve.executor.parallel.topology import Group

@@ -31,10 +31,10 @@ from typing import Any
 import zmq
 
 from diffserve import processes
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 from diffserve.executor.parallel.model import check_model
 from diffserve.executor.parallel.topology import Group, RankSpec, rank_title
-from diffserve.launcher import free_port
+from diffserve.serving.launcher import free_port
 from diffserve.builders.registry import resolve_model
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from diffserve.costs import WITH_NEGATIVE
+from diffserve.wire.costs import WITH_NEGATIVE
 from diffserve.executor.memory import oom as memory
 from diffserve.executor.lora.store import AdapterStore
 from diffserve.executor.families.base import BY_MODEL, BY_ROW, SHARED, Family
@@ -27,9 +27,9 @@ from diffserve.executor.families.outputs import NonFiniteOutput, split_finite, t
 from diffserve.executor.model.loading import LoadedModel
 from diffserve.executor.model.samplers import build as build_sampler
 from diffserve.executor.results import Outcome, PartialImage, partial_steps
-from diffserve.work import Work, WorkItem
-from diffserve.tasks import REFERENCE
-from diffserve.samples import CONTROLS, generators, group_by, input_arrays, isolate
+from diffserve.wire.request import Work, WorkItem
+from diffserve.wire.tasks import REFERENCE
+from diffserve.wire.samples import CONTROLS, generators, group_by, input_arrays, isolate
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from diffserve.control import BASE_VERSION, COMMIT, DISCARD, PREPARE, SLEEP, SYNC, WAKE, \
+from diffserve.wire.weight_commands import BASE_VERSION, COMMIT, DISCARD, PREPARE, SLEEP, SYNC, WAKE, \
     WeightResult, WeightSource, WeightStep
 
 from diffserve.executor.pipeline import denoisers, torch_modules

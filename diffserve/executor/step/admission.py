@@ -15,9 +15,9 @@ from diffserve.executor.results import partial_steps
 from diffserve.executor.step.rollout import Trajectory
 from diffserve.executor.step.units import Unit, batch_key_of
 from diffserve.policies.base import Member
-from diffserve.work import WorkItem
-from diffserve.samples import generators, group_by, input_arrays
-from diffserve.tasks import REFERENCE
+from diffserve.wire.request import WorkItem
+from diffserve.wire.samples import generators, group_by, input_arrays
+from diffserve.wire.tasks import REFERENCE
 
 
 class UnitBuilder:

@@ -36,7 +36,7 @@ from contextlib import nullcontext
 from functools import partial
 from typing import Any, Callable
 
-from diffserve.executor.control.rows import narrowed, residuals
+from diffserve.executor.control.residuals import narrowed, residuals
 from diffserve.executor.families.base import Family
 from diffserve.executor.memory import oom
 from diffserve.executor.parallel.failures import is_group_failure
@@ -52,8 +52,8 @@ from diffserve.executor.step.units import StepOutput, StepTime, Unit, Waiting, b
 from diffserve.policies import SetPolicy
 from diffserve.policies.base import Member
 from diffserve.policies.fair import TimeFair
-from diffserve.work import WorkItem
-from diffserve.samples import group_by, isolate
+from diffserve.wire.request import WorkItem
+from diffserve.wire.samples import group_by, isolate
 
 log = logging.getLogger(__name__)
 

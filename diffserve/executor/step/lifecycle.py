@@ -18,7 +18,7 @@ from diffserve.executor.memory.parking import park, unpark
 from diffserve.executor.results import Outcome
 from diffserve.executor.step.planner import Planned, StepPlan
 from diffserve.executor.step.units import StepOutput, Unit, Waiting
-from diffserve.work import WorkItem
+from diffserve.wire.request import WorkItem
 
 
 def request_id(unit: Unit) -> str:

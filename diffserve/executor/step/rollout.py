@@ -74,7 +74,7 @@ class Trajectory:
 
     def tensors(self, family, scheduler, timesteps, width: int, height: int, images, positive,
                 returns: tuple[str, ...]) -> dict[str, Any]:
-        """The answer's tensors (see :mod:`diffserve.rollouts`), as numpy arrays."""
+        """The answer's tensors (see :mod:`diffserve.wire.rollouts`), as numpy arrays."""
         import torch
 
         out: dict[str, Any] = {}

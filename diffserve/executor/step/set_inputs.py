@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diffserve.executor.control.rows import ControlPlan
+from diffserve.executor.control.residuals import ControlPlan
 from diffserve.executor.rows import selection, take
 
 

@@ -22,10 +22,10 @@ from typing import Any, Callable
 from diffserve.executor.families.outputs import split_finite
 from diffserve.executor.memory import oom
 from diffserve.executor.results import Outcome, PartialImage
-from diffserve.executor.step.stages import Job, Stage, Wakeup
+from diffserve.executor.step.stages import StageJob, Stage, Wakeup
 from diffserve.executor.step.units import Unit
-from diffserve.samples import group_by, input_arrays, isolate
-from diffserve.tasks import REFERENCE
+from diffserve.wire.samples import group_by, input_arrays, isolate
+from diffserve.wire.tasks import REFERENCE
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class StageWork:
     # -- submitting (the loop) -----------------------------------------------------------
 
     def _submit(self, stage: Stage, kind: str, request_ids: set[str], run, **meta) -> None:
-        job = Job(request_ids, run, meta={"kind": kind, **meta})
+        job = StageJob(request_ids, run, meta={"kind": kind, **meta})
         # Inline, the job is this step's own work: its time is the step's inner time.
         with nullcontext() if stage.threaded else self.timer.span():
             stage.submit(job)
@@ -238,7 +238,7 @@ class StageWork:
                     back.previews += [(u, p, _rid(u) in self._left) for u, p in found]
         return back
 
-    def _admitted(self, job: Job, back: TakenBack) -> None:
+    def _admitted(self, job: StageJob, back: TakenBack) -> None:
         if job.meta.get("abandoned"):
             return
         made = job.result if job.error is None else [
@@ -260,7 +260,7 @@ class StageWork:
             else:
                 back.joined.append(unit)
 
-    def _finished(self, job: Job, back: TakenBack) -> None:
+    def _finished(self, job: StageJob, back: TakenBack) -> None:
         units = job.meta["units"]
         outcomes = job.result if job.error is None else [
             Outcome.failed(u.item, job.error, self.clock() - u.admitted_at) for u in units]

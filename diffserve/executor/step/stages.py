@@ -38,7 +38,7 @@ QUEUE_BOUND = 64  # jobs a stage holds waiting or running; past it the loop wait
 
 
 @dataclass(eq=False)
-class Job:
+class StageJob:
     """Work for a stage: ``run()``'s result (or the exception it raised) is handed back."""
 
     request_ids: set[str]
@@ -63,11 +63,11 @@ class Stage:
         self.threaded, self.bound, self.notify = threaded, bound, notify
         self.busy_s = 0.0  # time running jobs, since the last take_times()
         self.stall_s = 0.0  # time the loop ran jobs inline or waited for this stage, likewise
-        self._jobs: deque[Job] = deque()
-        self._done: deque[Job] = deque()
+        self._jobs: deque[StageJob] = deque()
+        self._done: deque[StageJob] = deque()
         self._lock = threading.Condition()
         self._closing = False
-        self._running: Job | None = None
+        self._running: StageJob | None = None
         self._thread: threading.Thread | None = None
         self.stream = self.kind.stream(device) if self.queued and threaded else None
 
@@ -77,13 +77,13 @@ class Stage:
         with self._lock:
             return len(self._jobs) + len(self._done) + (1 if self._running is not None else 0)
 
-    def jobs_held(self) -> list[Job]:
+    def jobs_held(self) -> list[StageJob]:
         """Every job not taken back yet: waiting, running, done."""
         with self._lock:
             running = [self._running] if self._running is not None else []
             return [*self._jobs, *running, *self._done]
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: StageJob) -> None:
         """Queue ``job``; inline, run it now. A full stage makes the caller wait for room (the
         wait counts as stall): jobs always come back in the order they were submitted."""
         if not self.threaded:
@@ -109,7 +109,7 @@ class Stage:
     def _pending(self) -> int:
         return len(self._jobs) + (1 if self._running is not None else 0)
 
-    def take(self) -> list[Job]:
+    def take(self) -> list[StageJob]:
         """The jobs done since the last call, in order; on CUDA the loop's stream then waits for
         each one's results."""
         with self._lock:
@@ -177,7 +177,7 @@ class Stage:
             if not more:
                 self.notify()
 
-    def _run(self, job: Job) -> bool:
+    def _run(self, job: StageJob) -> bool:
         """Run ``job`` (inline: to its end); True where it is a job in parts (its ``run()``
         returned a generator) with parts left."""
         if job.cancelled:

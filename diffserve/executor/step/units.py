@@ -11,8 +11,8 @@ from diffserve.executor.families.conditioning import Prepared
 from diffserve.executor.results import Outcome, PartialImage
 from diffserve.executor.step.rollout import Trajectory
 from diffserve.policies.base import Member
-from diffserve.protocol import STEP_MODE
-from diffserve.work import WorkItem
+from diffserve.wire.protocol import STEP_MODE
+from diffserve.wire.request import WorkItem
 
 
 @dataclass
@@ -96,7 +96,7 @@ class StepOutput:
     finished: list[Outcome] = field(default_factory=list)
     partials: list[PartialImage] = field(default_factory=list)
     samples: int = 0  # samples the forward carried
-    cost: float = 0.0  # and their cost (diffserve.costs)
+    cost: float = 0.0  # and their cost (diffserve.wire.costs)
     batch_key: tuple | None = None  # of the running set it advanced
     sets: int = 0  # running sets held after the step
     # The steps whose time was read since the last output: this step's own, or (timing deferred

@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from diffserve.errors import APIError, engine_error
-from diffserve.frontend.engine_client import DoneEvent, EngineClient, ProgressEvent
+from diffserve.frontend.scheduler_client import DoneEvent, SchedulerClient, ProgressEvent
 from diffserve.frontend.videos.encode import remove_files, write_files
-from diffserve.frontend.videos.store import COMPLETED, FAILED, IN_PROGRESS, QUEUED, Job, VideoStore
+from diffserve.frontend.videos.store import COMPLETED, FAILED, IN_PROGRESS, QUEUED, VideoJob, VideoStore
 from diffserve.metrics import VIDEO_STATUSES, VideoMetrics
-from diffserve.work import ImageRequest
+from diffserve.wire.request import ImageRequest
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,9 @@ def new_id(owner: str = "") -> str:
 
 
 class VideoJobs:
-    def __init__(self, store: VideoStore, engine: EngineClient, metrics: VideoMetrics,
+    def __init__(self, store: VideoStore, scheduler: SchedulerClient, metrics: VideoMetrics,
                  ttl_s: float, max_queued: int) -> None:
-        self.store, self.engine, self.metrics = store, engine, metrics
+        self.store, self.scheduler, self.metrics = store, scheduler, metrics
         self.ttl_s, self.max_queued = ttl_s, max_queued
         self.running: dict[str, asyncio.Task] = {}  # job id -> its task (queued or in progress)
         self.queued: set[str] = set()
@@ -50,13 +50,13 @@ class VideoJobs:
         self._sweeper: asyncio.Task | None = None
         self.sweep()
 
-    def create(self, request: ImageRequest, inputs: list, params: dict, seconds: str) -> Job:
+    def create(self, request: ImageRequest, inputs: list, params: dict, seconds: str) -> VideoJob:
         """Accept a job (429 past --max-video-jobs queued): stored as queued, then run."""
         if len(self.queued) >= self.max_queued:
             raise engine_error(429, f"The server is overloaded: {len(self.queued)} video jobs are "
                                "queued already (--max-video-jobs); retry later.",
                                "server_error", "overloaded")
-        job = self.store.insert(Job(
+        job = self.store.insert(VideoJob(
             request.request_id, QUEUED, 0, int(time.time()), request.model, request.prompt,
             seconds, f"{request.width}x{request.height}", params))
         self.queued.add(job.id)
@@ -67,10 +67,10 @@ class VideoJobs:
         self.count_jobs()
         return job
 
-    async def _run(self, job: Job, request: ImageRequest, inputs: list) -> None:
+    async def _run(self, job: VideoJob, request: ImageRequest, inputs: list) -> None:
         started = None
         try:
-            submission = await self.engine.submit(request, inputs)
+            submission = await self.scheduler.submit(request, inputs)
             try:
                 while True:
                     event = await submission.next()
@@ -120,7 +120,7 @@ class VideoJobs:
             self.running.pop(job.id, None)
             self.count_jobs()
 
-    def _fail(self, job: Job, code: str, message: str) -> None:
+    def _fail(self, job: VideoJob, code: str, message: str) -> None:
         now = int(time.time())
         self.store.update(job.id, status=FAILED, completed_at=now, error_code=code,
                           error_message=message,

@@ -23,10 +23,10 @@ from diffserve.frontend.videos.encode import VARIANTS, VIDEO
 from diffserve.frontend.videos.jobs import VideoJobs, new_id
 from diffserve.frontend.videos.peers import Peers
 from diffserve.frontend.videos.schemas import Video, VideoCreate, VideoDeleted, VideoError, VideoList
-from diffserve.frontend.videos.store import COMPLETED, Job
-from diffserve.model_info import ModelInfo
-from diffserve.tasks import FIRST_FRAME, GENERATE, IMAGE_TO_VIDEO
-from diffserve.work import in_manifest_order
+from diffserve.frontend.videos.store import COMPLETED, VideoJob
+from diffserve.wire.model_info import ModelInfo
+from diffserve.wire.tasks import FIRST_FRAME, GENERATE, IMAGE_TO_VIDEO
+from diffserve.wire.request import in_manifest_order
 
 REFERENCE_FIELD = "input_reference"
 POLL_AFTER_MS = "500"  # how soon the SDK's poll helper asks again
@@ -38,7 +38,7 @@ def not_found(job_id: str) -> APIError:
                     "invalid_request_error")
 
 
-def video_object(job: Job) -> Video:
+def video_object(job: VideoJob) -> Video:
     error = VideoError(code=job.error_code, message=job.error_message or "") if job.error_code else None
     return Video(id=job.id, status=job.status, progress=job.progress, created_at=job.created_at,
                  completed_at=job.completed_at, expires_at=job.expires_at, model=job.model,
@@ -108,7 +108,7 @@ async def read_body(http_request: Request, limit: int) -> tuple[dict, bytes | No
 def video_routes(serving: Serving, jobs: VideoJobs, peers: Peers | None = None) -> APIRouter:
     """``peers``: the other replicas (Ray Serve), where a request about their jobs goes."""
     router = APIRouter()
-    config, engine = serving.config, serving.engine
+    config, scheduler = serving.config, serving.scheduler
 
     async def elsewhere(video_id: str, http_request: Request):
         """The holding replica's answer where another replica holds the job, else None."""
@@ -125,7 +125,7 @@ def video_routes(serving: Serving, jobs: VideoJobs, peers: Peers | None = None) 
         serving.check_serving()
         fields, reference = await read_body(http_request, config.max_upload_bytes)
         body = validate(VideoCreate, fields)
-        info = engine.model_info
+        info = scheduler.model_info
         task = IMAGE_TO_VIDEO if reference is not None else GENERATE
         if task.name not in info.tasks and task.name not in info.unavailable_tasks:
             raise invalid_request(
@@ -139,7 +139,7 @@ def video_routes(serving: Serving, jobs: VideoJobs, peers: Peers | None = None) 
         fps = body.fps or info.fps
         frames = frame_count(body, info, fps, config.max_video_frames)
         request = to_engine_request(video_spec(body, frames), new_id(peers.tag if peers else ""),
-                                    info, config, task, engine.adapters,
+                                    info, config, task, scheduler.adapters,
                                     key_priority=key_priority(http_request))
         inputs = []
         if reference is not None:

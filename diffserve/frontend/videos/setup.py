@@ -31,6 +31,6 @@ def video_api(serving: Serving, counts: FrontendMetrics, peers=None):
     if store.interrupted:
         log.warning("%d video jobs were queued or running when the server last stopped: they "
                     "are failed (server_restarted)", len(store.interrupted))
-    jobs = VideoJobs(store, serving.engine, counts.video, config.video_ttl_s,
+    jobs = VideoJobs(store, serving.scheduler, counts.video, config.video_ttl_s,
                      config.max_video_jobs)
     return video_routes(serving, jobs, peers), jobs

@@ -45,7 +45,7 @@ class StoreBusy(RuntimeError):
 
 
 @dataclass
-class Job:
+class VideoJob:
     id: str
     status: str
     progress: int
@@ -70,10 +70,10 @@ _COLUMNS = ("seq", "id", "status", "progress", "created_at", "completed_at", "ex
             "prompt", "seconds", "size", "params", "error_code", "error_message")
 
 
-def _job(row) -> Job:
+def _job(row) -> VideoJob:
     values = dict(zip(_COLUMNS, row))
     values["params"] = json.loads(values["params"])
-    return Job(**values)
+    return VideoJob(**values)
 
 
 class VideoStore:
@@ -111,7 +111,7 @@ class VideoStore:
     def stem(self, job_id: str) -> Path:
         return self.files / job_id
 
-    def insert(self, job: Job) -> Job:
+    def insert(self, job: VideoJob) -> VideoJob:
         cursor = self.db.execute(
             f"INSERT INTO jobs ({', '.join(_COLUMNS[1:])}) VALUES ({', '.join('?' * 13)})",
             (job.id, job.status, job.progress, job.created_at, job.completed_at, job.expires_at,
@@ -124,12 +124,12 @@ class VideoStore:
         names = ", ".join(f"{name}=?" for name in values)
         self.db.execute(f"UPDATE jobs SET {names} WHERE id=?", (*values.values(), job_id))
 
-    def get(self, job_id: str) -> Job | None:
+    def get(self, job_id: str) -> VideoJob | None:
         row = self.db.execute(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE id=?",
                               (job_id,)).fetchone()
         return _job(row) if row else None
 
-    def page(self, after: str | None, limit: int, descending: bool) -> tuple[list[Job], bool]:
+    def page(self, after: str | None, limit: int, descending: bool) -> tuple[list[VideoJob], bool]:
         """Up to ``limit`` jobs after the id ``after`` (ids sort by creation time: a cursor
         needs no row here, so pages merge across stores), newest first when ``descending``,
         and whether more follow."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.costs import ABOVE_ONE
+from diffserve.wire.costs import ABOVE_ONE
 from diffserve.executor.families.conditioning import Conditioning, Encoded, shared
 from diffserve.executor.families.flux.step import Flux
 

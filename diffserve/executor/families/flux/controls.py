@@ -4,7 +4,7 @@ keyword of the control images."""
 
 from __future__ import annotations
 
-from diffserve.tasks import GENERATE, IMAGE_TO_IMAGE, INPAINT
+from diffserve.wire.tasks import GENERATE, IMAGE_TO_IMAGE, INPAINT
 
 CLASSES = ("FluxControlNetModel",)
 PIPELINES = {GENERATE.name: "FluxControlNetPipeline",

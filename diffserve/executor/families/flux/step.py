@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.costs import NEVER
+from diffserve.wire.costs import NEVER
 from diffserve.executor.families.blocks import JOINT
 from diffserve.executor.families.conditioning import Conditioning, Encoded, shared
 from diffserve.executor.families.flux import controls
 from diffserve.executor.families.packed_flow import PackedFlow
-from diffserve.tasks import IMAGE_TO_IMAGE, INPAINT
+from diffserve.wire.tasks import IMAGE_TO_IMAGE, INPAINT
 
 
 @dataclass

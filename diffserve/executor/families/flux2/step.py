@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from diffserve.costs import ABOVE_ONE, NEVER
+from diffserve.wire.costs import ABOVE_ONE, NEVER
 from diffserve.executor.families.conditioning import Conditioning, Encoded, shared
 from diffserve.executor.families.packed_flow import PackedFlow
 

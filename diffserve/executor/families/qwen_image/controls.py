@@ -5,7 +5,7 @@ control images."""
 
 from __future__ import annotations
 
-from diffserve.tasks import GENERATE
+from diffserve.wire.tasks import GENERATE
 
 CLASSES = ("QwenImageControlNetModel",)
 PIPELINES = {GENERATE.name: "QwenImageControlNetPipeline"}

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.costs import WITH_NEGATIVE
+from diffserve.wire.costs import WITH_NEGATIVE
 from diffserve.executor.families.blocks import JOINT
 from diffserve.executor.families.conditioning import Conditioning, Encoded, padded
 from diffserve.executor.families.packed_flow import PackedFlow
 from diffserve.executor.families.qwen_image import controls
-from diffserve.tasks import IMAGE_TO_IMAGE, INPAINT
+from diffserve.wire.tasks import IMAGE_TO_IMAGE, INPAINT
 
 
 @dataclass

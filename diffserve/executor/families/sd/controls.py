@@ -5,7 +5,7 @@ and how a stack takes them."""
 from __future__ import annotations
 
 from diffserve.executor.families.base import BY_ROW, SHARED
-from diffserve.tasks import GENERATE, IMAGE_TO_IMAGE, INPAINT
+from diffserve.wire.tasks import GENERATE, IMAGE_TO_IMAGE, INPAINT
 
 CLASSES = ("ControlNetModel",)
 PIPELINES = {GENERATE.name: "StableDiffusionControlNetPipeline",

@@ -8,7 +8,7 @@ from typing import Any
 from diffserve.executor.families.blocks import JOINT
 from diffserve.executor.families.base import Family
 from diffserve.executor.families.conditioning import Conditioning, Encoded
-from diffserve.tasks import IMAGE_TO_IMAGE, INPAINT
+from diffserve.wire.tasks import IMAGE_TO_IMAGE, INPAINT
 
 
 @dataclass

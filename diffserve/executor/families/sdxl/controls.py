@@ -4,7 +4,7 @@ pipelines, each taking one image per model for the whole call."""
 from __future__ import annotations
 
 from diffserve.executor.families.base import SHARED
-from diffserve.tasks import GENERATE, IMAGE_TO_IMAGE, INPAINT
+from diffserve.wire.tasks import GENERATE, IMAGE_TO_IMAGE, INPAINT
 
 PIPELINES = {GENERATE.name: "StableDiffusionXLControlNetPipeline",
              IMAGE_TO_IMAGE.name: "StableDiffusionXLControlNetImg2ImgPipeline",

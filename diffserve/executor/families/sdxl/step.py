@@ -9,7 +9,7 @@ from typing import Any
 from diffserve.executor.families.conditioning import Conditioning, Encoded
 from diffserve.executor.families.sd.step import StableDiffusion
 from diffserve.executor.families.sdxl import controls
-from diffserve.tasks import IMAGE_TO_IMAGE, INPAINT
+from diffserve.wire.tasks import IMAGE_TO_IMAGE, INPAINT
 
 
 @dataclass

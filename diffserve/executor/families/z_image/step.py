@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.costs import ABOVE_ZERO
+from diffserve.wire.costs import ABOVE_ZERO
 from diffserve.executor.families.blocks import BlockKind
 from diffserve.executor.families.conditioning import Conditioning, Encoded, on_host, padded
 from diffserve.executor.families.packed_flow import PackedFlow
-from diffserve.tasks import IMAGE_TO_IMAGE, INPAINT
+from diffserve.wire.tasks import IMAGE_TO_IMAGE, INPAINT
 
 SEQUENCE_MULTIPLE = 32  # the transformer pads each stream of a row to a multiple of this
 

@@ -29,7 +29,7 @@ class Use:
 
     model: str
     unit: int
-    control: Any  # diffserve.work.Control
+    control: Any  # diffserve.wire.request.Control
     condition: Any
     source: int
     targets: tuple[int, ...]

@@ -1,12 +1,12 @@
 """The flags of what makes a step faster: the step cache, compilation, quantization and the
-attention kernels, declared as :mod:`diffserve.config` declares the rest (``ServerConfig``
+attention kernels, declared as :mod:`diffserve.config.server` declares the rest (``ServerConfig``
 takes them as a base)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diffserve.config_fields import option
+from diffserve.config.fields import option
 
 
 @dataclass(frozen=True)

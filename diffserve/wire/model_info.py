@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffserve.costs import ABOVE_ONE
+from diffserve.wire.costs import ABOVE_ONE
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Component:
 
 
 def mode_for(task_modes: dict[str, str], key: str, default: str) -> str:
-    """The batching mode of a request's mode key (:attr:`diffserve.work.ImageRequest.mode_key`):
+    """The batching mode of a request's mode key (:attr:`diffserve.wire.request.ImageRequest.mode_key`):
     its own where ``task_modes`` has one, else its task's, else ``default``."""
     return task_modes.get(key, task_modes.get(key.split("+")[0], default))
 
@@ -55,16 +55,16 @@ class ModelInfo:
     device: str
     dtype: str
     batching_mode: str
-    tasks: list[str]  # names in diffserve.tasks.TASKS: the tasks served
+    tasks: list[str]  # names in diffserve.wire.tasks.TASKS: the tasks served
     partial_images: bool  # whether streamed previews are real intermediate decodes
     family: str | None = None  # the step engine's family, where it knows the pipeline
-    # When classifier-free guidance runs (diffserve.costs.GUIDANCE_RULES): the frontend prices
+    # When classifier-free guidance runs (diffserve.wire.costs.GUIDANCE_RULES): the frontend prices
     # requests by it without knowing the families.
     guidance_rule: str = ABOVE_ONE
     adapters: list[str] = field(default_factory=list)  # LoRA adapters served at start
     max_edit_images: int = 0  # the most input images one edit takes (0: no edits)
     schedulers: list[str] = field(default_factory=list)  # sampler names a request may pick
-    # Admission by cost (diffserve.costs): the bounds with their defaults resolved for this model.
+    # Admission by cost (diffserve.wire.costs): the bounds with their defaults resolved for this model.
     max_batch_cost: float = 0.0
     max_running_cost: float = 0.0
     # Admission by memory (diffserve.executor.memory.budget), where a budget is set: the budget,

@@ -12,12 +12,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve import config_rules, topology
-from diffserve.config_fields import option, parse_value  # noqa: F401 - parse_value: the CLI's
-from diffserve.config_rules import ConfigError, named_paths
-from diffserve.config_speed import SpeedOptions
+from diffserve.config import rules as config_rules
+from diffserve.config import topology
+from diffserve.config.fields import option, parse_value  # noqa: F401 - parse_value: the CLI's
+from diffserve.config.rules import ConfigError, named_paths
+from diffserve.config.speed import SpeedOptions
 from diffserve.policies import QUEUE_POLICIES, SET_POLICIES
-from diffserve.topology import Degrees
+from diffserve.config.topology import Degrees
 
 DEFAULT_MODEL = "shapes"
 NO_ADAPTER = "none"  # how the metrics name requests without an adapter
@@ -324,7 +325,7 @@ class ServerConfig(SpeedOptions):
             raise ConfigError(str(error)) from None
 
     def executor_devices(self) -> list[str]:
-        """Each executor's device, or a group's devices (:func:`diffserve.topology.executor_devices`)."""
+        """Each executor's device, or a group's devices (:func:`diffserve.config.topology.executor_devices`)."""
         try:
             return topology.executor_devices(self)
         except topology.TopologyError as error:

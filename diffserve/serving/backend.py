@@ -12,27 +12,28 @@ import tempfile
 from contextlib import asynccontextmanager
 from typing import Callable
 
-from diffserve import metrics, processes, shared_tensors
-from diffserve.config import ServerConfig
+from diffserve import metrics, processes
+from diffserve.wire import shared_tensors
+from diffserve.config.server import ServerConfig
 from diffserve.errors import unavailable
 
 log = logging.getLogger("diffserve")
 
 
-class Engine:
+class Backend:
     def __init__(self, config: ServerConfig) -> None:
         import zmq
 
-        from diffserve.frontend.engine_client import EngineClient
-        from diffserve.scheduler.process import SchedulerSpec, run_scheduler
+        from diffserve.frontend.scheduler_client import SchedulerClient
+        from diffserve.scheduler.service import SchedulerSpec, run_scheduler
 
         self.config = config
         self.metrics = metrics.FrontendMetrics()  # what the frontend hosting it counts
         self.metrics_dir = metrics.prepare_directory()
         self.ipc_dir = tempfile.mkdtemp(prefix="diffserve-")
         self._ctx = zmq.Context()
-        self.client = EngineClient(self._ctx, self.ipc_dir)
-        # Where weight updates handed over in shared memory are kept (diffserve.shared_tensors).
+        self.client = SchedulerClient(self._ctx, self.ipc_dir)
+        # Where weight updates handed over in shared memory are kept (diffserve.wire.shared_tensors).
         self.shared_dir = self.client.shared_dir = (
             shared_tensors.shared_directory() if config.enable_weight_updates else None)
         spec = SchedulerSpec(config, self.client.request_addr, self.client.result_addr,

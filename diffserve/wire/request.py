@@ -2,7 +2,7 @@
 (:class:`WorkItem`, :class:`Work`).
 
 :class:`ImageRequest` declares, per field, how the field takes part in batching (see
-:mod:`diffserve.roles`). Each batching mode says which roles it can vary per sample; the batch
+:mod:`diffserve.wire.roles`). Each batching mode says which roles it can vary per sample; the batch
 key is every other field. So the key follows the engine, and no list of field names exists
 anywhere. The scheduler's queue computes a request's key once, when it enters, and the work item
 carries it to the executor.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from diffserve.roles import batch_key_fields, bookkeeping, call, sample, shape
-from diffserve.tasks import GENERATE, REFERENCE, Input, Task, task_named
+from diffserve.wire.roles import batch_key_fields, bookkeeping, call, sample, shape
+from diffserve.wire.tasks import GENERATE, REFERENCE, Input, Task, task_named
 
 # Seeds are unsigned 32-bit: the API accepts 0..SEED_MAX, and image i of a request uses
 # (seed + i) modulo SEED_MODULUS.
@@ -104,7 +104,7 @@ class ImageRequest:
     # Instruction edits: how many reference images condition it. Their tokens lengthen every
     # row's sequence, so requests with different counts never share a forward.
     references: int = shape(0)
-    task: str = call(GENERATE.name)  # a name in diffserve.tasks.TASKS
+    task: str = call(GENERATE.name)  # a name in diffserve.wire.tasks.TASKS
     num_inference_steps: int = call(DEFAULT_STEPS)
     guidance_scale: float = call(5.0)
     strength: float = call(1.0)  # edits: how far from the input image (1.0: ignore it)
@@ -117,13 +117,13 @@ class ImageRequest:
     # LoRA adapters and their scales, in the order they apply. One stack per pipeline call in
     # request mode; the step engine applies each row's own stack within one forward.
     loras: tuple[tuple[str, float], ...] = call(())
-    # What one image costs a forward (see diffserve.costs), priced by the frontend.
+    # What one image costs a forward (see diffserve.wire.costs), priced by the frontend.
     cost: float = bookkeeping(1.0)
     # Its priority class (lower runs sooner; diffserve.policies.priority): it orders the queue
     # and decides preemption, never what is computed.
     priority: int = bookkeeping(0)
     # Rollouts: the stochastic sampler's noise level (0: the deterministic sampler), and which
-    # tensors come back (diffserve.rollouts.RETURNABLE).
+    # tensors come back (diffserve.wire.rollouts.RETURNABLE).
     noise_level: float = call(0.0)
     returns: tuple[str, ...] = sample(())
     # Videos: the frame count (0: an image), and the low-noise expert's guidance scale of a

@@ -73,7 +73,7 @@ from torch import nn
 from diffserve.executor.lora.gathered import GATHERED_BYTES, GatheredWeights, gather, gatherable
 from diffserve.executor.lora.row_plan import RowPlan, unit_scale
 from diffserve.executor.rows import Rows, take
-from diffserve.work import repeated_adapter
+from diffserve.wire.request import repeated_adapter
 
 Stack = Sequence[tuple[str, float]]
 METHODS = ("auto", "loop", "gathered")

@@ -17,15 +17,16 @@ from dataclasses import dataclass
 
 import zmq
 
-from diffserve import metrics, processes, topology
+from diffserve import metrics, processes
+from diffserve.config import topology
 from diffserve.metrics import WEIGHT_OUTCOMES
-from diffserve.config import ServerConfig
-from diffserve.executor.process import ExecutorSpec, run_executor
+from diffserve.config.server import ServerConfig
+from diffserve.executor.entry import ExecutorSpec, run_executor
 from diffserve.policies import queue_policy_for
-from diffserve.protocol import (
+from diffserve.wire.protocol import (
     AdapterSync,
     Pause,
-    EngineStatus,
+    BackendStatus,
     Fatal,
     Kind,
     FramesMismatch,
@@ -33,7 +34,7 @@ from diffserve.protocol import (
     decode,
     encode,
 )
-from diffserve.control import SHARED
+from diffserve.wire.weight_commands import SHARED
 from diffserve.scheduler.adapters import AdapterRegistry, Outcome
 from diffserve.scheduler.weights import Actions, WeightControl
 from diffserve.scheduler.core import Finished, SchedulerCore
@@ -89,7 +90,7 @@ class SchedulerProc:
                                   policy=queue_policy_for(c),
                                   max_loras=c.max_loras if c.serves_adapters else 0)
         self._waits_counted = 0
-        self.metrics = metrics.EngineMetrics()
+        self.metrics = metrics.ProcessMetrics()
         self.classes = metrics.BoundedLabels(metrics.PRIORITY_LABELS)
         self.metrics.max_queue_size.set(c.max_queue_size)
         for index in range(c.num_executors):
@@ -372,7 +373,7 @@ class SchedulerProc:
         self._send_cancels()  # the other parts of a request that failed
 
     def _publish_status(self) -> None:
-        self.to_frontend.send_multipart(encode(Kind.ENGINE_STATUS, EngineStatus(
+        self.to_frontend.send_multipart(encode(Kind.BACKEND_STATUS, BackendStatus(
             self.supervisor.states(), self.weights.version, self.weights.sleeping)))
 
     def _stop(self, fatal: Fatal) -> None:

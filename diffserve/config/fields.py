@@ -1,6 +1,6 @@
 """How a flag of ``diffserve serve`` is declared: a dataclass field whose metadata carries its
 help text and bounds (:func:`option`), and how a flag's text becomes its value
-(:func:`parse_value`). :mod:`diffserve.config` and :mod:`diffserve.config_speed` declare the
+(:func:`parse_value`). :mod:`diffserve.config.server` and :mod:`diffserve.config.speed` declare the
 flags with it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import field
 from typing import Any
 
-from diffserve.config_rules import ConfigError
+from diffserve.config.rules import ConfigError
 
 
 def option(default: Any, help: str, *, ge: float | None = None, le: float | None = None,

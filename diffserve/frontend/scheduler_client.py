@@ -26,14 +26,14 @@ import zmq
 import zmq.asyncio
 
 from diffserve.errors import APIError, engine_error, internal_error, unavailable
-from diffserve.control import WeightCommand, WeightResult
-from diffserve.rollouts import join_parts
-from diffserve.protocol import (
+from diffserve.wire.weight_commands import WeightCommand, WeightResult
+from diffserve.wire.rollouts import join_parts
+from diffserve.wire.protocol import (
     LOAD,
     Abort,
     AdapterCommand,
     AdapterResult,
-    EngineStatus,
+    BackendStatus,
     ItemImages,
     ItemTensors,
     Kind,
@@ -43,8 +43,8 @@ from diffserve.protocol import (
     decode,
     encode,
 )
-from diffserve.work import ImageRequest
-from diffserve.model_info import ModelInfo
+from diffserve.wire.request import ImageRequest
+from diffserve.wire.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class ProgressEvent:
 class DoneEvent:
     done: RequestDone
     frames: list[Any]  # the request's images, in index order
-    tensors: dict[str, Any] | None = None  # rollouts: the answer's tensors (diffserve.rollouts)
+    tensors: dict[str, Any] | None = None  # rollouts: the answer's tensors (diffserve.wire.rollouts)
 
 
 @dataclass
@@ -105,7 +105,7 @@ class Submission:
     """One request in flight: its events in order (partial images, then one DoneEvent), or its
     error."""
 
-    def __init__(self, client: "EngineClient", request_id: str, queue: asyncio.Queue) -> None:
+    def __init__(self, client: "SchedulerClient", request_id: str, queue: asyncio.Queue) -> None:
         self._client, self.request_id, self._queue = client, request_id, queue
         self.answered = False
 
@@ -125,7 +125,7 @@ class Submission:
             self._client._abort(self.request_id)
 
 
-class EngineClient:
+class SchedulerClient:
     def __init__(self, ctx: zmq.Context, ipc_dir: str) -> None:
         self.request_addr = f"ipc://{ipc_dir}/requests"
         self.result_addr = f"ipc://{ipc_dir}/results"
@@ -137,7 +137,7 @@ class EngineClient:
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.bind(self.result_addr)
         self.model_info: ModelInfo | None = None
-        self.status = EngineStatus([])
+        self.status = BackendStatus([])
         self.draining = False  # stopping: refuse new work, finish what was accepted
         self.stopped_reason: str | None = None
         self._pending: dict[str, _Pending] = {}
@@ -170,7 +170,7 @@ class EngineClient:
                 if kind is Kind.READY:
                     self.model_info = msg
                     self.adapters = dict.fromkeys(msg.adapters)
-                elif kind is Kind.ENGINE_STATUS:
+                elif kind is Kind.BACKEND_STATUS:
                     self.status = msg
                 elif kind is Kind.FATAL:
                     raise StartupError(msg.message)
@@ -318,7 +318,7 @@ class EngineClient:
             future = self._commands.get(msg.command_id)
             if future is not None and not future.done():
                 future.set_result(msg)
-        elif kind is Kind.ENGINE_STATUS:
+        elif kind is Kind.BACKEND_STATUS:
             self.status = msg
         elif kind is Kind.FATAL:
             self.fail_all(unavailable(f"the engine stopped: {msg.message}"))

@@ -18,7 +18,7 @@ import logging
 import traceback
 from typing import Any, Callable, Hashable, Iterable, Sequence, TypeVar
 
-from diffserve.work import CONTROLS, REFERENCES, ImageRequest, WorkItem
+from diffserve.wire.request import CONTROLS, REFERENCES, ImageRequest, WorkItem
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import os
 import zmq
 
 from diffserve import metrics, processes
-from diffserve.config import ServerConfig
-from diffserve.frontend.engine_client import EngineClient
-from diffserve.protocol import Kind, decode, encode
-from diffserve.scheduler.process import SchedulerSpec, run_scheduler
+from diffserve.config.server import ServerConfig
+from diffserve.frontend.scheduler_client import SchedulerClient
+from diffserve.wire.protocol import Kind, decode, encode
+from diffserve.scheduler.service import SchedulerSpec, run_scheduler
 from helpers import make_request, scheduler_failing_at_dispatch
 from server import descendants
 from pace import scaled
@@ -19,7 +19,7 @@ from pace import scaled
 
 def test_a_failing_scheduler_loop_stops_its_executors_and_exits(tmp_path):
     ctx = zmq.Context()
-    client = EngineClient(ctx, str(tmp_path))  # the frontend's end: binds both sockets
+    client = SchedulerClient(ctx, str(tmp_path))  # the frontend's end: binds both sockets
     metrics_dir = metrics.prepare_directory()
     spec = SchedulerSpec(ServerConfig(model="tiny-sd", torch_threads=1), client.request_addr,
                          client.result_addr, str(tmp_path), metrics_dir, os.getpid())
@@ -43,7 +43,7 @@ def test_a_request_whose_frames_are_not_its_manifests_is_answered_400(tmp_path):
     """The frames are checked where the message is decoded; the scheduler answers the request
     (it never waits for an answer that cannot come) and goes on serving."""
     ctx = zmq.Context()
-    client = EngineClient(ctx, str(tmp_path))
+    client = SchedulerClient(ctx, str(tmp_path))
     metrics_dir = metrics.prepare_directory()
     spec = SchedulerSpec(ServerConfig(model="tiny-sd", torch_threads=1), client.request_addr,
                          client.result_addr, str(tmp_path), metrics_dir, os.getpid())

@@ -10,8 +10,8 @@ role, owner and shape), and :func:`decode` checks the frames that came against i
 (:class:`FramesMismatch`, which carries the header so that its requests can be answered);
 everything downstream trusts them.
 
-The request and the work it becomes are :mod:`diffserve.work`; the model's description,
-:mod:`diffserve.model_info`.
+The request and the work it becomes are :mod:`diffserve.wire.request`; the model's description,
+:mod:`diffserve.wire.model_info`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import msgspec
 
-from diffserve.roles import (  # noqa: F401  (the roles are part of the protocol's vocabulary)
+from diffserve.wire.roles import (  # noqa: F401  (the roles are part of the protocol's vocabulary)
     BOOKKEEPING,
     CALL,
     REQUEST_MODE,
@@ -38,9 +38,9 @@ from diffserve.roles import (  # noqa: F401  (the roles are part of the protocol
     shape,
     batch_key_fields,
 )
-from diffserve.control import BASE_VERSION, WeightCommand, WeightResult, WeightStep
-from diffserve.model_info import ModelInfo
-from diffserve.work import ImageRequest, Work
+from diffserve.wire.weight_commands import BASE_VERSION, WeightCommand, WeightResult, WeightStep
+from diffserve.wire.model_info import ModelInfo
+from diffserve.wire.request import ImageRequest, Work
 
 # How a work item ended.
 FINISHED, FAILED, CANCELLED = "finished", "failed", "cancelled"
@@ -181,7 +181,7 @@ class ExecutorState:
 
 
 @dataclass(frozen=True)
-class EngineStatus:
+class BackendStatus:
     """Scheduler to frontend: the executors' states (ready while at least one is), the weights'
     version and whether the server sleeps (its level; 0: awake)."""
 
@@ -240,7 +240,7 @@ class Kind(enum.IntEnum):
     READY = 3           # executor -> scheduler -> frontend: ModelInfo
     REQUEST_DONE = 4    # scheduler -> frontend: RequestDone
     REQUEST_FAILED = 5  # scheduler -> frontend: RequestFailed
-    ENGINE_STATUS = 6   # scheduler -> frontend: EngineStatus
+    BACKEND_STATUS = 6   # scheduler -> frontend: BackendStatus
     WORK = 7            # scheduler -> executor: Work + its items' manifests' frames
     ITEMS_DONE = 8      # executor -> scheduler: ItemsDone
     SHUTDOWN = 9        # parent -> child: Empty
@@ -263,7 +263,7 @@ class Kind(enum.IntEnum):
 PAYLOADS: dict[Kind, type] = {
     Kind.SUBMIT: ImageRequest, Kind.ABORT: Abort, Kind.READY: ModelInfo,
     Kind.REQUEST_DONE: RequestDone, Kind.REQUEST_FAILED: RequestFailed,
-    Kind.ENGINE_STATUS: EngineStatus, Kind.WORK: Work, Kind.ITEMS_DONE: ItemsDone,
+    Kind.BACKEND_STATUS: BackendStatus, Kind.WORK: Work, Kind.ITEMS_DONE: ItemsDone,
     Kind.SHUTDOWN: Empty, Kind.FATAL: Fatal, Kind.CANCEL: Cancel, Kind.PARTIAL: Partial,
     Kind.DRAIN: Empty, Kind.IMAGES: ItemImages, Kind.ADAPTER: AdapterCommand,
     Kind.ADAPTER_DONE: AdapterResult, Kind.ADAPTER_SYNC: AdapterSync, Kind.TENSORS: ItemTensors,

@@ -9,7 +9,7 @@ import logging
 import signal
 
 from diffserve import processes
-from diffserve.config import ServerConfig
+from diffserve.config.server import ServerConfig
 
 log = logging.getLogger("diffserve")
 
@@ -30,11 +30,11 @@ def serve(config: ServerConfig) -> int:
 
 
 def _serve(config: ServerConfig) -> int:
-    from diffserve.engine import Engine
-    from diffserve.frontend.engine_client import StartupError
+    from diffserve.serving.backend import Backend
+    from diffserve.frontend.scheduler_client import StartupError
 
-    host = Engine(config)  # first: the model loads in its own process while this one imports
-    engine = host.client
+    host = Backend(config)  # first: the model loads in its own process while this one imports
+    scheduler = host.client
     exit_code = 0
     try:
         import uvicorn
@@ -58,14 +58,14 @@ def _serve(config: ServerConfig) -> int:
             if server is not None:
                 server.should_exit = True
 
-        app = create_app(config, engine, host.metrics, host.render_metrics)
+        app = create_app(config, scheduler, host.metrics, host.render_metrics)
         app.router.lifespan_context = lambda app: host.serving(engine_failed)
         server = _Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level,
             # A little longer than our own drain, so the 503s it ends with are still written.
             timeout_graceful_shutdown=config.shutdown_timeout_s + 5,
             access_log=config.log_level == "debug"))
-        server.engine, server.drain_s = engine, config.shutdown_timeout_s
+        server.scheduler, server.drain_s = scheduler, config.shutdown_timeout_s
         server.ready_message = (
             f"diffserve ready: serving {info.name!r} on http://{config.host}:{config.port} "
             f"({info.batching_mode} batching, max batch {config.dynamic_batch_max_size}, delay "
@@ -86,7 +86,7 @@ def _uvicorn_server_class():
         accepted requests finish for ``drain_s``, answer what is left 503, and exit 0. (uvicorn's
         own handler re-raises the signal after stopping, which would make a clean stop a crash.)"""
 
-        engine = None
+        scheduler = None
         drain_s = 30.0
         ready_message = ""
 
@@ -114,10 +114,10 @@ def _uvicorn_server_class():
                 return
             log.info("received %s: finishing accepted requests (up to %g s), refusing new ones",
                      signal.Signals(sig).name, self.drain_s)
-            self.engine.draining = True  # refuse new work from now on
-            asyncio.ensure_future(self.engine.drain())
+            self.scheduler.draining = True  # refuse new work from now on
+            asyncio.ensure_future(self.scheduler.drain())
             self.should_exit = True
-            asyncio.get_running_loop().call_later(self.drain_s, self.engine.fail_all, unavailable(
+            asyncio.get_running_loop().call_later(self.drain_s, self.scheduler.fail_all, unavailable(
                 "The server is shutting down and could not finish this request in time "
                 "(--shutdown-timeout-s)."))
 

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import zmq
 
 from diffserve import metrics, processes
-from diffserve.config import ConfigError, ServerConfig
-from diffserve.executor.engine_io import EngineIO
+from diffserve.config.server import ConfigError, ServerConfig
+from diffserve.executor.sockets import ExecutorSockets
 from diffserve.executor.loops import RequestLoop, StepLoop, apply_adapter_message
 from diffserve.executor.memory.layout import kind_of
 from diffserve.processes import bound_openmp_spin, freeze_heap
-from diffserve.protocol import Fatal, Kind, encode
+from diffserve.wire.protocol import Fatal, Kind, encode
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def run_executor(spec: ExecutorSpec) -> None:
              else f"diffserve::executor-{spec.index}.r0")  # a parallel group's leader
     processes.become(title, spec.parent_pid, spec.config.log_level)
     metrics.record_to(spec.metrics_dir)
-    counts = metrics.EngineMetrics()
+    counts = metrics.ProcessMetrics()
     bound_openmp_spin()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -61,7 +61,7 @@ def run_executor(spec: ExecutorSpec) -> None:
     pixels.setsockopt(zmq.LINGER, 5000)
     pixels.connect(spec.frontend_addr)
     try:
-        loop = build_loop(spec, EngineIO(sock, pixels, spec.index, counts))
+        loop = build_loop(spec, ExecutorSockets(sock, pixels, spec.index, counts))
     except Exception as error:  # noqa: BLE001 - reported to the operator, then exit
         model = spec.config.model
         if isinstance(error, ConfigError):  # a setting this model or machine cannot serve
@@ -76,12 +76,12 @@ def run_executor(spec: ExecutorSpec) -> None:
     ctx.destroy(linger=5000)
 
 
-def build_loop(spec: ExecutorSpec, io: EngineIO):
+def build_loop(spec: ExecutorSpec, io: ExecutorSockets):
     """Load the model, pick the engine, say READY; the loop that serves it."""
     from diffserve.executor.accel.flops import counter_for
     from diffserve.executor.model.loading import leave_out_unused_libraries
     from diffserve.executor.runtime import build_runtime
-    from diffserve.protocol import REQUEST_MODE, STEP_MODE
+    from diffserve.wire.protocol import REQUEST_MODE, STEP_MODE
 
     leave_out_unused_libraries(spec.config.serves_adapters, spec.config.quantization,
                                spec.config.text_encoder_quantization)

@@ -11,7 +11,7 @@ import zmq
 
 from diffserve import metrics
 from diffserve.executor.results import NON_FINITE, Outcome
-from diffserve.protocol import (
+from diffserve.wire.protocol import (
     AdapterResult,
     ItemImages,
     ItemTensors,
@@ -33,12 +33,12 @@ log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.25
 
 
-class EngineIO:
+class ExecutorSockets:
     """The executor's two sockets: messages from and headers to the scheduler, pixels to the
     frontend."""
 
     def __init__(self, sock: zmq.Socket, pixels: zmq.Socket, index: int,
-                 counts: metrics.EngineMetrics) -> None:
+                 counts: metrics.ProcessMetrics) -> None:
         self.sock, self.pixels = sock, pixels
         self.label = str(index)
         self.metrics = counts

@@ -11,10 +11,10 @@ import pytest
 import zmq
 
 from diffserve.errors import APIError
-from diffserve.frontend import engine_client as module
-from diffserve.frontend.engine_client import DoneEvent, EngineClient, PartialEvent
-from diffserve.protocol import (
-    EngineStatus,
+from diffserve.frontend import scheduler_client as module
+from diffserve.frontend.scheduler_client import DoneEvent, SchedulerClient, PartialEvent
+from diffserve.wire.protocol import (
+    BackendStatus,
     ExecutorState,
     ItemImages,
     Kind,
@@ -32,7 +32,7 @@ class Engine:
 
     def __init__(self, tmp_path) -> None:
         self.ctx = zmq.Context()
-        self.client = EngineClient(self.ctx, str(tmp_path))
+        self.client = SchedulerClient(self.ctx, str(tmp_path))
         self.scheduler = self.ctx.socket(zmq.PUSH)
         self.scheduler.connect(self.client.result_addr)
         self.executor = self.ctx.socket(zmq.PUSH)
@@ -43,7 +43,7 @@ class Engine:
 
     async def start(self) -> None:
         await self.client.start(self.failures.append)
-        self.scheduler.send_multipart(encode(Kind.ENGINE_STATUS, EngineStatus(
+        self.scheduler.send_multipart(encode(Kind.BACKEND_STATUS, BackendStatus(
             [ExecutorState(0, "ready", "cpu")])))
         while not self.client.ready:
             await asyncio.sleep(0.001)  # the reader takes it from the socket
@@ -147,7 +147,7 @@ def test_a_reader_that_fails_answers_every_waiter_503_and_reports_it(tmp_path, m
     async def scenario(engine: Engine):
         waiting = [await engine.client.submit(make_request(request_id=f"w{i}", width=2, height=2))
                    for i in range(3)]
-        monkeypatch.setattr(EngineClient, "_dispatch", broken)
+        monkeypatch.setattr(SchedulerClient, "_dispatch", broken)
         engine.done("w0", 1)
         for submission in waiting:
             with pytest.raises(APIError) as error:
