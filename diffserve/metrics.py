@@ -303,8 +303,7 @@ class ProcessMetrics:
     def declare_executor(self, index: int) -> None:
         """Create executor ``index``'s series at zero, so that dashboards and alert rules see
         them before the first event (a series that does not exist cannot be alerted on)."""
-        from diffserve.wire.protocol import ITEM_OUTCOMES
-        from diffserve.scheduler.core import DISPATCH_REASONS
+        from diffserve.wire.protocol import DISPATCH_REASONS, ITEM_OUTCOMES
 
         label = str(index)
         for metric in (self.batch_size, self.batch_execution_seconds, self.executor_busy_seconds,

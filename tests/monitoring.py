@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from diffserve.serving.launcher import free_port
+from diffserve.ports import free_port
 from pace import scaled
 
 ROOT = Path(__file__).resolve().parents[1]

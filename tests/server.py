@@ -23,7 +23,8 @@ import numpy as np
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from diffserve.serving.launcher import ServerProcess, diffserve_command, free_port
+from diffserve.serving.launcher import ServerProcess, diffserve_command
+from diffserve.ports import free_port
 from pace import scaled
 from workers import this_worker
 

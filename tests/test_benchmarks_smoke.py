@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from diffserve.serving.launcher import free_port
+from diffserve.ports import free_port
 from helpers import BENCH, ENV, ROOT, check_report, run_tool
 
 

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import save
 
 from diffserve.client import Client, RolloutError
-from diffserve.serving.launcher import free_port
+from diffserve.ports import free_port
 
 
 class Script:

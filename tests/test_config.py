@@ -127,7 +127,8 @@ def test_switches_and_lists_parse_from_text_as_ray_arguments_arrive():
 def test_a_quantization_that_cannot_run_here_stops_the_start_with_one_line(tmp_path):
     """fp8 on a CPU: the start fails with the reason, said once by the executor without a
     traceback (and once by the server as it gives up), and nothing of torchao's import noise."""
-    from diffserve.serving.launcher import LaunchError, ServerProcess, diffserve_command, free_port
+    from diffserve.serving.launcher import LaunchError, ServerProcess, diffserve_command
+    from diffserve.ports import free_port
 
     pytest.importorskip("torchao")
     port = free_port()

@@ -95,25 +95,55 @@ def test_the_package_has_no_import_circles():
     assert circles(imports(modules)) == []
 
 
-def test_imports_flow_down_the_executors_layers():
-    """A module of the executor imports only modules of its own layer or of the layers before it
-    (``diffserve.executor.LAYERS``), at any depth."""
-    from diffserve.executor import LAYERS
-
-    rank = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
-    prefix = "diffserve.executor."
+def upward_imports(package: str, layers, root: Path = ROOT) -> list[str]:
+    """Imports, at any depth, from a module of ``package`` (``diffserve`` or one of its
+    packages) to a module of a later layer of ``layers``; every module below ``package`` must be
+    named by a layer (the package's own ``__init__`` is below them all)."""
+    rank = {name: i for i, layer in enumerate(layers) for name in layer}
+    modules = {module_name(p, root.parent): p for p in root.rglob("*.py")}
+    prefix = f"{package}."
 
     def layer(module: str) -> int | None:
+        if module == package:
+            return -1
         if not module.startswith(prefix):
             return None
         return rank[module[len(prefix):].split(".")[0]]
 
     assert {m[len(prefix):].split(".")[0] for m in modules if m.startswith(prefix)} == set(rank)
-    upward = [f"{module} -> {target}" for module, targets in imports(modules).items()
-              if layer(module) is not None for target in targets
-              if layer(target) is not None and layer(target) > layer(module)]
-    assert upward == []
+    return [f"{module} -> {target}" for module, targets in imports(modules).items()
+            if layer(module) is not None for target in targets
+            if layer(target) is not None and layer(target) > layer(module)]
+
+
+def test_imports_flow_down_the_packages_layers():
+    """Every module of the package imports only its own layer's or earlier layers' modules
+    (``diffserve.LAYERS``): no import runs back up, not even one hidden inside a function."""
+    assert upward_imports("diffserve", diffserve.LAYERS) == []
+
+
+def test_imports_flow_down_the_executors_layers():
+    """A module of the executor imports only modules of its own layer or of the layers before it
+    (``diffserve.executor.LAYERS``), at any depth."""
+    from diffserve.executor import LAYERS
+
+    assert upward_imports("diffserve.executor", LAYERS) == []
+
+
+def test_the_layer_check_sees_an_import_back_up(tmp_path):
+    package = tmp_path / "diffserve"
+    (package / "low").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "low" / "__init__.py").write_text("")
+    (package / "low" / "a.py").write_text("def f():\n    from diffserve.high import b\n")
+    (package / "high.py").write_text("from diffserve.low import a\n")
+    assert upward_imports("diffserve", (("low",), ("high",)), package) == [
+        "diffserve.low.a -> diffserve.high"]
+
+
+def test_the_packages_top_holds_at_most_fourteen_modules():
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(top) <= 14, top
 
 
 def test_the_executors_top_holds_at_most_eight_modules():

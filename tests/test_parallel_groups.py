@@ -214,7 +214,8 @@ def test_a_killed_rank_takes_its_group_down_and_back_every_request_answered(flux
     (("--model", "tiny-sd", "--ulysses-degree", "2"), "--ulysses-degree: UNet2DConditionModel has no context-parallel plan"),
 ])
 def test_bad_combinations_fail_at_start_naming_the_flag(flags, message, tmp_path):
-    from diffserve.serving.launcher import LaunchError, ServerProcess, diffserve_command, free_port
+    from diffserve.serving.launcher import LaunchError, ServerProcess, diffserve_command
+    from diffserve.ports import free_port
 
     port = free_port()
     model = () if "--model" in flags else ("--model", "tiny-flux")

@@ -76,7 +76,7 @@ IN_PROCESS = {
         "tests/scheduler/test_step_sets.py",
         "tests/scheduler/test_supervisor.py", "tests/scheduler/test_weights.py",
         "tests/test_compare_rounds.py", "tests/test_docs.py", "tests/test_imports.py",
-        "tests/test_launcher.py", "tests/test_protocol.py", "tests/test_server_metrics.py",
+        "tests/test_ports.py", "tests/test_protocol.py", "tests/test_server_metrics.py",
         "tests/test_workers.py", "tests/device/test_device_layer.py",
         "tests/device/test_one_layer.py", "tests/executor/test_sleep.py"], 1),
 }

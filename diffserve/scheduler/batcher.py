@@ -26,23 +26,14 @@ import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Iterator
 
 from diffserve.policies import QueuePolicy
 from diffserve.policies.fcfs import FirstCome
 from diffserve.wire.model_info import mode_for
 from diffserve.wire.protocol import REQUEST_MODE
 from diffserve.wire.request import ImageRequest
-
-
-class Seat(Protocol):
-    """What an executor offers a group beyond images and cost: which executor it is (a paused
-    item resumes only where its state is) and its adapter slots (see
-    :mod:`diffserve.scheduler.slots`)."""
-
-    def admits(self, request: ImageRequest, pinned: int | None) -> bool: ...
-
-    def take(self, request: ImageRequest) -> None: ...
+from diffserve.scheduler.slots import Seat
 
 
 @dataclass

@@ -23,11 +23,7 @@ from typing import Any
 
 from diffserve.policies import QueuePolicy
 from diffserve.wire.weight_commands import BASE_VERSION
-from diffserve.wire.protocol import REQUEST_MODE, Cancel
-from diffserve.wire.request import ImageRequest
-from diffserve.scheduler.batcher import Batcher
-from diffserve.scheduler.completion import Completion
-from diffserve.scheduler.decisions import (  # noqa: F401  (the reasons are the core's vocabulary)
+from diffserve.wire.protocol import (  # noqa: F401  (the reasons are the core's vocabulary)
     DELAY,
     DISPATCH_REASONS,
     DRAIN,
@@ -35,9 +31,13 @@ from diffserve.scheduler.decisions import (  # noqa: F401  (the reasons are the 
     FULL,
     JOIN,
     NEW_SET,
-    Dispatch,
-    Finished,
+    REQUEST_MODE,
+    Cancel,
 )
+from diffserve.wire.request import ImageRequest
+from diffserve.scheduler.batcher import Batcher
+from diffserve.scheduler.completion import Completion
+from diffserve.scheduler.decisions import Dispatch, Finished
 from diffserve.scheduler.placement import Placement
 from diffserve.scheduler.slots import ExecutorSlot
 

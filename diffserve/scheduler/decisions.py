@@ -9,11 +9,6 @@ from typing import Any
 from diffserve.wire.protocol import RequestDone, RequestFailed
 from diffserve.wire.request import Work
 
-# Why a batch (request mode) or an admission (step mode) left the queue.
-FULL, DELAY, EXECUTOR_FREE, DRAIN, JOIN, NEW_SET = (
-    "full", "delay", "executor_free", "drain", "join", "new_set")
-DISPATCH_REASONS = (FULL, DELAY, EXECUTOR_FREE, DRAIN, JOIN, NEW_SET)
-
 
 @dataclass(frozen=True)
 class Dispatch:
@@ -22,7 +17,7 @@ class Dispatch:
     executor: int
     work: Work
     frames: list[Any]
-    reason: str
+    reason: str  # one of DISPATCH_REASONS (diffserve.wire.protocol)
     queue_times_s: list[float]  # one per request dispatched for the first time
     priorities: list[int] = field(default_factory=list)  # and its priority class
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from diffserve.wire.protocol import STEP_MODE
+from diffserve.wire.protocol import DELAY, DRAIN, EXECUTOR_FREE, FULL, JOIN, NEW_SET, STEP_MODE
 from diffserve.wire.request import Work, WorkItem
 from diffserve.scheduler.batcher import Slice
-from diffserve.scheduler.decisions import DELAY, DRAIN, EXECUTOR_FREE, FULL, JOIN, NEW_SET, Dispatch
+from diffserve.scheduler.decisions import Dispatch
 from diffserve.scheduler.slots import ExecutorSlot, RunningSet, Seat
 
 

@@ -46,6 +46,12 @@ from diffserve.wire.request import ImageRequest, Work
 FINISHED, FAILED, CANCELLED = "finished", "failed", "cancelled"
 ITEM_OUTCOMES = (FINISHED, FAILED, CANCELLED)
 
+# Why a batch (request mode) or an admission (step mode) left the scheduler's queue: the scheduler
+# decides it, the metrics label dispatches with it.
+FULL, DELAY, EXECUTOR_FREE, DRAIN, JOIN, NEW_SET = (
+    "full", "delay", "executor_free", "drain", "join", "new_set")
+DISPATCH_REASONS = (FULL, DELAY, EXECUTOR_FREE, DRAIN, JOIN, NEW_SET)
+
 
 @dataclass(frozen=True)
 class ItemResult:

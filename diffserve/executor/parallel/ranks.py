@@ -34,7 +34,7 @@ from diffserve import processes
 from diffserve.config.server import ServerConfig
 from diffserve.executor.parallel.model import check_model
 from diffserve.executor.parallel.topology import Group, RankSpec, rank_title
-from diffserve.serving.launcher import free_port
+from diffserve.ports import free_port
 from diffserve.builders.registry import resolve_model
 
 log = logging.getLogger(__name__)
