@@ -15,6 +15,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 # Lowest first: the top-level packages and modules of ``diffserve``.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "policies", "wire", "ports"),  # the vocabulary every process shares, torch-free
+    ("device",),                # the device layer: CUDA, the CPU, a fake for tests
     ("builders",),              # building model directories offline (tiny, random, packaged)
     ("config",),                # the flags, declared once, and the executors' layout
     ("metrics", "processes"),   # what the processes count, and how they start and stop

@@ -95,10 +95,11 @@ def test_the_package_has_no_import_circles():
     assert circles(imports(modules)) == []
 
 
-def upward_imports(package: str, layers, root: Path = ROOT) -> list[str]:
+def upward_imports(package: str, layers, root: Path = ROOT, placed=lambda module: None) -> list[str]:
     """Imports, at any depth, from a module of ``package`` (``diffserve`` or one of its
     packages) to a module of a later layer of ``layers``; every module below ``package`` must be
-    named by a layer (the package's own ``__init__`` is below them all)."""
+    named by a layer (the package's own ``__init__`` is below them all). ``placed(module)`` names
+    the layer of a module that sits in another layer than its package's, or None."""
     rank = {name: i for i, layer in enumerate(layers) for name in layer}
     modules = {module_name(p, root.parent): p for p in root.rglob("*.py")}
     prefix = f"{package}."
@@ -108,7 +109,7 @@ def upward_imports(package: str, layers, root: Path = ROOT) -> list[str]:
             return -1
         if not module.startswith(prefix):
             return None
-        return rank[module[len(prefix):].split(".")[0]]
+        return rank[placed(module) or module[len(prefix):].split(".")[0]]
 
     assert {m[len(prefix):].split(".")[0] for m in modules if m.startswith(prefix)} == set(rank)
     return [f"{module} -> {target}" for module, targets in imports(modules).items()
@@ -116,10 +117,31 @@ def upward_imports(package: str, layers, root: Path = ROOT) -> list[str]:
             if layer(target) is not None and layer(target) > layer(module)]
 
 
+def family_builder_parts(module: str) -> str | None:
+    """A family folder's parts that build models, its ``__init__`` and the folders' registry sit
+    with the builders (``diffserve.executor.families.BUILDER_PARTS``)."""
+    from diffserve.executor.families import BUILDER_PARTS, FOLDERS
+
+    registry = "diffserve.executor.families"
+    if module == registry:
+        return "builders"
+    rest = module[len(registry) + 1:].split(".") if module.startswith(registry + ".") else []
+    if rest and rest[0] in FOLDERS and (len(rest) == 1 or rest[1] in BUILDER_PARTS):
+        return "builders"
+    return None
+
+
 def test_imports_flow_down_the_packages_layers():
     """Every module of the package imports only its own layer's or earlier layers' modules
     (``diffserve.LAYERS``): no import runs back up, not even one hidden inside a function."""
-    assert upward_imports("diffserve", diffserve.LAYERS) == []
+    assert upward_imports("diffserve", diffserve.LAYERS, placed=family_builder_parts) == []
+
+
+def test_a_family_folders_builders_sit_below_the_executor():
+    assert family_builder_parts("diffserve.executor.families.flux.tiny") == "builders"
+    assert family_builder_parts("diffserve.executor.families.flux") == "builders"
+    assert family_builder_parts("diffserve.executor.families.flux.step") is None
+    assert family_builder_parts("diffserve.executor.families.base") is None
 
 
 def test_imports_flow_down_the_executors_layers():

@@ -130,14 +130,14 @@ def test_statistics_and_the_clock_ask_the_named_device():
 
 def test_a_stage_on_a_gpu_hands_its_results_over_by_events():
     """The encode/decode stage's CUDA path (its own stream, events each way) runs on the fake."""
-    from diffserve.executor.step.stages import Job, Stage
+    from diffserve.executor.step.stages import StageJob, Stage
 
     done = threading.Event()
     with installed(FakeCuda()):
         stage = Stage("test", torch, "cuda:0", True, done.set)
     assert stage.queued and stage.stream is not None
     try:
-        stage.submit(Job({"r"}, lambda: torch.ones(2)))
+        stage.submit(StageJob({"r"}, lambda: torch.ones(2)))
         assert done.wait(10)
         (job,) = stage.take()
         assert job.error is None and torch.equal(job.result, torch.ones(2))

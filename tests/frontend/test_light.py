@@ -29,8 +29,10 @@ for rule in GUIDANCE_RULES:
     body = ImageGenerationRequest(prompt="x", negative_prompt="y", size="64x64")
     r = to_engine_request(generation_spec(body), "id", info, ServerConfig(), GENERATE)
     print(rule, r.cost)
-heavy = sorted(m for m in ("torch", "diffusers", "transformers", "diffserve.executor.families")
-               if m in sys.modules)
+# The family tables are read here (they import nothing heavy); the step adapters never are.
+heavy = sorted(m for m in sys.modules if m in ("torch", "diffusers", "transformers")
+               or m == "diffserve.executor.families.known" or m.endswith(".step")
+               and m.startswith("diffserve.executor.families."))
 print("HEAVY", heavy)
 """
 

@@ -19,6 +19,11 @@ engine's lookup of a family by pipeline class. May import ``model``, ``memory`` 
 low modules.
 
 Adding a family is its folder plus its line in :data:`FOLDERS`.
+
+In the package's layers (``diffserve.LAYERS``) a folder's :data:`BUILDER_PARTS`, the folder's
+``__init__`` and this registry sit with ``diffserve.builders``: they build and describe models and
+import only the builders and the house's low modules, so that the builders and the configuration
+can read the tables. ``step`` and ``controls`` are the executor's.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ FOLDERS: tuple[str, ...] = (
     "chroma",
     "wan",
 )
+
+
+BUILDER_PARTS = ("tiny", "architecture")
 
 
 def having(part: str) -> list[str]:

@@ -1,10 +1,7 @@
-"""Workarounds for library versions the server runs with, each for a stated case.
+"""Workarounds for library versions the server runs with, each for a stated case (the one that
+building a tiny model needs too, Qwen2-VL processors without torchvision, is in
+:mod:`diffserve.builders.compat`).
 
-- **Qwen2-VL processors without torchvision.** transformers 5.x builds a Qwen2VLProcessor from
-  an image processor, a tokenizer and a *video* processor, and every video processor needs
-  torchvision; a CPU-only install without it cannot load any Qwen-Image-Edit pipeline (tiny or
-  real), though image edits never pass a video. Where torchvision is missing, the processor is
-  built from its image processor and tokenizer alone.
 - **diffusers' parallelism on a CPU host** (:func:`one_device_per_cpu_rank`).
 - **A rank's own device in diffusers' parallelism** (:func:`on_rank_device`).
 """
@@ -12,18 +9,6 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-
-
-def allow_processors_without_torchvision() -> bool:
-    """Applies the Qwen2-VL case above where torchvision is missing; whether it did."""
-    from transformers import Qwen2VLProcessor
-    from transformers.utils import is_torchvision_available
-
-    if is_torchvision_available() or getattr(Qwen2VLProcessor, "_images_only", False):
-        return False
-    Qwen2VLProcessor.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
-    Qwen2VLProcessor._images_only = True
-    return True
 
 
 @contextmanager

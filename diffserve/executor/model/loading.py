@@ -108,7 +108,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
     from diffusers import DiffusionPipeline
 
     from diffserve.executor.model import quantization as quant
-    from diffserve.executor.model.compat import allow_processors_without_torchvision
+    from diffserve.builders.compat import allow_processors_without_torchvision
 
     quiet_libraries()
     if torch_threads:  # 0: torch's default (OMP_NUM_THREADS if set, else the cores)

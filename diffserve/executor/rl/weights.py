@@ -202,7 +202,7 @@ class Weights:
         import torch
         from diffusers import DiffusionPipeline
 
-        from diffserve.executor.model.compat import allow_processors_without_torchvision
+        from diffserve.builders.compat import allow_processors_without_torchvision
 
         allow_processors_without_torchvision()
         skip = {name: None for name in self.modules() if name not in modules}

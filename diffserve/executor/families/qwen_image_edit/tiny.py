@@ -25,7 +25,7 @@ VL_IMAGE_PROCESSOR = dict(
 def _components(pipeline_cls) -> dict:
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
 
-    from diffserve.executor.model.compat import allow_processors_without_torchvision
+    from diffserve.builders.compat import allow_processors_without_torchvision
 
     allow_processors_without_torchvision()
     # The pipeline drops its template's first 64 tokens (all that precedes the instruction with
