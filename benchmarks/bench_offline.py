@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from kit import cli, in_process, stats
-from diffserve.config.server import DEFAULT_MODEL
+from diffserve.config.flags import DEFAULT_MODEL
 from diffserve.executor.families.known import UnsupportedMode
 from diffserve.processes import bound_openmp_spin
 

@@ -25,7 +25,7 @@ from diffserve.executor.model.loading import leave_out_unused_libraries, load_mo
 from diffserve.executor.parallel.model import parallelize
 from diffserve.executor.parallel.topology import Group, RankSpec
 from diffserve.executor.pipeline import pipeline_class_of
-from diffserve.config.topology import Degrees
+from diffserve.config.executors import Degrees
 from diffserve.processes import bound_openmp_spin
 from diffserve.serving.launcher import free_port
 from diffserve.builders.registry import resolve_model

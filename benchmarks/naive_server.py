@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from kit import cli
-from diffserve.config.server import DEFAULT_MODEL
+from diffserve.config.flags import DEFAULT_MODEL
 from diffserve.executor.families.known import published_dtype
 from diffserve.executor.model.dtypes import resolve_dtype
 from diffserve.executor.model.loading import quiet_libraries

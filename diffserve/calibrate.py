@@ -70,7 +70,7 @@ def suggest(samples: list[Sample], free_bytes: int | None, latent_bytes_per_unit
 
 def measure(model: str, device: str, dtype: str, sides: list[float], batches: list[int],
             steps: int, threads: int) -> tuple[list[Sample], dict]:
-    from diffserve.config.server import ServerConfig
+    from diffserve.config.flags import ServerConfig
     from diffserve.wire.costs import image_cost, uses_cfg
     from diffserve.executor.families.known import UnsupportedMode
     from diffserve.executor.runtime import build_runtime

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import sys
 
-from diffserve.config.server import ConfigError, ServerConfig
+from diffserve.config.flags import ConfigError, ServerConfig
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return calibrate(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "models":
-        from diffserve.config.server import DEFAULT_MODEL
+        from diffserve.config.flags import DEFAULT_MODEL
         from diffserve.builders.embedded import EMBEDDED, EMBEDDED_CONTROLNETS, PACKAGED
         from diffserve.executor.families import architectures
 

@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 
-from diffserve.config.server import NO_ADAPTER, OTHER_ADAPTERS
+from diffserve.config.flags import NO_ADAPTER, OTHER_ADAPTERS
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 

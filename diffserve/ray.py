@@ -22,7 +22,7 @@ import dataclasses
 from contextlib import asynccontextmanager
 from typing import Any
 
-from diffserve.config.server import ConfigError, ServerConfig, parse_value
+from diffserve.config.flags import ConfigError, ServerConfig, parse_value
 
 # Deployment options, with their types; everything else is a ServerConfig field.
 _DEPLOYMENT_ARGS = {"num_replicas": str, "min_replicas": int, "max_replicas": int,

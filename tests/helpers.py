@@ -120,14 +120,14 @@ def exit_with(code: int) -> None:
 def scheduler_failing_at_dispatch(spec) -> None:
     """The real scheduler process entry, with a fault injected: its loop raises as soon as a
     request waits to be dispatched (a stand-in for any bug in the loop)."""
-    from diffserve.scheduler import service as process
+    from diffserve.scheduler import service
 
     def fail(self, now):
         if self.core.num_waiting:
             raise RuntimeError("injected fault in the scheduler loop")
 
-    process.SchedulerProc._dispatch = fail
-    process.run_scheduler(spec)
+    service.SchedulerProc._dispatch = fail
+    service.run_scheduler(spec)
 
 
 def sde_log_prob(x, v, nxt, sigmas, step: int, a: float) -> float:

@@ -85,7 +85,7 @@ def test_rollouts_are_never_cached(server):
 
 
 def test_a_server_without_a_step_cache_refuses_a_threshold():
-    from diffserve.config.server import ServerConfig
+    from diffserve.config.flags import ServerConfig
     from diffserve.errors import APIError
     from diffserve.frontend.schemas import ImageGenerationRequest
     from diffserve.frontend.spec import generation_spec

@@ -5,8 +5,8 @@ import sys
 import pytest
 
 from diffserve.cli import build_parser, main
-from diffserve.config.server import ConfigError, ServerConfig
-from diffserve.config.topology import executor_threads
+from diffserve.config.flags import ConfigError, ServerConfig
+from diffserve.config.executors import executor_threads
 
 
 def test_defaults_are_valid():
@@ -114,7 +114,7 @@ def test_lora_flags_parse_and_check_each_other():
 
 
 def test_switches_and_lists_parse_from_text_as_ray_arguments_arrive():
-    from diffserve.config.server import parse_value
+    from diffserve.config.flags import parse_value
 
     fields = {f.name: f for f in dataclasses.fields(ServerConfig)}
     assert parse_value(fields["enable_lora_runtime_updates"], "true") is True

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from diffserve.executor.model.loading import load_model
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.executor.request.runner import RequestRunner
 from diffserve.wire.request import Work, WorkItem
 from helpers import make_request

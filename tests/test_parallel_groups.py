@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from diffserve.executor.model.loading import load_model
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.wire.request import WorkItem
 from helpers import make_request
 from pace import scaled
@@ -99,7 +99,7 @@ def test_ulysses_groups_serve_staggered_mixed_requests_as_one_device(flux):
 def test_the_step_cache_in_a_group_decides_as_on_one_device(flux):
     """Each image's cache decisions are summed over the ranks' shares of its tokens: the group
     reuses exactly the steps one device does, and makes its images."""
-    from diffserve.config.server import ServerConfig
+    from diffserve.config.flags import ServerConfig
     from diffserve.executor.runtime import build_runtime
     from diffserve.wire.request import WorkItem
 
@@ -145,7 +145,7 @@ def test_cfg_and_ulysses_parallel_wan_videos_equal_one_device():
     differences as well as a wrong seed), the other three started as the server starts them.
     Videos with different steps and negative prompts join at different steps; every frame
     equals the pipeline alone within 2/255."""
-    from diffserve.config.server import ServerConfig
+    from diffserve.config.flags import ServerConfig
     from diffserve.executor.parallel.ranks import LeaderEngine, start_group
     from diffserve.executor.entry import run_follower
     from diffserve.executor.runtime import build_runtime

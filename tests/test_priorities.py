@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.errors import APIError
 from diffserve.executor.model.loading import load_model
 from diffserve.frontend.schemas import ImageGenerationRequest
@@ -95,7 +95,7 @@ def test_a_priority_needs_the_priority_policy():
 
 def test_api_keys_with_classes_are_read_and_checked():
     from diffserve.cli import build_parser
-    from diffserve.config.server import ConfigError
+    from diffserve.config.flags import ConfigError
 
     args = build_parser().parse_args(["serve", "--scheduling-policy", "priority", "--api-key",
                                       "plain", "--api-key", "trainer:10", "odd:key", "neg:-2"])

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.executor.model.loading import load_model
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff, solo

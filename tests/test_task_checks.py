@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.checks import verdicts as check_verdicts
 from diffserve.executor.families.sd3.step import StableDiffusion3
 from diffserve.executor.model.loading import load_model
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.executor.runtime import build_runtime
 from helpers import make_request
 from diffserve.executor.checks.reference import max_diff, sample_image, solo

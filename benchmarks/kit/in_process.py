@@ -8,7 +8,7 @@ import select
 import time
 from typing import Any, Callable
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.runtime import build_runtime
 from diffserve.wire.request import ImageRequest, Work, WorkItem
 from kit.cli import prompts

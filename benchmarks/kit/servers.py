@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from diffserve.config.server import DEFAULT_MODEL
+from diffserve.config.flags import DEFAULT_MODEL
 from diffserve.serving.launcher import LaunchError, ServerProcess, free_port
 from diffserve.builders.registry import resolve_model, serving_defaults
 from kit.cli import BENCHMARKS, parser, report, write_json

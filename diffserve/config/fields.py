@@ -1,6 +1,6 @@
 """How a flag of ``diffserve serve`` is declared: a dataclass field whose metadata carries its
 help text and bounds (:func:`option`), and how a flag's text becomes its value
-(:func:`parse_value`). :mod:`diffserve.config.server` and :mod:`diffserve.config.speed` declare the
+(:func:`parse_value`). :mod:`diffserve.config.flags` and :mod:`diffserve.config.speed` declare the
 flags with it."""
 
 from __future__ import annotations

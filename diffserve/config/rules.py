@@ -1,4 +1,4 @@
-"""The flags of :class:`~diffserve.config.server.ServerConfig` against each other: every rule that
+"""The flags of :class:`~diffserve.config.flags.ServerConfig` against each other: every rule that
 involves more than one flag, each said once. :func:`problems` yields what is wrong, in the order
 the rules are written; the configuration raises the first (naming the flags and the reason)."""
 
@@ -8,7 +8,7 @@ from typing import Iterator
 
 from diffserve.builders import random as random_weights
 from diffserve.policies import QUEUE_POLICIES
-from diffserve.config.topology import device_list
+from diffserve.config.executors import device_list
 
 OFFLOADABLE = ("dit", "text_encoder", "vae")
 

@@ -1,5 +1,5 @@
 """The flags of what makes a step faster: the step cache, compilation, quantization and the
-attention kernels, declared as :mod:`diffserve.config.server` declares the rest (``ServerConfig``
+attention kernels, declared as :mod:`diffserve.config.flags` declares the rest (``ServerConfig``
 takes them as a base)."""
 
 from __future__ import annotations

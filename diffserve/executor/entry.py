@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import zmq
 
 from diffserve import metrics, processes
-from diffserve.config.server import ConfigError, ServerConfig
+from diffserve.config.flags import ConfigError, ServerConfig
 from diffserve.executor.sockets import ExecutorSockets
 from diffserve.executor.loops import RequestLoop, StepLoop, apply_adapter_message
 from diffserve.executor.memory.layout import kind_of

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.accel import attention, flops, quantized
 from diffserve.executor.accel.setup import compiled_for, step_cache_for, warm_up
 from diffserve.executor.checks import apply as checks
@@ -22,7 +22,7 @@ from diffserve.executor.memory import budget
 from diffserve.executor.memory.layout import MemoryLayout
 from diffserve.executor.model.info import model_info, token_counter
 from diffserve.executor.model.loading import LoadedModel, load_model, quiet_imports
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.executor.parallel.model import parallelize, tensor_parallel_denoisers
 from diffserve.executor.pipeline import pipeline_class_of
 from diffserve.executor.request.runner import RequestRunner

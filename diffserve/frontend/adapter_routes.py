@@ -1,13 +1,13 @@
 """The runtime LoRA routes, present only with ``--enable-lora-runtime-updates`` (404 otherwise):
 load or replace an adapter, and unload one. Which paths a body may name is
-:mod:`diffserve.frontend.adapters`'s rule."""
+:mod:`diffserve.frontend.adapter_rules`'s rule."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from diffserve.frontend import adapters as rules
+from diffserve.frontend import adapter_rules as rules
 from diffserve.frontend.bodies import json_body_schema, parse_json
 from diffserve.frontend.schemas import LoadLoraAdapter, UnloadLoraAdapter
 from diffserve.frontend.serving import Serving

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffserve import __version__
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.errors import APIError, error_response, internal_error, method_not_allowed, not_found
 from diffserve.frontend.adapter_routes import adapter_routes
 from diffserve.frontend.auth import BearerAuth

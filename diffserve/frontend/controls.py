@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.errors import invalid_request
 from diffserve.frontend.uploads import open_image
 from diffserve.wire.model_info import ModelInfo

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from diffserve.frontend.fields import Guidance, Priority, Prompt, Seed, Steps, User
+from diffserve.frontend.bounds import Guidance, Priority, Prompt, Seed, Steps, User
 from diffserve.wire.rollouts import DEFAULT_RETURN, RETURNABLE
 
 MAX_PARTIAL_IMAGES = 3

@@ -12,7 +12,7 @@ from typing import Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import Response
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.errors import APIError, unavailable
 from diffserve.frontend.bodies import until_disconnected
 from diffserve.frontend.scheduler_client import SchedulerClient

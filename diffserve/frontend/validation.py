@@ -8,7 +8,7 @@ import re
 import secrets
 from typing import Collection
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.policies import QUEUE_POLICIES
 from diffserve.wire.costs import image_cost, uses_cfg, video_cost
 from diffserve.errors import invalid_request, model_not_found

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from diffserve.wire import shared_tensors
 from diffserve.wire.weight_commands import PATH, SHARED, SLEEP, UPDATE, WAKE, WeightCommand, WeightResult, WeightSource
 from diffserve.errors import APIError, invalid_request
-from diffserve.frontend.adapters import path_inside
+from diffserve.frontend.adapter_rules import path_inside
 from diffserve.frontend.bodies import json_body_schema, parse_json, validate, validation_error
 from diffserve.frontend.uploads import read_limited
 from diffserve.frontend.schemas import SleepBody, UpdateWeights

@@ -16,7 +16,7 @@ from diffserve.wire.protocol import LOAD, UNLOAD, AdapterCommand, AdapterResult
 
 
 @dataclass
-class _Running:
+class _AdapterCommandRunning:
     command: AdapterCommand
     waiting: set[int]
     succeeded: list[int] = field(default_factory=list)
@@ -24,7 +24,7 @@ class _Running:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class AdapterOutcome:
     """What to do after an executor answered: answer the frontend (if the command is over) and
     send the table to these executors (to undo a partly failed command)."""
 
@@ -35,7 +35,7 @@ class Outcome:
 class AdapterRegistry:
     def __init__(self, adapters: dict[str, str]) -> None:
         self.adapters = dict(adapters)  # name -> path
-        self._running: dict[str, _Running] = {}
+        self._running: dict[str, _AdapterCommandRunning] = {}
 
     def table(self) -> dict[str, str]:
         return dict(self.adapters)
@@ -49,13 +49,13 @@ class AdapterRegistry:
             return AdapterResult(command.command_id, 400, f"unknown adapter command {command.op!r}")
         if not ready:
             return AdapterResult(command.command_id, 503, "no executor is serving; retry shortly")
-        self._running[command.command_id] = _Running(command, set(ready))
+        self._running[command.command_id] = _AdapterCommandRunning(command, set(ready))
         return None
 
-    def answered(self, executor: int, result: AdapterResult) -> Outcome:
+    def answered(self, executor: int, result: AdapterResult) -> AdapterOutcome:
         running = self._running.get(result.command_id)
         if running is None or executor not in running.waiting:
-            return Outcome()
+            return AdapterOutcome()
         running.waiting.discard(executor)
         if result.status == 200:
             running.succeeded.append(executor)
@@ -63,7 +63,7 @@ class AdapterRegistry:
             running.failure = result
         return self._settle(result.command_id)
 
-    def executor_lost(self, executor: int) -> list[Outcome]:
+    def executor_lost(self, executor: int) -> list[AdapterOutcome]:
         """An executor died: it answers nothing more (it learns the table when it is back)."""
         outcomes = []
         for command_id, running in list(self._running.items()):
@@ -72,18 +72,18 @@ class AdapterRegistry:
                 outcomes.append(self._settle(command_id))
         return outcomes
 
-    def _settle(self, command_id: str) -> Outcome:
+    def _settle(self, command_id: str) -> AdapterOutcome:
         running = self._running[command_id]
         if running.waiting:
-            return Outcome()
+            return AdapterOutcome()
         del self._running[command_id]
         command = running.command
         if running.failure is not None:
-            return Outcome(running.failure, tuple(running.succeeded))
+            return AdapterOutcome(running.failure, tuple(running.succeeded))
         if not running.succeeded:
-            return Outcome(AdapterResult(command_id, 503, "every executor went away meanwhile"))
+            return AdapterOutcome(AdapterResult(command_id, 503, "every executor went away meanwhile"))
         if command.op == LOAD:
             self.adapters[command.name] = command.path
         else:
             self.adapters.pop(command.name, None)
-        return Outcome(AdapterResult(command_id))
+        return AdapterOutcome(AdapterResult(command_id))

@@ -82,7 +82,7 @@ class SchedulerCore(Placement, Completion):
         self.slots = [ExecutorSlot(i) for i in range(num_executors)]
         self.requests: dict[str, _Tracked] = {}
         self.draining = False
-        # The control plane (diffserve.scheduler.weights): while held, nothing leaves the queue
+        # The control plane (diffserve.scheduler.weight_updates): while held, nothing leaves the queue
         # (a weight update or a sleep is under way); refusing: new requests get 503 (asleep).
         self.held = False
         self.refusing: str | None = None

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import zmq
 
 from diffserve import metrics, processes
-from diffserve.config import topology
+from diffserve.config.executors import executor_threads
 from diffserve.metrics import WEIGHT_OUTCOMES
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.entry import ExecutorSpec, run_executor
 from diffserve.policies import queue_policy_for
 from diffserve.wire.protocol import (
@@ -35,8 +35,8 @@ from diffserve.wire.protocol import (
     encode,
 )
 from diffserve.wire.weight_commands import SHARED
-from diffserve.scheduler.adapters import AdapterRegistry, Outcome
-from diffserve.scheduler.weights import Actions, WeightControl
+from diffserve.scheduler.adapters import AdapterOutcome, AdapterRegistry
+from diffserve.scheduler.weight_updates import Actions, WeightControl
 from diffserve.scheduler.core import Finished, SchedulerCore
 from diffserve.scheduler.supervisor import FAILED, ExecutorSupervisor
 
@@ -120,7 +120,7 @@ class SchedulerProc:
 
     def _start_executor(self, index: int, device: str, identity: bytes):
         spec = ExecutorSpec(
-            self.config, index, device, topology.executor_threads(self.config, os.cpu_count() or 1),
+            self.config, index, device, executor_threads(self.config, os.cpu_count() or 1),
             self.executor_addr, identity, self.spec.result_addr, self.spec.metrics_dir, os.getpid())
         return processes.start(run_executor, spec, f"diffserve::executor-{index}")
 
@@ -233,14 +233,14 @@ class SchedulerProc:
         for index in ready:
             self._send_executor(index, encode(Kind.ADAPTER, command))
 
-    def _adapter_outcome(self, outcome: Outcome) -> None:
+    def _adapter_outcome(self, outcome: AdapterOutcome) -> None:
         for index in outcome.resync:  # undo a command that failed elsewhere
             self._send_executor(index, encode(Kind.ADAPTER_SYNC, AdapterSync(self.adapters.table())))
         if outcome.answer is not None:
             self.to_frontend.send_multipart(encode(Kind.ADAPTER_DONE, outcome.answer))
 
     def _weights_actions(self, actions: Actions, op: str | None = None) -> None:
-        """Carry out what the weight control decided (:mod:`diffserve.scheduler.weights`)."""
+        """Carry out what the weight control decided (:mod:`diffserve.scheduler.weight_updates`)."""
         if actions.fail_started:
             self._answer(self.core.fail_started(503, actions.fail_started, "weights_updated"))
         for index, step in actions.sends:

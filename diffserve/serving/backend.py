@@ -14,7 +14,7 @@ from typing import Callable
 
 from diffserve import metrics, processes
 from diffserve.wire import shared_tensors
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.errors import unavailable
 
 log = logging.getLogger("diffserve")

@@ -9,7 +9,7 @@ import logging
 import signal
 
 from diffserve import processes
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 
 log = logging.getLogger("diffserve")
 

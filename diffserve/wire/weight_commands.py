@@ -2,7 +2,7 @@
 device (docs/rl.md has the routes and the rules).
 
 Frontend -> scheduler: a :class:`WeightCommand`. The scheduler runs it over every executor as
-:class:`WeightStep` messages (:mod:`diffserve.scheduler.weights` decides which, when) and each
+:class:`WeightStep` messages (:mod:`diffserve.scheduler.weight_updates` decides which, when) and each
 executor answers a :class:`WeightResult`; the command's own result goes back to the frontend.
 """
 

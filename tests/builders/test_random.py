@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from diffserve.builders import random as random_weights
-from diffserve.config.server import ConfigError, ServerConfig
+from diffserve.config.flags import ConfigError, ServerConfig
 from diffserve.executor.families import architectures
 from server import Server, decode
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from diffserve.config.server import DEFAULT_MODEL
+from diffserve.config.flags import DEFAULT_MODEL
 from tools.shapes import data
 from tools.shapes.evaluate import classify, parse_prompt
 from server import decode, metric

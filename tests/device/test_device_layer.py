@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from diffserve import device as layer
-from diffserve.config.server import ConfigError
+from diffserve.config.flags import ConfigError
 from diffserve.device import current, installed, of
 from diffserve.device.choice import pick_device, use_device, visible_gpus
 from diffserve.device.cpu import CpuDevice

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from diffserve.config.server import ConfigError, ServerConfig
+from diffserve.config.flags import ConfigError, ServerConfig
 from diffserve.executor.accel import attention
 from diffserve.executor.checks.reference import max_diff
 from diffserve.executor.runtime import build_runtime

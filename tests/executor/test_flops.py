@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.accel import flops
 from diffserve.executor.runtime import build_runtime
 

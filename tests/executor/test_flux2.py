@@ -16,7 +16,7 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.lora.store import AdapterStore
 from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.runtime import build_runtime

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from diffserve.executor.runtime import build_runtime
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.wire.request import Work, WorkItem
 from helpers import make_request, run_plan
 from diffserve.executor.checks.reference import max_diff, sample_image, solo

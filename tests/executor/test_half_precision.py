@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.checks import (
     verdicts as check_verdicts,
     float32 as float32_reference,

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from diffserve.config.server import ConfigError, ServerConfig
+from diffserve.config.flags import ConfigError, ServerConfig
 from diffserve.executor.memory import layout as memory_layout
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.runtime import build_runtime
@@ -122,7 +122,7 @@ def test_a_memory_budget_bounds_the_cost_and_one_too_small_stops_the_start():
 
 MEASURE = """
 import os, sys, threading, time
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.memory.budget import unit_cost
 from diffserve.executor.runtime import build_runtime
 from diffserve.wire.request import ImageRequest, Work, WorkItem

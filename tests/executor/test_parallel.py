@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from diffserve.config.server import ConfigError, ServerConfig
+from diffserve.config.flags import ConfigError, ServerConfig
 from diffserve.executor.parallel.failures import is_group_failure
 from diffserve.executor.parallel.model import check_model
 from diffserve.builders.registry import resolve_model

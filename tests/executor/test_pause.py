@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.runtime import build_runtime
 from diffserve.wire.protocol import CANCELLED
 from diffserve.wire.request import WorkItem

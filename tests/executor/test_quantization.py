@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.model.quantization import QuantizationUnavailable, pipeline_config
 from diffserve.executor.tensors import module_bytes
 from diffserve.executor.runtime import build_runtime

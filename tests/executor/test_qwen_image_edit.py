@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.runtime import build_runtime
 from helpers import make_request, run_plan
 from diffserve.executor.checks.reference import max_diff, sample_image, solo

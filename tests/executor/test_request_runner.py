@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.info import model_info
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.executor.request.runner import RequestRunner
 from diffserve.wire.protocol import REQUEST_MODE
 from diffserve.wire.request import Work, WorkItem

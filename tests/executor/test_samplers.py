@@ -7,7 +7,7 @@ from __future__ import annotations
 import diffusers
 import pytest
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.runtime import build_runtime
 from diffserve.executor.model.samplers import SAMPLERS, offered
 from diffserve.wire.request import Work, WorkItem

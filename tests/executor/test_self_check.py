@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.checks import verdicts as check_verdicts, startup as self_check
 from diffserve.executor.families.sd.step import StableDiffusion
 from diffserve.executor.families.known import UnsupportedMode

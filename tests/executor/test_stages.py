@@ -15,7 +15,7 @@ import torch
 
 from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.executor.step.prompt_cache import PromptCache
 from diffserve.executor.step.stages import StageJob, Stage
 from diffserve.executor.step.engine import StepEngine

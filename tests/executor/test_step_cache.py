@@ -14,7 +14,7 @@ import torch
 
 from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.executor.accel.step_cache import StepCache, UnsupportedCache
 from diffserve.executor.step.engine import StepEngine
 from diffserve.wire.request import WorkItem

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diffserve.executor.families.known import family_for
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.results import partial_steps
 from diffserve.executor.step.engine import StepEngine

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import save_file
 
 from diffserve.wire import shared_tensors
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.wire.weight_commands import BASE_VERSION, COMMIT, PATH, PREPARE, SHARED, SLEEP, SYNC, WAKE, \
     WeightSource, WeightStep
 from diffserve.executor.model.loading import load_model
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.executor.runtime import build_runtime
 from diffserve.executor.rl.weights import WeightError, run_step
 from helpers import make_request, run_plan

@@ -19,7 +19,7 @@ from diffusers import DiffusionPipeline
 from diffserve.executor.lora.store import AdapterStore
 from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.executor.step.rollout import log_prob
 from diffserve.executor.step.engine import StepEngine
 from diffserve.builders.registry import resolve_model, serving_defaults

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.errors import APIError
 from diffserve.frontend.schemas import ImageEditForm, ImageGenerationRequest
 from diffserve.frontend.spec import edit_spec, generation_spec

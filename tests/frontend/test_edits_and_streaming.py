@@ -12,7 +12,7 @@ import openai
 import pytest
 from PIL import Image
 
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.executor.model.loading import load_model
 from tools.shapes import data
 from helpers import make_request

@@ -10,7 +10,7 @@ import sys
 
 PROGRAM = """
 import sys
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.wire.costs import GUIDANCE_RULES
 from diffserve.serving.backend import Backend  # the host both `diffserve serve` and a Ray replica use
 from diffserve.frontend.app import create_app

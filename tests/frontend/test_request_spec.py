@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.errors import APIError, error_response
 from diffserve.frontend.bodies import validate
 from diffserve.frontend.schemas import ImageEditForm, ImageGenerationRequest, RolloutRequest

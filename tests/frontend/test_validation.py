@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.errors import APIError
 from diffserve.frontend.schemas import ImageGenerationRequest
 from diffserve.frontend.spec import edit_spec, generation_spec

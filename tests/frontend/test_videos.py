@@ -17,7 +17,7 @@ from PIL import Image
 
 from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
-from diffserve.executor.model.tasks import task_pipelines
+from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.frontend.videos.encode import decode_mp4
 from diffserve.wire.request import ImageRequest
 from diffserve.executor.checks.reference import sample_image, solo

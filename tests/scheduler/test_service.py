@@ -8,7 +8,7 @@ import os
 import zmq
 
 from diffserve import metrics, processes
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.frontend.scheduler_client import SchedulerClient
 from diffserve.wire.protocol import Kind, decode, encode
 from diffserve.scheduler.service import SchedulerSpec, run_scheduler

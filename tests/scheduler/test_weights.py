@@ -1,4 +1,4 @@
-"""The weight control's decisions (diffserve.scheduler.weights), without processes: an update is
+"""The weight control's decisions (diffserve.scheduler.weight_updates), without processes: an update is
 prepared everywhere before it is committed anywhere, a refusal is undone everywhere, drain waits
 for the running work and abort does not, a commit that fails is undone where it was done, one
 command at a time, sleeping holds the queue, and an executor that comes back catches up; and
@@ -24,7 +24,7 @@ from diffserve.wire.weight_commands import (
 )
 from diffserve.wire.protocol import ItemResult, ItemsDone, FINISHED
 from diffserve.scheduler.core import SchedulerCore
-from diffserve.scheduler.weights import ABORTED, TWO_VERSIONS, WeightControl
+from diffserve.scheduler.weight_updates import ABORTED, TWO_VERSIONS, WeightControl
 from helpers import make_request
 
 SOURCE = WeightSource(PATH, "/weights/step-1")

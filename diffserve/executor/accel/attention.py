@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from diffserve.config.server import ConfigError
+from diffserve.config.flags import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.wire.protocol import STEP_MODE
 
 log = logging.getLogger(__name__)

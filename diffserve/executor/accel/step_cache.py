@@ -49,7 +49,7 @@ from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
-from diffserve.config.server import ConfigError
+from diffserve.config.flags import ConfigError
 from diffserve.executor.accel.cache_decision import decide, keep, rebuilt
 from diffserve.executor.accel.cache_state import CacheCall, CacheRows, UnitCache, cache_rows
 from diffserve.executor.families.blocks import (

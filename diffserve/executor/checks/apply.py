@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.checks import float32, startup, verdicts
 from diffserve.executor.families.known import UnsupportedMode
 from diffserve.executor.memory.budget import budget_of

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from diffserve.config.server import ConfigError
+from diffserve.config.flags import ConfigError
 from diffserve.executor.families import parts
 from diffserve.executor.families.base import Family
 from diffserve.executor.families.blocks import BlockTables, declared

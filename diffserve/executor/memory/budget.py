@@ -28,7 +28,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from diffserve.config.server import ConfigError
+from diffserve.config.flags import ConfigError
 from diffserve.executor.pipeline import torch_modules
 from diffserve.executor.tensors import module_bytes, nbytes
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.wire.costs import ABOVE_ONE, default_bounds, image_cost, uses_cfg
 from diffserve.executor.model.loading import LoadedModel
 from diffserve.executor.model.placements import placements

@@ -1,7 +1,7 @@
 """Loading a pipeline once, and what both engines share about it: the device and dtype, the
 serving defaults, and what the pipeline's ``__call__`` takes (the model info for the frontend is
 :mod:`~diffserve.executor.model.info`; the pipeline of each task,
-:mod:`~diffserve.executor.model.tasks`)."""
+:mod:`~diffserve.executor.model.task_pipelines`)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 
-from diffserve.config.server import ConfigError
+from diffserve.config.flags import ConfigError
 from diffserve.executor.pipeline import DENOISERS, declared_components, is_denoiser
 from diffserve.executor.tensors import module_bytes
 

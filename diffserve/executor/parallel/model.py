@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diffserve.config.server import ConfigError
+from diffserve.config.flags import ConfigError
 from diffserve.wire.costs import NEVER
 from diffserve.executor.families.known import family_for
 from diffserve.executor.model.compat import on_rank_device, one_device_per_cpu_rank

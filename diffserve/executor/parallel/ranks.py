@@ -31,7 +31,7 @@ from typing import Any
 import zmq
 
 from diffserve import processes
-from diffserve.config.server import ServerConfig
+from diffserve.config.flags import ServerConfig
 from diffserve.executor.parallel.model import check_model
 from diffserve.executor.parallel.topology import Group, RankSpec, rank_title
 from diffserve.ports import free_port

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from diffserve.device import of
-from diffserve.config.topology import Degrees
+from diffserve.config.executors import Degrees
 
 log = logging.getLogger(__name__)
 

@@ -7,14 +7,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from diffserve.frontend.fields import Guidance, Priority, Prompt, Seed, Steps, User
+from diffserve.frontend.bounds import Guidance, Priority, Prompt, Seed, Steps, User
 
 MAX_FPS = 120
 
 
 class VideoCreate(BaseModel):
     """``POST /v1/videos``. The fields it shares with the images API have the same bounds
-    (:mod:`diffserve.frontend.fields`); :func:`diffserve.frontend.spec.video_spec` makes it
+    (:mod:`diffserve.frontend.bounds`); :func:`diffserve.frontend.spec.video_spec` makes it
     the same typed spec an image request becomes."""
 
     model_config = ConfigDict(extra="forbid")

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.config import rules as config_rules
-from diffserve.config import topology
 from diffserve.config.fields import option, parse_value  # noqa: F401 - parse_value: the CLI's
 from diffserve.config.rules import ConfigError, named_paths
 from diffserve.config.speed import SpeedOptions
 from diffserve.policies import QUEUE_POLICIES, SET_POLICIES
-from diffserve.config.topology import Degrees
+from diffserve.config import executors
+from diffserve.config.executors import Degrees
 
 DEFAULT_MODEL = "shapes"
 NO_ADAPTER = "none"  # how the metrics name requests without an adapter
@@ -320,15 +320,16 @@ class ServerConfig(SpeedOptions):
     def num_executors(self) -> int:
         """Executors fed by the queue: single devices, or parallel groups."""
         try:
-            return topology.num_executors(self)
-        except topology.TopologyError as error:
+            return executors.num_executors(self)
+        except executors.TopologyError as error:
             raise ConfigError(str(error)) from None
 
     def executor_devices(self) -> list[str]:
-        """Each executor's device, or a group's devices (:func:`diffserve.config.topology.executor_devices`)."""
+        """Each executor's device, or a group's devices
+        (:func:`diffserve.config.executors.executor_devices`)."""
         try:
-            return topology.executor_devices(self)
-        except topology.TopologyError as error:
+            return executors.executor_devices(self)
+        except executors.TopologyError as error:
             raise ConfigError(str(error)) from None
 
     @property

@@ -58,7 +58,7 @@ class Actions:
 
 
 @dataclass
-class _Running:
+class _WeightCommandRunning:
     command: WeightCommand
     phase: str  # PREPARE, "drain", COMMIT, SLEEP, WAKE
     participants: list[int]
@@ -76,7 +76,7 @@ class WeightControl:
         self.sources: list[WeightSource] = []
         self.sleeping = 0
         self.reject_while_sleeping = reject_while_sleeping
-        self.running: _Running | None = None
+        self.running: _WeightCommandRunning | None = None
 
     @property
     def holds_queue(self) -> bool:
@@ -107,7 +107,7 @@ class WeightControl:
             if not version:
                 return refuse(400, f"the current weight_version {self.version!r} is not an "
                               "integer: name the new one (weight_version)", "invalid_value")
-        self.running = _Running(command, command.op, list(ready), version)
+        self.running = _WeightCommandRunning(command, command.op, list(ready), version)
         if command.op == UPDATE:
             return self._send(PREPARE, Actions(hold=True), sources=[command.source])
         if command.op == WAKE:

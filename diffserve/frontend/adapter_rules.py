@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffserve.config.server import RESERVED_ADAPTER_NAMES
+from diffserve.config.flags import RESERVED_ADAPTER_NAMES
 from diffserve.errors import APIError, forbidden, invalid_request, model_not_found
 from diffserve.wire.protocol import AdapterResult
 
