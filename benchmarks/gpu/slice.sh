@@ -18,7 +18,7 @@ if [[ ${1:-} == --wheels ]]; then  # shellcheck disable=SC2046,SC2086 # each a w
   exec "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     $(printf -- '--platform manylinux_%s_x86_64 ' 2_28 2_27 2_17 2014 1) -d "$WHEELS" $NEEDS
 fi
-TINY=${1:-} status=0
+TINY=${1:-} status=0 LINES=$OUT/gpu-check.jsonl
 mkdir -p "$OUT"
 if [[ $TINY == --tiny || ! -d $WHEELS ]]; then
   echo "slice: no wheels installed (${TINY:-no $WHEELS/ here})"
@@ -28,12 +28,12 @@ else
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 for section in speed:flux rent:qwen-image,wan,flux seed:qwen-image,flux,z-image; do
-  left=$((BUDGET - SECONDS)) code=0
-  if ((left < 10)); then echo "slice: ${section%%:*} skipped, ${left} s left"; continue; fi
-  timeout -k 5 "$left" "$PYTHON" benchmarks/gpu_check.py $TINY --only "${section%%:*}" --families "${section#*:}" \
-    --budget-s "$left" --jsonl "$OUT/gpu-check.jsonl" --output-file "$OUT/${section%%:*}.json" \
+  name=${section%%:*} left=$((BUDGET - SECONDS)) code=0
+  ((left >= 30)) || { echo "{\"section\": \"$name\", \"skipped\": \"$left s left\"}" | tee -a "$LINES"; continue; }
+  timeout -k 5 "$left" "$PYTHON" benchmarks/gpu_check.py $TINY --only "$name" --families "${section#*:}" \
+    --budget-s $((left - 15)) --jsonl "$LINES" --output-file "$OUT/$name.json" \
     ${TINY:+--torch-threads 1 --repeats 1} 2>&1 | tee -a "$OUT/slice.log" || code=$? status=$?
-  ((code == 124 || code == 137)) && echo "slice: ${section%%:*} stopped at the budget's end (${BUDGET} s)"
+  ((code == 124 || code == 137)) && echo "slice: $name stopped at the budget's end (${BUDGET} s)"
 done
-echo "slice: $(wc -l <"$OUT/gpu-check.jsonl") lines in $OUT/gpu-check.jsonl, ${SECONDS} s, status ${status}"
+echo "slice: $(wc -l <"$LINES") lines in $OUT/gpu-check.jsonl, ${SECONDS} s, status ${status}"
 exit "$status"
