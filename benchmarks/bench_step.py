@@ -1,6 +1,6 @@
 """One denoising step of the step engine, in process: what the accelerators change (``compile``,
-``cache``: the step cache's ceiling, ``offload``); each figure the median over ``--rounds`` of the
-median over ``--repeats`` steps.
+``cache``: the step cache's ceiling, ``offload``); each figure the median over ``--rounds`` of a
+step's wall time over ``--repeats`` steps, in an engine built as the server builds it.
 
     python benchmarks/bench_step.py compile --model sd-mid --batch-sizes 1,8
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from statistics import median
 
 from kit import cli, in_process
@@ -19,14 +20,21 @@ def runtime(args, **config):
     return in_process.runtime(args.model, args.torch_threads, batching_mode="step", skip_startup_check=True, **config)
 
 
-def median_step(rt, batch: int, tag: str, repeats: int, hits: bool = False, **fields) -> float:
-    """The median of ``repeats`` steps of ``batch`` requests admitted together (neither the first
-    step nor the last, which decodes); ``hits``: of those whose every row reused its cache;
-    ``fields`` over the requests' own (e.g. their size)."""
-    steps = []
+def step_s(rt, batch: int, tag: str, repeats: int, **fields) -> float:
+    """A step's seconds at ``batch`` (``fields`` over the requests'), the engine built as the server
+    builds it (timing deferred: no wait for the device between steps): the wall time of the
+    ``repeats`` steps between the first and the last (which decodes), synchronised at their ends
+    alone, as diffusers' calls are timed (gpu/speed.py)."""
+    ends, steps, cuda = [], iter(range(repeats + 2)), str(rt.loaded.device).startswith("cuda")
+
+    def each(out) -> None:
+        if next(steps) in (0, repeats):
+            in_process.timed(lambda: None, cuda)  # the device's queued work done
+            ends.append(time.perf_counter())
+
     its = in_process.items(rt, batch, tag, repeats + 2, **fields)
-    in_process.stepped(rt.step_engine(), {0: its}, steps.append)
-    return median(out.seconds for out in steps[1:-1] if not (hits and out.cache_misses))
+    in_process.stepped(rt.step_engine(defer_timing=True), {0: its}, each)
+    return (ends[1] - ends[0]) / repeats
 
 
 def compiled(args, batches: list[int]) -> list[dict]:
@@ -38,7 +46,7 @@ def compiled(args, batches: list[int]) -> list[dict]:
     for _ in range(args.rounds):  # the two alternate, so that drift hits both alike
         for name, rt in (("eager", eager), ("compiled", fast)):
             for batch in batches:
-                by_round[batch][name].append(median_step(rt, batch, name, args.repeats))
+                by_round[batch][name].append(step_s(rt, batch, name, args.repeats))
     rows = [{"batch": batch, **{f"{name} step ms": 1000 * median(t[name]) for name in t},
              "speed-up": median(t["eager"]) / median(t["compiled"]), **{f"{name} by round": t[name] for name in t}}
             for batch, t in by_round.items()]
@@ -51,9 +59,9 @@ def ceiling(args, batches: list[int]) -> list[dict]:
     for batch in batches:
         computing, hitting = [], []
         for _ in range(args.rounds):
-            computing.append(median_step(rt, batch, "all", args.repeats, cache_threshold=0.0))
+            computing.append(step_s(rt, batch, "all", args.repeats, cache_threshold=0.0))
             # A threshold no change reaches: every step past the first hits (the last computes).
-            hitting.append(median_step(rt, batch, "hit", args.repeats, hits=True, cache_threshold=1e9))
+            hitting.append(step_s(rt, batch, "hit", args.repeats, cache_threshold=1e9))
         c, h = median(computing), median(hitting)
         results.append({"batch": batch, "step ms, every row computes": 1000 * c, "step ms, every row hits": 1000 * h,
                         "ceiling (all hit)": c / h, "by round": {"computes": computing, "hits": hitting}})
@@ -63,7 +71,7 @@ def ceiling(args, batches: list[int]) -> list[dict]:
 def offloads(args, batches: list[int]) -> list[dict]:
     modes, results = {mode: runtime(args, offload=mode) for mode in ("none", "layer", "model")}, []
     for batch in batches:
-        times = {mode: [median_step(rt, batch, mode, args.repeats) for _ in range(args.rounds)]
+        times = {mode: [step_s(rt, batch, mode, args.repeats) for _ in range(args.rounds)]
                  for mode, rt in modes.items()}
         results.append({"batch": batch, **{f"{m} step ms": 1000 * median(t) for m, t in times.items()},
                         **{f"{m} / none": median(t) / median(times["none"]) for m, t in times.items()}})

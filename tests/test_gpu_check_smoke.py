@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from helpers import run_tool
 
 
@@ -15,8 +13,7 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
     (random:NAME:tiny), built in memory as the published sizes are; what needs CUDA or two GPUs
     says so."""
     out = tmp_path / "gpu-check.json"
-    only = ["rent", "first-day", "exactness", "throughput", "stages", "weights", "memory",
-            "parallel"]  # speed and seed: tests of their own
+    only = ["rent", "first-day", "exactness", "memory", "parallel"]  # speed and seed: test_slice.py
     done = run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out),
                     "--only", ",".join(only), "--families", "flux,qwen-image,wan")
     report = json.loads(out.read_text())
@@ -40,44 +37,5 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
         assert 0 < fig["denoiser ms, perf_counter alone"] and 0 < fig["step ms, synced"], family
         assert fig["out-of-memory split"] == ("images only" if family == "wan" else "skipped: needs CUDA")
         assert exact[family]["dtype"] == "bfloat16" and exact[family]["worst PSNR dB"] > 30, family
-    for fig in sections["throughput"]["families"].values():
-        assert fig["img/s, request"] > 0 and fig["img/s, step"] > 0
-    assert set(sections["throughput"]["families"]) == {"flux", "qwen-image"}
-    for fig in sections["stages"]["families"].values():
-        assert fig["img/s, stages on"] > 0 and fig["p99 s, stages off"] > 0
-        assert fig["longest gap / median gap, stages on"] >= 1 and fig["longest gap / median gap, stages off"] >= 1
-    for fig in sections["weights"]["families"].values():
-        assert fig["update from disk s"] > 0 and fig["update from shared memory s"] > 0 and fig["wake s"] >= 0
+    assert rent["flux"]["wake s"] >= 0 and rent["flux"]["target"] == "wake s <= 5"
     assert "memory: skipped: needs CUDA" in done.stdout and "| flux | float32 |" in done.stdout
-
-
-@pytest.mark.slow
-def test_gpu_check_speed_tiny(tmp_path):
-    """gpu_check --only speed --tiny: eager diffusers against each configuration of diffserve; fp8
-    is refused on a CPU, and says so, while the rest runs. Slow: a compile run (inductor's code
-    generation on the CPU); each configuration's own code is in the default suite (--attention-backend
-    auto: tests/executor/test_attention.py, --compile: test_compiled.py, fp8 refused:
-    test_quantization.py)."""
-    out = tmp_path / "gpu-check.json"
-    run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out),
-             "--only", "speed", "--families", "flux", "--repeats", "1")
-    fig = json.loads(out.read_text())["sections"]["speed"]["families"]["flux"]
-    assert "error" not in fig, fig
-    for name in ("diffserve", "attention auto", "compile"):
-        assert fig[f"{name}: step ms, batch 2"] > 0 and fig[f"{name}: x eager, batch 2"] > 0, name
-        assert fig[f"{name}: PSNR dB vs eager"] > 40, name
-    assert fig["diffusers eager: step ms, batch 1"] > 0
-    assert "needs a CUDA GPU" in fig["fp8: refused"] and "needs a CUDA GPU" in fig["all: refused"]
-    assert "needs a CUDA GPU" in fig["fp8 weight-only: refused"] and fig["compile: start s"] > 0
-
-
-@pytest.mark.slow
-def test_gpu_check_seed_tiny(tmp_path):
-    """gpu_check --only seed --tiny: bench_seed.py's parts against real servers, in seconds."""
-    out = tmp_path / "gpu-check.json"
-    run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out),
-             "--only", "seed", "--families", "flux", timeout=900)
-    fig = json.loads(out.read_text())["sections"]["seed"]["families"]["flux"]
-    assert "error" not in fig and fig["exit code"] == 0, fig
-    assert fig["img/s, batch 2, c2"] > 0 and fig["img/s, step, 64x64"] > 0
-    assert fig["p50 ms, step, 64x64 poisson"] > 0

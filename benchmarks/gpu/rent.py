@@ -1,11 +1,8 @@
-"""``--only rent``: the GPUs people rent. On whatever GPU runs it, the memory of an 80 GB H100
-enforced (``torch.cuda.set_per_process_memory_fraction`` and the server's own cap,
-``--device-memory-bytes``): Qwen-Image and Wan 2.1 14B at real size start with their start-up
-check (where its float32 reference runs, and the verdict), answer one request; the memory
-budget's predicted peak against the measured one at the bound's batch; and FLUX.1-dev with its
-text encoder on the CPU (``--text-encoder-device cpu``) asleep at level 1 and awake again, its
-image after the wake against the one before (exact expected), with the sleep's and the wake's
-times. With ``--tiny``: the same code on the CPU, no cap."""
+"""``--only rent``: the GPUs people rent, an 80 GB H100's memory enforced on a larger card
+(``set_per_process_memory_fraction`` and ``--device-memory-bytes``): Qwen-Image and Wan 2.1 14B
+start with their start-up check (where its float32 reference runs) and answer a request; the
+memory budget's predicted peak against the measured one; FLUX.1-dev with its text encoder on the
+CPU asleep at level 1 and awake, its image after against before. ``--tiny``: no cap."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu import failures, section
+from gpu import failures, judged, section
 from kit import in_process
 
 H100 = 80e9  # bytes: an 80 GB H100's memory, as its driver reports it (79.6 GiB less a margin)
@@ -30,7 +27,7 @@ def capped(ctx):
     return lambda: torch.cuda.set_per_process_memory_fraction(1.0)
 
 
-@section("rent", families=("qwen-image", "wan", "flux"))
+@section("rent", families=("qwen-image", "wan", "flux"), cost=(180, 40))
 def rent(ctx, family: str) -> dict:
     return sleep_with_placement(ctx, family) if family == "flux" else starts_capped(ctx, family)
 
@@ -60,7 +57,9 @@ def starts_capped(ctx, family: str) -> dict:
                         "measured peak GB": measured / 1e9, "predicted / measured": predicted / measured})
     finally:
         lift()
-    return fig
+    verdict = judged(fig, [("predicted / measured", ">=", 0.85), ("predicted / measured", "<=", 1.15)])
+    return {**fig, "target": "starts and answers under the cap; " + verdict["target"],
+            "met": verdict["met"] if fig["one request"] == "answered" else False}
 
 
 def sleep_with_placement(ctx, family: str) -> dict:
@@ -75,6 +74,6 @@ def sleep_with_placement(ctx, family: str) -> dict:
             return {**fig, "failed": [before.error, after.error]}
         fig["largest pixel difference after the wake"] = int(abs(before.images.astype(int) - after.images).max())
         fig["text encoder on"] = str(next(rt.loaded.pipe.text_encoder.parameters()).device)
-        return fig
+        return {**fig, **judged(fig, [("wake s", "<=", 5.0)])}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
