@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from functools import partial
 
 from diffserve.executor.families.blocks import CROSS, BlockKind, is_unet
@@ -78,6 +79,7 @@ class CompiledBlocks:
         mode = "reduce-overhead" if self.copy else None
         self._compiled: dict[type, object] = {}
         self._wrapped = []
+        self.bypassed = False  # the blocks' own forwards (the float32 reference's)
         self._seen = self._start = graphs_compiled()
         for denoiser in denoisers:
             kinds = UNET_BLOCKS if is_unet(denoiser) else block_tables()[1]
@@ -103,6 +105,8 @@ class CompiledBlocks:
     def _exact(self, kind: BlockKind, block, original, args, kwargs):
         from torch._dynamo import maybe_mark_dynamic
 
+        if self.bypassed:
+            return original(*args, **kwargs)
         rows = rows_of(block, kind, args, kwargs)
         if rows > 1:  # one row is specialised by torch anyway; marking it would only warn
             map_rows(block, args, kwargs, rows, kind.shared,
@@ -110,6 +114,8 @@ class CompiledBlocks:
         return self._compiled[type(block)](block, *args, **kwargs)
 
     def _padded(self, kind: BlockKind, block, original, args, kwargs):
+        if self.bypassed:
+            return original(*args, **kwargs)
         rows = rows_of(block, kind, args, kwargs)
         padded = bucket(rows)
         if padded != rows:
@@ -118,6 +124,16 @@ class CompiledBlocks:
                                     lambda t: _pad_rows(t, extra))
         out = self._compiled[type(block)](block, *args, **kwargs)
         return _cut(out, padded, rows, self.copy)
+
+    @contextmanager
+    def eager(self):
+        """The blocks uncompiled for the block: the start-up check's float32 reference runs
+        once, and compiling it would build a second set of graphs (float32 inputs) for it."""
+        self.bypassed = True
+        try:
+            yield
+        finally:
+            self.bypassed = False
 
     def text_multiple(self, family) -> int:
         """What ``family``'s prompt lengths are padded to: its text bucket with static shapes

@@ -55,6 +55,21 @@ def in_float32(pipe, device=None):
             torch.cuda.empty_cache()
 
 
+@contextmanager
+def reference(rt, device=None):
+    """``rt``'s model in float32 (:func:`in_float32`) with the kernels a float32 input takes:
+    native attention in place of a half-only kernel, and the compiled blocks' own forwards (one
+    run needs no float32 graphs of its own)."""
+    from contextlib import nullcontext
+
+    from diffserve.executor.accel.attention import native_for
+
+    compiled = getattr(rt, "compiled", None)
+    with native_for(rt), compiled.eager() if compiled is not None else nullcontext(), \
+            in_float32(rt.loaded.pipe, device) as pipe:
+        yield pipe
+
+
 def extra_bytes(pipe) -> int:
     """What upcasting the pipeline's half-precision weights to float32 adds."""
     import torch
@@ -109,10 +124,10 @@ def run(rt, requests: list, plain, where: str = DEVICE) -> dict:
     out of memory on the device."""
     from diffserve.executor.memory.oom import is_out_of_memory, release
 
-    pipe, found = rt.loaded.pipe, None
+    found = None
     if where == DEVICE:
         try:
-            with in_float32(pipe):
+            with reference(rt):
                 found = {r.request_id: plain(rt, r) for r in requests}
         except Exception as error:  # noqa: BLE001 - the cast itself may not fit
             if not is_out_of_memory(error):
@@ -124,5 +139,5 @@ def run(rt, requests: list, plain, where: str = DEVICE) -> dict:
     if where == DEVICE:
         log.info("start-up check: the float32 reference ran out of memory on %s; it runs on the "
                  "CPU", rt.loaded.device)
-    with in_float32(pipe, "cpu"):
+    with reference(rt, "cpu"):
         return {r.request_id: plain(rt, r) for r in requests}

@@ -137,7 +137,7 @@ def samplers(rt, names: list[str], task: str, step: bool,
     if rt.loaded.dtype != "float32":
         # Whether the step engine runs a sampler as diffusers does is a question of its code, not
         # of the dtype: answered in float32, by float32's rule.
-        with float32.in_float32(rt.loaded.pipe, None if where == float32.DEVICE else "cpu"):
+        with float32.reference(rt, None if where == float32.DEVICE else "cpu"):
             return _samplers(rt, names, task, step, judge=lambda request, stepped, plain:
                              _mismatch(stepped, plain))
     return _samplers(rt, names, task, step)
