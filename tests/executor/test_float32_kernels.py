@@ -82,3 +82,18 @@ def test_the_float32_reference_compiles_no_graphs_of_its_own():
             assert len(graphs) == seen and not compiled.bypassed
     finally:
         compiled.close()
+
+
+def test_no_room_for_the_reference_skips_the_judgement_and_remembers_nothing(monkeypatch,
+                                                                              tmp_path, caplog):
+    from diffserve.executor.checks import float32
+
+    monkeypatch.setattr(check_verdicts, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(float32, "host_available", lambda: 1)  # the host has no room
+    ran = []
+    monkeypatch.setattr(float32, "in_float32", lambda *a, **k: ran.append(a) or 1 / 0)
+    config = ServerConfig(model="tiny-flux", dtype="bfloat16")
+    rt = build_runtime(config, torch_threads=1)
+    assert not ran and rt.mode == "step" and not rt.fallback
+    assert "skipped" in caplog.text and "on the host" in caplog.text
+    assert check_verdicts.recall(check_verdicts.key_of(rt, config)) is None
