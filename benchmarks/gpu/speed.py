@@ -55,12 +55,12 @@ def mfu(ctx, rt, family: str, batch: int, seconds: float, quantization: str = "n
 
     if rt.flops is None or not seconds:
         return None
-    info, fields = rt.info, ctx.fields[family]
-    rows = batch * rt.speed["flops"].get("rows_per_image", 1)
-    per_row = rt.flops.per_row(flops.tokens_of(rt.flops, info, fields["width"], fields["height"],
-                                               fields.get("num_frames", 0)))
+    fields = {**ctx.fields[family], **extra_of(family)}  # the negative prompt counts its rows
+    step = flops.step_flops(rt.flops, rt.info, batch, fields["width"], fields["height"],
+                            fields.get("num_frames", 0), fields.get("guidance_scale"),
+                            fields.get("negative_prompt", ""))
     peak = flops.peak_flops(rt.loaded.device, rt.loaded.dtype, quantization, ctx.args.peak_tflops)
-    return rows * per_row / seconds / peak if peak else None
+    return step / seconds / peak if peak else None
 
 
 @section("speed", families=(*IMAGES, "wan"))

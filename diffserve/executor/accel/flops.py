@@ -211,19 +211,36 @@ def tokens_of(model: FlopModel, info, width: int, height: int, frames: int = 0) 
     return model.per_pixel * width * height * latent_frames
 
 
-def describe(rt, config) -> dict:
-    """What /v1/models shows of the count: the FLOPs of a step of one native-size image at the
-    default guidance (its rows), and the device's peak."""
+def rows_per_image(info, guidance_scale: float | None = None, negative_prompt: str = "") -> int:
+    """The denoiser rows one image takes a step: two under classifier-free guidance, which a
+    model with true CFG (Qwen-Image's rule) runs only with a negative prompt."""
     from diffserve.costs import uses_cfg
 
+    guidance = info.default_guidance_scale if guidance_scale is None else guidance_scale
+    return 2 if uses_cfg(info.guidance_rule, guidance, negative_prompt) else 1
+
+
+def step_flops(model: FlopModel, info, images: int, width: int, height: int, frames: int = 0,
+               guidance_scale: float | None = None, negative_prompt: str = "") -> float:
+    """The model FLOPs of one step of ``images`` images of this size and guidance."""
+    rows = images * rows_per_image(info, guidance_scale, negative_prompt)
+    return rows * model.per_row(tokens_of(model, info, width, height, frames))
+
+
+def describe(rt, config) -> dict:
+    """What /v1/models shows of the count: the FLOPs of a step of one native-size image at the
+    default guidance (its rows; with a negative prompt, where that turns true CFG on), and the
+    device's peak."""
     model, info = rt.flops, rt.info
     if model is None:
         return {}
-    rows = 2 if uses_cfg(info.guidance_rule, info.default_guidance_scale, "") else 1
+    rows, with_negative = rows_per_image(info), rows_per_image(info, negative_prompt=" ")
     per_row = model.per_row(tokens_of(model, info, info.width, info.height, info.num_frames))
     ranks, peak = _ranks_and_peak(rt, config)
-    return {"per_step_native": rows * per_row * ranks,
-            "rows_per_image": rows, "device_peak_tflops": peak / 1e12 or None}
+    return {"per_step_native": rows * per_row * ranks, "rows_per_image": rows,
+            **({"rows_per_image_with_negative_prompt": with_negative}
+               if with_negative != rows else {}),
+            "device_peak_tflops": peak / 1e12 or None}
 
 
 def counter_for(rt, config):
