@@ -172,6 +172,7 @@ def count_forward(rt, width: int, height: int, frames: int = 0) -> tuple[int, in
     from diffserve.executor.pipeline import denoisers
     from diffserve.work import ImageRequest, Work, WorkItem
 
+    count_int8()
     info, counting, seen = rt.info, {}, []
 
     def enter(module, args, kwargs):
@@ -203,6 +204,22 @@ def count_forward(rt, width: int, height: int, frames: int = 0) -> tuple[int, in
         raise RuntimeError(f"a {width}x{height} generation "
                            f"{outcome.error or 'ran no denoiser forward'}")
     return seen[0]
+
+
+def count_int8() -> None:
+    """torch's FLOP counter taught ``_int_mm`` (int8-dynamic's matmul), which it does not count
+    on its own: an int8 model's fit would otherwise leave out every quantized linear layer."""
+    import torch
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    if torch.ops.aten._int_mm not in flop_registry:
+        register_flop_formula(torch.ops.aten._int_mm)(_int_mm_flop)
+
+
+def _int_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """An [m, k] x [k, n] matmul: 2mkn, as torch counts a float one."""
+    (m, k), (_, n) = a_shape, b_shape
+    return 2 * m * k * n
 
 
 def tokens_of(model: FlopModel, info, width: int, height: int, frames: int = 0) -> float:
