@@ -43,3 +43,13 @@ class DeviceStats:
 
     def free(self) -> int | None:
         return self.torch.cuda.mem_get_info(self.device)[0] if self.cuda else None
+
+    def unfreed(self) -> int | None:
+        """Bytes the allocator keeps reserved beyond what is allocated once its free cache is
+        returned: private pools (CUDA graphs') that ``empty_cache`` cannot release."""
+        if not self.cuda:
+            return None
+        cuda = self.torch.cuda
+        cuda.synchronize(self.device)
+        cuda.empty_cache()
+        return cuda.memory_reserved(self.device) - cuda.memory_allocated(self.device)
