@@ -43,7 +43,9 @@ def starts_capped(ctx, family: str) -> dict:
         fig.update({"start and check s": time.perf_counter() - start, "mode": rt.mode,
                     "task modes": rt.task_modes, "fallback": rt.fallback, "unavailable": rt.unavailable,
                     # Asked again as the check asked it (the weights are back in their dtype).
-                    "float32 reference on": float32.place(rt, int(H100) if ctx.cuda else 0)})
+                    "float32 reference on": float32.place(rt, int(H100) if ctx.cuda else 0),
+                    # A reference the host cannot hold is skipped ("skip"), not run there.
+                    "float32 reference host GB needed": float32.host_bytes(rt.loaded.pipe) / 1e9})
         fig["one request"] = failures(in_process.run(rt, ctx.items(rt, family, 1, "rent"))) or "answered"
         info = rt.info
         if info.memory_budget_bytes:

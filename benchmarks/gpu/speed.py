@@ -57,11 +57,11 @@ def mfu(ctx, rt, fields: dict, batch: int, seconds: float, quantization: str = "
 
     if rt.flops is None or not seconds:
         return None
-    rows = batch * rt.speed["flops"].get("rows_per_image", 1)
-    per_row = rt.flops.per_row(flops.tokens_of(rt.flops, rt.info, fields["width"], fields["height"],
-                                               fields.get("num_frames", 0)))
+    step = flops.step_flops(rt.flops, rt.info, batch, fields["width"], fields["height"],
+                            fields.get("num_frames", 0), fields.get("guidance_scale"),
+                            fields.get("negative_prompt", ""))
     peak = flops.peak_flops(rt.loaded.device, rt.loaded.dtype, quantization, ctx.args.peak_tflops)
-    return rows * per_row / seconds / peak if peak else None
+    return step / seconds / peak if peak else None
 
 
 @section("speed", families=(*IMAGES, "wan"), lines=True)
@@ -77,7 +77,7 @@ def speed(ctx, family: str) -> dict:
         fig = {"dtype": rt.loaded.dtype}
         for at, (fields, batch) in shapes(ctx, family).items():
             fig[f"step ms, {at}"] = 1e3 * plain_step_s(ctx, rt, {**fields, **extra}, batch, steps)
-            fig[f"MFU, {at}"] = mfu(ctx, rt, fields, batch, fig[f"step ms, {at}"] / 1e3)
+            fig[f"MFU, {at}"] = mfu(ctx, rt, {**fields, **extra}, batch, fig[f"step ms, {at}"] / 1e3)
             fig[f"{at}"] = f"{fields['width']}x{fields['height']} batch {batch}"
         (held["probe"],) = ctx.items(rt, family, 1, "speed-psnr", steps, **extra)
         held["reference"] = solo(rt.loaded, rt.pipelines, held["probe"].request)
@@ -112,7 +112,8 @@ def measure(ctx, family, name, config, against, lines, held) -> dict:
         fig[f"x eager, {at}"] = stats.ratio(lines["diffusers eager"][f"step ms, {at}"], 1e3 * step)
         if against:
             fig[f"x {against}, {at}"] = stats.ratio(base.get(f"step ms, {at}"), 1e3 * step)
-        fig[f"MFU, {at}"] = mfu(ctx, rt, fields, batch, step, config.get("quantization", "none"))
+        fig[f"MFU, {at}"] = mfu(ctx, rt, {**fields, **held["extra"]}, batch, step,
+                                   config.get("quantization", "none"))
     if config.get("quantization"):
         fig["weights / unquantized"] = stats.ratio(fig["weights GB"], base.get("weights GB"))
     (outcome,) = in_process.run(rt, [held["probe"]])

@@ -52,3 +52,12 @@ class DeviceStats:
         if not self.counted:
             return None
         return self.kind.free_total(self.device)[0]
+
+    def unfreed(self) -> int | None:
+        """Bytes the allocator keeps reserved beyond what is allocated once its free cache is
+        returned: private pools (CUDA graphs') that emptying the cache cannot release."""
+        if not self.counted:
+            return None
+        self.kind.synchronize(self.device)
+        self.kind.empty_cache()
+        return self.kind.reserved(self.device) - self.kind.allocated(self.device)

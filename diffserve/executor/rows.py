@@ -30,10 +30,17 @@ def selection(rows: list[int] | None, device) -> Rows:
         return slice(None)
     if rows and rows == list(range(rows[0], rows[-1] + 1)):
         return slice(rows[0], rows[-1] + 1)
-    index = torch.tensor(rows, dtype=torch.long)
+    return on_device(rows, device)
+
+
+def on_device(values: list, device, dtype=torch.long) -> torch.Tensor:
+    """A tensor of host ``values`` on ``device``, sent without waiting for the device: from
+    pinned memory on a GPU (``torch.tensor(values, device=...)`` copies from ordinary host
+    memory, which waits for everything the device was given before)."""
+    tensor = torch.tensor(values, dtype=dtype)
     if torch.device(device).type == "cuda":
-        return index.pin_memory().to(device, non_blocking=True)
-    return index.to(device)
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def add(full: torch.Tensor, rows: Rows, part: torch.Tensor) -> torch.Tensor:

@@ -174,7 +174,9 @@ def _flop_model(rt, config: ServerConfig):
     code and group shape (FLOPs depend on no device or dtype). A group's ranks all take the
     leader's answer: a fit runs forwards, whose collectives every rank must meet."""
     key = verdicts.key_for(resolve_model(config.model), {
-        "flops": rt.loaded.pipeline_class, "degrees": vars(config.degrees)})
+        "flops": rt.loaded.pipeline_class, "degrees": vars(config.degrees),
+        # The scheme decides which matmuls the fit sees (quantized as the weights load).
+        "quantization": [config.quantization, config.quantization_scope]})
     found = verdicts.recall(key, "model-flops")
     if rt.group is not None:
         found = rt.group.broadcast(found)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffserve.executor.accel.compiled import CompiledBlocks, bucket
+from diffserve.executor.accel.compiled import (WASTE, CompiledBlocks, bucket, buckets,
+                                               warm_up_forwards, warm_up_images)
 from diffserve.executor.families.known import family_for
 from diffserve.executor.model.loading import load_model
 from diffserve.executor.model.task_pipelines import task_pipelines
@@ -22,8 +23,24 @@ from helpers import make_request
 from diffserve.executor.checks.reference import max_diff
 
 
-def test_buckets_are_powers_of_two():
-    assert [bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
+def test_buckets_waste_at_most_a_quarter_of_their_rows():
+    assert [bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 65, 81)] == [
+        1, 2, 3, 4, 6, 8, 12, 16, 20, 40, 80, 104]
+    assert buckets(64) == [1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64]
+    worst = max((bucket(r) - r) / bucket(r) for r in range(1, 4096))
+    assert worst == WASTE  # 9 rows in 12; powers of two padded 9 to 16
+
+
+def test_the_warm_up_reaches_each_bucket_once_and_records_cuda_graphs():
+    from types import SimpleNamespace
+
+    # Two rows an image (guidance): the buckets even rows reach, each once (3 never is).
+    assert warm_up_images(2, 16, "buckets") == [1, 2, 3, 4, 5, 7]
+    assert [bucket(2 * n) for n in warm_up_images(2, 16, "buckets")] == [2, 4, 6, 8, 12, 16]
+    assert warm_up_images(1, 5, "buckets") == [1, 2, 3, 4, 5]
+    assert warm_up_images(2, 16, "exact") == [1, 2] and warm_up_images(2, 3, "exact") == [1]
+    assert warm_up_forwards(SimpleNamespace(copy=True)) == 3  # recorded at the second call
+    assert warm_up_forwards(SimpleNamespace(copy=False)) == 1
 
 
 def family_of(model: str):
@@ -137,3 +154,46 @@ def test_prompts_of_other_lengths_share_a_text_bucket_with_static_shapes():
     assert max_diff(first[short], eager[short]) <= 2
     assert max_diff(second[long], eager[long]) <= 2
     assert max_diff(unpadded[long], eager[long]) <= 2
+
+
+def test_the_memory_budget_holds_the_cuda_graphs_pools():
+    from types import SimpleNamespace
+
+    from diffserve.config.flags import ServerConfig
+    from diffserve.executor.memory.budget import measure
+    from diffserve.executor.runtime import build_runtime
+
+    rt = build_runtime(ServerConfig(model="tiny-sd", skip_startup_check=True), torch_threads=1)
+    plain = measure(rt)
+    rt.compiled = SimpleNamespace(graph_bytes=3 << 20)  # as a warm-up on CUDA measured them
+    assert measure(rt).held == plain.held + (3 << 20)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_warm_up_runs_each_bucket_enough_forwards(graphs):
+    """Three images a forward at most: buckets of 2, 4 and 6 rows (guidance's two an image)."""
+    from collections import Counter
+
+    from diffserve.config.flags import ServerConfig
+    from diffserve.wire.costs import uses_cfg
+    from diffserve.executor.accel.compiled import warm_up
+    from diffserve.executor.runtime import build_runtime
+
+    rt = build_runtime(ServerConfig(model="tiny-sd", skip_startup_check=True, max_batch_cost=6),
+                       torch_threads=1)
+    rt.compiled = CompiledBlocks(rt.family.denoisers, "cpu", backend="eager", rows="buckets")
+    rt.compiled.copy = graphs  # CUDA graphs' forward count (their copies out work anywhere)
+    forwards = Counter()
+    hook = rt.family.denoiser.register_forward_pre_hook(
+        lambda module, args: forwards.update([bucket(args[0].shape[0])]))
+    try:
+        warm_up(rt, rt.step_engine())
+    finally:
+        hook.remove()
+        rt.compiled.close()
+    info = rt.info
+    per_image = 2 if uses_cfg(info.guidance_rule, info.default_guidance_scale, "") else 1
+    expected = [bucket(per_image * n) for n in
+                warm_up_images(per_image, int(info.max_batch_cost), "buckets")]
+    assert expected == [2, 4, 6]
+    assert forwards == dict.fromkeys(expected, 3 if graphs else 1)

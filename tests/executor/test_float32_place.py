@@ -70,3 +70,42 @@ def test_every_rank_takes_the_leaders_answer(card):
     group = Leader(float32.HOST)
     assert float32.place(_runtime(group=group)) == float32.HOST
     assert group.asked == [float32.DEVICE]  # this rank alone would have said device
+
+
+def test_a_reference_the_host_cannot_hold_is_skipped(card, monkeypatch, caplog):
+    """Qwen-Image under an 80 GB cap: ~115 GB of float32 weights would go to a 128 GiB host."""
+    rt = _runtime()
+    card["free"] = float32.extra_bytes(rt.loaded.pipe)  # no room on the card: the host's turn
+    # host_bytes counts the tensors off the host; the fake card's weights are on the CPU.
+    monkeypatch.setattr(float32, "host_bytes", lambda pipe: 115 * 10**9)
+    monkeypatch.setattr(float32, "host_available", lambda: 120 * GiB)
+    assert float32.place(rt) == float32.SKIP
+    assert "115.0 GB on the host" in caplog.text and "skipped" in caplog.text
+    monkeypatch.setattr(float32, "host_available", lambda: 200 * GiB)
+    assert float32.place(rt) == float32.HOST
+    monkeypatch.setattr(float32, "host_available", lambda: None)  # unknown: not refused
+    assert float32.place(rt) == float32.HOST
+    assert float32.run(rt, [object()], lambda rt, r: 1 / 0, float32.SKIP) is None
+
+
+def test_host_shortfall_keeps_a_margin():
+    assert float32.host_shortfall(80, 100) is None
+    assert float32.host_shortfall(81, 100) is not None  # past HOST_SHARE of what is available
+    assert float32.host_shortfall(10**12, None) is None
+
+
+def test_a_model_served_on_the_host_counts_its_upcast_against_the_host(monkeypatch):
+    rt = _runtime("cpu")
+    extra = float32.extra_bytes(rt.loaded.pipe)
+    monkeypatch.setattr(float32, "host_available", lambda: extra)
+    assert float32.place(rt) == float32.SKIP
+    monkeypatch.setattr(float32, "host_available", lambda: extra * 2)
+    assert float32.place(rt) == float32.DEVICE
+
+
+def test_host_bytes_counts_the_weights_off_the_host_in_float32():
+    linear = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    pipe = SimpleNamespace(components={"transformer": linear})
+    assert float32.host_bytes(pipe) == 0  # already on the host: the upcast is extra_bytes'
+    meta = torch.nn.Linear(8, 8, device="meta").to(torch.bfloat16)
+    assert float32.host_bytes(SimpleNamespace(components={"t": meta})) == (64 + 8) * 4

@@ -19,6 +19,7 @@ then judges the chosen kernel like any other.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from diffserve.config.flags import ConfigError
@@ -103,12 +104,33 @@ def apply(modules, name: str) -> None:
         model_log.setLevel(level)
 
 
+def served_modules(rt) -> list:
+    """``rt``'s denoisers and control models whose attention goes through the dispatcher."""
+    controls = rt.controls.models.values() if rt.controls else ()
+    return dispatching([*(rt.family.denoisers if rt.family else _denoisers(rt)),
+                        *(m.module for m in controls)])
+
+
+@contextmanager
+def native_for(rt):
+    """``rt``'s modules on the native kernel for the block, the chosen one again after: for the
+    start-up check's float32 reference, which the half-only kernels (cuDNN, torch-flash, flash,
+    flash3) refuse; native lets torch pick one that takes float32."""
+    chosen = (getattr(rt, "speed", None) or {}).get("attention", {}).get("backend", "native")
+    modules = served_modules(rt) if chosen != "native" else []
+    if modules:
+        apply(modules, "native")
+    try:
+        yield
+    finally:
+        if modules:
+            apply(modules, chosen)
+
+
 def choose(rt, requested: str) -> AttentionChoice:
     """Set ``rt``'s denoisers (and control models) on ``requested`` (``auto``: the fastest that
     matches native's output, timed here); raises naming the flag where it cannot run."""
-    controls = rt.controls.models.values() if rt.controls else ()
-    modules = dispatching([*(rt.family.denoisers if rt.family else _denoisers(rt)),
-                           *(m.module for m in controls)])
+    modules = served_modules(rt)
     device, dtype = rt.loaded.device, rt.loaded.dtype
     if requested not in ("auto", "native"):
         why = unavailable(requested, device, dtype)

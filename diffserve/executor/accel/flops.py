@@ -172,6 +172,7 @@ def count_forward(rt, width: int, height: int, frames: int = 0) -> tuple[int, in
     from diffserve.executor.pipeline import denoisers
     from diffserve.wire.request import ImageRequest, Work, WorkItem
 
+    count_int8()
     info, counting, seen = rt.info, {}, []
 
     def enter(module, args, kwargs):
@@ -205,25 +206,58 @@ def count_forward(rt, width: int, height: int, frames: int = 0) -> tuple[int, in
     return seen[0]
 
 
+def count_int8() -> None:
+    """torch's FLOP counter taught ``_int_mm`` (int8-dynamic's matmul), which it does not count
+    on its own: an int8 model's fit would otherwise leave out every quantized linear layer."""
+    import torch
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    if torch.ops.aten._int_mm not in flop_registry:
+        register_flop_formula(torch.ops.aten._int_mm)(_int_mm_flop)
+
+
+def _int_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """An [m, k] x [k, n] matmul: 2mkn, as torch counts a float one."""
+    (m, k), (_, n) = a_shape, b_shape
+    return 2 * m * k * n
+
+
 def tokens_of(model: FlopModel, info, width: int, height: int, frames: int = 0) -> float:
     """The tokens of one row of a ``width`` x ``height`` request (``frames``: a video's)."""
     latent_frames = (frames - 1) // info.frame_stride + 1 if frames else 1
     return model.per_pixel * width * height * latent_frames
 
 
-def describe(rt, config) -> dict:
-    """What /v1/models shows of the count: the FLOPs of a step of one native-size image at the
-    default guidance (its rows), and the device's peak."""
+def rows_per_image(info, guidance_scale: float | None = None, negative_prompt: str = "") -> int:
+    """The denoiser rows one image takes a step: two under classifier-free guidance, which a
+    model with true CFG (Qwen-Image's rule) runs only with a negative prompt."""
     from diffserve.wire.costs import uses_cfg
 
+    guidance = info.default_guidance_scale if guidance_scale is None else guidance_scale
+    return 2 if uses_cfg(info.guidance_rule, guidance, negative_prompt) else 1
+
+
+def step_flops(model: FlopModel, info, images: int, width: int, height: int, frames: int = 0,
+               guidance_scale: float | None = None, negative_prompt: str = "") -> float:
+    """The model FLOPs of one step of ``images`` images of this size and guidance."""
+    rows = images * rows_per_image(info, guidance_scale, negative_prompt)
+    return rows * model.per_row(tokens_of(model, info, width, height, frames))
+
+
+def describe(rt, config) -> dict:
+    """What /v1/models shows of the count: the FLOPs of a step of one native-size image at the
+    default guidance (its rows; with a negative prompt, where that turns true CFG on), and the
+    device's peak."""
     model, info = rt.flops, rt.info
     if model is None:
         return {}
-    rows = 2 if uses_cfg(info.guidance_rule, info.default_guidance_scale, "") else 1
+    rows, with_negative = rows_per_image(info), rows_per_image(info, negative_prompt=" ")
     per_row = model.per_row(tokens_of(model, info, info.width, info.height, info.num_frames))
     ranks, peak = _ranks_and_peak(rt, config)
-    return {"per_step_native": rows * per_row * ranks,
-            "rows_per_image": rows, "device_peak_tflops": peak / 1e12 or None}
+    return {"per_step_native": rows * per_row * ranks, "rows_per_image": rows,
+            **({"rows_per_image_with_negative_prompt": with_negative}
+               if with_negative != rows else {}),
+            "device_peak_tflops": peak / 1e12 or None}
 
 
 def counter_for(rt, config):

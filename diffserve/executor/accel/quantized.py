@@ -30,13 +30,15 @@ def quantize(rt, config) -> dict:
         return {}
     scope = quant.scope_of(scheme, config.quantization_scope)
     done = {"scheme": scheme, "scope": scope, "psnr_db": None}
-    if scope == "all":
-        return {**done, "psnr_note": "quantized as it loaded: no unquantized image to compare"}
     denoisers = rt.family.denoisers if rt.family else _denoisers(rt)
+    if scope == "all":
+        done["padded_layers"] = pad_int8_rows(scheme, denoisers, rt.loaded.device)
+        return {**done, "psnr_note": "quantized as it loaded: no unquantized image to compare"}
     before = None if config.skip_startup_check else _image(rt)
     layers = quant.quantize_blocks(scheme, denoisers, rt.loaded.device)
     quant.log_weights(scheme, denoisers)
     done["layers"] = layers
+    done["padded_layers"] = pad_int8_rows(scheme, denoisers, rt.loaded.device)
     if before is not None:
         psnr = _psnr(_image(rt), before)
         done["psnr_db"] = None if math.isinf(psnr) else round(psnr, 2)
@@ -44,6 +46,41 @@ def quantize(rt, config) -> dict:
         log.info("--quantization %s: %d linear layers of the repeated blocks; a %d-step image "
                  "is %.1f dB from the unquantized one", scheme, layers, STEPS, psnr)
     return done
+
+
+def pad_int8_rows(scheme: str, denoisers: list, device: str, force: bool = False) -> int:
+    """int8-dynamic's quantized linear layers on CUDA given at least :data:`INT8_ROWS` rows
+    (``force``: wherever they run, as the tests do); how many layers. cuBLAS's int8 matmul
+    (``torch._int_mm``) refuses 16 rows or fewer, and torchao then computes the matmul in
+    float32 instead: every step, in the modulation layers (a row per image). The padding rows
+    copy the last one; activations are scaled per row, so the real rows' values do not change.
+    A compiled block's matmul is inductor's, which takes any rows: it is left alone."""
+    import torch
+
+    from diffserve.executor.accel.wrapping import wrap_forward
+
+    if scheme != "int8-dynamic" or not (force or str(device).startswith("cuda")):
+        return 0
+    layers = [m for d in denoisers for m in d.modules() if isinstance(m, torch.nn.Linear)
+              and type(m.weight) is not torch.nn.Parameter and getattr(m, "_int8_rows", None) is None]
+    for layer in layers:
+        layer._int8_rows = wrap_forward(layer, _padded_linear)
+    return len(layers)
+
+
+INT8_ROWS = 17  # the fewest rows cuBLAS's int8 matmul takes
+
+
+def _padded_linear(original, args, kwargs):
+    import torch
+
+    x = args[0] if args else kwargs.pop("input")
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    if not 0 < rows < INT8_ROWS or torch.compiler.is_compiling():
+        return original(x, *args[1:], **kwargs)
+    flat = x.reshape(rows, x.shape[-1])
+    out = original(torch.cat([flat, flat[-1:].expand(INT8_ROWS - rows, -1)]), *args[1:], **kwargs)
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _denoisers(rt) -> list:

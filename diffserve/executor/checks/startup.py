@@ -101,9 +101,9 @@ def _judge(rt, requests: list[ImageRequest], where: str):
     reference = float32.run(rt, requests, _plain, where)
 
     def judge(request, stepped, plain):
+        if stepped.error or reference is None:  # no reference: only a failure is judged
+            return _mismatch(stepped, plain) if stepped.error else None
         exact = reference[request.request_id]
-        if stepped.error:
-            return _mismatch(stepped, plain)
         if exact.error:  # e.g. weights that cannot compute in float32: nothing to judge by
             return f"the float32 reference it is judged by failed: {_cause(exact)}"
         step_off, plain_off = _mean_diff(stepped, exact), _mean_diff(plain, exact)
@@ -134,10 +134,12 @@ def samplers(rt, names: list[str], task: str, step: bool,
     the plain pipeline runs it, and where ``step`` the step engine matches it; in half precision
     both run in float32 for this), and why each other one does not. A scheduler diffusers calls compatible may
     still not take the model's config (a flow-prediction model under DDIM, say)."""
+    if rt.loaded.dtype != "float32" and where == float32.SKIP:  # no room for float32
+        return _samplers(rt, names, task, step, judge=lambda request, stepped, plain: None)
     if rt.loaded.dtype != "float32":
         # Whether the step engine runs a sampler as diffusers does is a question of its code, not
         # of the dtype: answered in float32, by float32's rule.
-        with float32.in_float32(rt.loaded.pipe, None if where == float32.DEVICE else "cpu"):
+        with float32.reference(rt, None if where == float32.DEVICE else "cpu"):
             return _samplers(rt, names, task, step, judge=lambda request, stepped, plain:
                              _mismatch(stepped, plain))
     return _samplers(rt, names, task, step)

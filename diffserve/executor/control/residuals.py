@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.executor.rows import selection, take
+from diffserve.executor.rows import on_device, selection, take
 
 
 @dataclass
@@ -76,17 +76,18 @@ def residuals(family, uses: list[Use], latents, timesteps, cond, guidance, width
         by_model.setdefault(use.model, []).append(use)
     for name, group in by_model.items():
         module = family.controls[name].module
-        source = selection([u.source for u in group], device)
+        sources = [u.source for u in group]
+        source = selection(sources, device)
         modes = None
         if family.controls[name].modes:
-            modes = torch.tensor([[u.control.mode] for u in group], dtype=torch.long, device=device)
+            modes = on_device([[u.control.mode] for u in group], device)
         out = family.control_call(module, take(source, latents), take(source, timesteps),
-                                  cond.select(source), take(source, guidance),
+                                  cond.select(source, sources), take(source, guidance),
                                   torch.cat([u.condition for u in group]), modes, width, height)
-        scale = torch.tensor([u.control.scale for u in group], device=device)
+        scale = on_device([float(u.control.scale) for u in group], device, torch.float32)
         pairs = [(n, row) for n, u in enumerate(group) for row in u.targets]
         into = selection([row for _, row in pairs], device)
-        spread = torch.tensor([n for n, _ in pairs], dtype=torch.long, device=device)
+        spread = on_device([n for n, _ in pairs], device)
         rows = len(latents)
 
         def scaled(t):

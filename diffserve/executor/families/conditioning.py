@@ -56,9 +56,10 @@ class Conditioning:
     def rows(self, start: int, stop: int) -> "Conditioning":
         return self.select(slice(start, stop))
 
-    def select(self, index) -> "Conditioning":
-        """The rows at ``index`` (a slice, or a tensor of row numbers)."""
-        host = index if isinstance(index, slice) else index.tolist()
+    def select(self, index, rows: list[int] | None = None) -> "Conditioning":
+        """The rows at ``index`` (a slice, or a tensor of row numbers; ``rows``: the same on the
+        host, where the caller has them, so the device's are not read back)."""
+        host = index if isinstance(index, slice) else rows if rows is not None else index.tolist()
         return dataclasses.replace(
             self, **{name: getattr(self, name)[index] for name in self._fields(BATCHED, PADDED)},
             **{name: _pick(getattr(self, name), host) for name in self._fields(HOST)})

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from peft.tuners.lora import LoraLayer
 
-from diffserve.executor.rows import selection
+from diffserve.executor.rows import on_device, selection
 
 
 @dataclass
@@ -44,8 +44,7 @@ class RowPlan:
         key = (name, device, dtype)
         if key not in self._tensors:
             rows, scales = self.groups[name]
-            scale = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=device,
-                                                                          dtype=dtype)
+            scale = scales[0] if len(set(scales)) == 1 else on_device(scales, device, dtype)
             self._tensors[key] = selection(rows, device), scale
         return self._tensors[key]
 
@@ -58,7 +57,7 @@ class RowPlan:
             distinct = (sorted({s for s in self.stacks if s}) if self.root is None
                         else self.root.stack_rows(device)[0])
             rows = [i for i, s in enumerate(self.stacks) if s]
-            which = torch.tensor([distinct.index(self.stacks[i]) for i in rows], device=device)
+            which = on_device([distinct.index(self.stacks[i]) for i in rows], device)
             self._tensors[key] = distinct, selection(rows, device), which
         return self._tensors[key]
 

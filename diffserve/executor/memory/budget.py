@@ -3,7 +3,8 @@ docs/memory.md): at start the executor measures what its model holds and what a 
 and turns the budget into a bound on cost, the unit the scheduler already admits by.
 
 - **Held**: on CUDA, what the allocator holds once the model is loaded and warmed up (weights,
-  offload buffers, compiled graphs); on a CPU, the bytes of every weight and buffer.
+  offload buffers, compiled graphs, and the CUDA graphs' private pools as the warm-up measured
+  them); on a CPU, the bytes of every weight and buffer.
 - **Per cost**: one generation of one image at the native size and the model's default guidance,
   then of two (one step each, the prompt encoding and the decode included), through the plain
   pipeline: the growth from one image to two, per unit of cost (:mod:`diffserve.wire.costs`), and the
@@ -101,6 +102,8 @@ def measure(rt) -> Measured:
     if rt.threaded_stages:  # a decode runs beside the next forward: the images of one forward's
         per_image = max(decoded[2] - decoded[1], decoded[1], 0)
         fixed += int(per_image * info.max_batch_cost / unit)
+    if rt.compiled is not None:  # CUDA graphs' private pools, as the warm-up recorded them
+        held += rt.compiled.graph_bytes
     return Measured(held, fixed, per_cost)
 
 

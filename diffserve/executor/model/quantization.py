@@ -52,10 +52,13 @@ def scope_of(scheme: str, scope: str) -> str:
 
 
 def scheme_config(schemes, scheme: str):
-    """torchao's config of ``scheme`` (``schemes``: torchao.quantization)."""
+    """torchao's config of ``scheme`` (``schemes``: torchao.quantization). Never with torchao's
+    ``set_inductor_config``: it turns on coordinate-descent tuning (and more) for every later
+    compile in the process, quantized or not; ``--compile`` sets what it wants itself."""
     if scheme == "fp8":  # a scale per row (token) of the activations, as per output channel
-        return schemes.Float8DynamicActivationFloat8WeightConfig(granularity=schemes.PerRow())
-    return getattr(schemes, SCHEMES[scheme])()
+        return schemes.Float8DynamicActivationFloat8WeightConfig(granularity=schemes.PerRow(),
+                                                                 set_inductor_config=False)
+    return getattr(schemes, SCHEMES[scheme])(set_inductor_config=False)
 
 
 class QuantizationUnavailable(ConfigError):
@@ -91,7 +94,8 @@ def pipeline_config(scheme: str, model_dir: str, device: str, text_encoders: str
         encoders = sorted(name for name in found if name.startswith("text_encoder"))
         if not encoders:
             raise ValueError(f"--text-encoder-quantization: {model_dir} has no text encoder")
-        mapping.update({name: TransformersTorchAoConfig(getattr(schemes, SCHEMES[text_encoders])())
+        mapping.update({name: TransformersTorchAoConfig(getattr(schemes, SCHEMES[text_encoders])(
+                             set_inductor_config=False))
                         for name in encoders})
     from diffusers import PipelineQuantizationConfig
 

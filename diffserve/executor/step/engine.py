@@ -343,7 +343,7 @@ class StepEngine:
             host = host and [host[i] for i in rows]
             index = selection(rows, latents.device)
             latents, timesteps, guidance = (take(index, t) for t in (latents, timesteps, guidance))
-            cond = cond.select(index)
+            cond = cond.select(index, rows)
             control = narrowed(control, index)
         extra = {"host_timesteps": host} if host is not None else {}
         if control is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from diffserve.executor.control.residuals import ControlPlan
-from diffserve.executor.rows import selection, take
+from diffserve.executor.rows import on_device, selection, take
 
 
 class SetInputs:
@@ -37,8 +37,8 @@ class SetInputs:
                  ((u.prepared.negative, u.prepared.positive) if u.cfg else (u.prepared.positive,))]
         self.cond = type(conds[0]).cat(conds, text_multiple)
         device = units[0].prepared.latents.device
-        self.guidance = torch.tensor([u.request.guidance_scale for u in units for _ in range(u.rows)],
-                                     dtype=torch.float32, device=device)
+        self.guidance = on_device([float(u.request.guidance_scale) for u in units
+                                   for _ in range(u.rows)], device, torch.float32)
         self.stacks = [u.adapters for u in units for _ in range(u.rows)]
         self.control = ControlPlan(units, self.offsets, control_from_positive)
         self._torch = torch
