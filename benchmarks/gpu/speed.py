@@ -22,8 +22,7 @@ CONFIGS = {"lossless": (LOSSLESS, "", (150, 40)), "fp8": ({**LOSSLESS, "quantiza
            "diffserve eager": ({}, "", (60, 15)),
            "fp8 weight-only (memory)": ({"quantization": "fp8-weight-only"}, "diffserve eager", (60, 15))}
 FIRST, SMALL = "shape 1", "shape 2"  # the figures' prefixes: --size at --batch, half of it at batch 1
-TARGETS = {"lossless": [(f"x eager, {FIRST}", ">=", 1.25), (f"MFU, {FIRST}", ">=", 0.55),
-                        (f"x eager, {SMALL}", ">=", 1.5)],
+TARGETS = {"lossless": [(f"x eager, {FIRST}", ">=", 1.25), (f"MFU, {FIRST}", ">=", 0.55), (f"x eager, {SMALL}", ">=", 1.5)],
            "fp8": [(f"x eager, {FIRST}", ">=", 1.6), ("PSNR dB vs eager", ">=", 30.0)]}
 
 
@@ -57,9 +56,8 @@ def mfu(ctx, rt, fields: dict, batch: int, seconds: float, quantization: str = "
 
     if rt.flops is None or not seconds:
         return None
-    step = flops.step_flops(rt.flops, rt.info, batch, fields["width"], fields["height"],
-                            fields.get("num_frames", 0), fields.get("guidance_scale"),
-                            fields.get("negative_prompt", ""))
+    step = flops.step_flops(rt.flops, rt.info, batch, fields["width"], fields["height"], fields.get("num_frames", 0),
+                            fields.get("guidance_scale"), fields.get("negative_prompt", ""))
     peak = flops.peak_flops(rt.loaded.device, rt.loaded.dtype, quantization, ctx.args.peak_tflops)
     return step / seconds / peak if peak else None
 
@@ -112,8 +110,7 @@ def measure(ctx, family, name, config, against, lines, held) -> dict:
         fig[f"x eager, {at}"] = stats.ratio(lines["diffusers eager"][f"step ms, {at}"], 1e3 * step)
         if against:
             fig[f"x {against}, {at}"] = stats.ratio(base.get(f"step ms, {at}"), 1e3 * step)
-        fig[f"MFU, {at}"] = mfu(ctx, rt, {**fields, **held["extra"]}, batch, step,
-                                   config.get("quantization", "none"))
+        fig[f"MFU, {at}"] = mfu(ctx, rt, {**fields, **held["extra"]}, batch, step, config.get("quantization", "none"))
     if config.get("quantization"):
         fig["weights / unquantized"] = stats.ratio(fig["weights GB"], base.get("weights GB"))
     (outcome,) = in_process.run(rt, [held["probe"]])

@@ -37,7 +37,7 @@ from diffserve.wire.protocol import (  # noqa: F401  (the reasons are the core's
 from diffserve.wire.request import ImageRequest
 from diffserve.scheduler.batcher import Batcher
 from diffserve.scheduler.completion import Completion
-from diffserve.scheduler.decisions import Dispatch, Finished
+from diffserve.scheduler.decisions import Finished
 from diffserve.scheduler.placement import Placement
 from diffserve.scheduler.slots import ExecutorSlot
 

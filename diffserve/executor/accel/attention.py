@@ -194,7 +194,6 @@ def _timed_step(rt, timed: int = TIMED_STEPS) -> tuple[float, object]:
     ``timed`` is 0; the first step's denoiser output). The two prompts differ in length: a
     family that pads its prompts masks the padding, which some kernels refuse (torch's flash
     kernel takes no mask), as serving would find out."""
-    import torch
 
     from diffserve.device.stats import synced_clock
     from diffserve.wire.request import ImageRequest, WorkItem

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
 from peft.tuners.lora import LoraLayer
 
 from diffserve.executor.rows import on_device, selection

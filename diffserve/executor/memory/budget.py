@@ -78,7 +78,6 @@ class OutputBytes:
 
 def measure(rt) -> Measured:
     """What the loaded model holds and what a generation takes (see the module's docstring)."""
-    import torch
 
     from diffserve.device.stats import DeviceStats
 
