@@ -171,6 +171,7 @@ def count_forward(rt, width: int, height: int, frames: int = 0) -> tuple[int, in
 
     from diffserve.executor.pipeline import denoisers
     from diffserve.wire.request import ImageRequest, Work, WorkItem
+    from diffserve.wire.tasks import GENERATE, INPAINT
 
     count_int8()
     info, counting, seen = rt.info, {}, []
@@ -189,12 +190,16 @@ def count_forward(rt, width: int, height: int, frames: int = 0) -> tuple[int, in
              for h in (m.register_forward_pre_hook(enter, with_kwargs=True),
                        m.register_forward_hook(leave, with_kwargs=True))]
     # Two steps: some schedulers' single step divides by zero (FlowMatch's shift at one step).
+    # A model that only inpaints (FLUX.1 Fill) is counted on an inpainting of a grey image.
+    task = GENERATE if GENERATE.name in info.tasks or INPAINT.name not in info.tasks else INPAINT
     request = ImageRequest(f"flop-count-{width}x{height}", info.name, width, height,
                            num_inference_steps=2, prompt="a count of the model's flops",
-                           guidance_scale=info.default_guidance_scale, seed=0, num_frames=frames)
+                           guidance_scale=info.default_guidance_scale, seed=0, num_frames=frames,
+                           task=task.name)
+    inputs = [np.full(i.shape(width, height), 128, np.uint8) for i in task.inputs]
     try:
         with sdpa_kernel(SDPBackend.MATH), torch.inference_mode():
-            (outcome,) = rt.request_runner().execute(Work(0, [WorkItem(request, 0, 1)]), [[]])
+            (outcome,) = rt.request_runner().execute(Work(0, [WorkItem(request, 0, 1)]), [inputs])
     finally:
         if counting.get("found") is not None:  # a forward that raised
             counting["mode"].__exit__(None, None, None)

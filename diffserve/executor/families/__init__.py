@@ -43,6 +43,7 @@ FOLDERS: tuple[str, ...] = (
     "flux",
     "flux2",
     "flux_kontext",
+    "flux_fill",
     "hunyuandit",
     "qwen_image",
     "qwen_image_edit",

@@ -1,0 +1,71 @@
+"""FLUX.1 Fill in the step engine: inpainting and outpainting (a border to fill) whose masked image
+and mask travel per row beside the latents, requests joining mid-run and sharing forwards, each
+equal to ``FluxFillPipeline`` called alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from diffserve.config.flags import ServerConfig
+from diffserve.executor.checks.reference import max_diff, sample_image, solo
+from diffserve.executor.runtime import build_runtime
+from helpers import make_request, run_plan
+
+MODEL = "tiny-flux-fill"
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    return build_runtime(ServerConfig(model=MODEL, batching_mode="step"), torch_threads=1)
+
+
+def fill(rid: str, seed: int, **kw):
+    return make_request(request_id=rid, model=MODEL, task="inpaint", seed=seed, **kw)
+
+
+def border(size: int, width: int) -> np.ndarray:
+    """An outpainting mask: everything but the centre (the picture shrunk into it) is redrawn."""
+    mask = np.full((size, size), 255, np.uint8)
+    mask[width:size - width, width:size - width] = 0
+    return mask
+
+
+def test_the_model_only_inpaints(runtime):
+    assert runtime.info.tasks == ["inpaint"]  # no text-to-image: its pipeline needs an image
+    assert runtime.task_modes == {"inpaint": "step"}  # the start-up check passed
+
+
+def test_staggered_inpaintings_and_outpaintings_equal_the_pipeline_alone(runtime):
+    rt = runtime
+    picture, mask = sample_image(64)
+    other, _ = sample_image(64, seed=1)
+    framed = np.zeros_like(other)
+    framed[16:48, 16:48] = other[::2, ::2]  # the picture shrunk, a border around it to fill
+    plan = {
+        0: [(fill("a", 1, prompt="a red circle", steps=5, guidance=30.0), [picture, mask])],
+        1: [(fill("out", 2, prompt="a wide landscape around it", steps=4, guidance=10.0, n=2),
+             [framed, border(64, 16)])],
+        2: [(fill("half", 3, prompt="x", steps=6, strength=0.6, guidance=3.5),
+             [other, np.ascontiguousarray(mask[::-1].T)])],
+    }
+    rows, real = [], rt.family.forward
+
+    def forward(latents, *rest, **host):
+        rows.append(latents.shape[0])
+        return real(latents, *rest, **host)
+
+    rt.family.forward = forward
+    try:
+        images = run_plan(rt.step_engine(), plan)
+    finally:
+        rt.family.forward = real
+    assert max(rows) >= 4  # the three requests' four images shared forwards
+    for group in plan.values():
+        for r, (image, m) in group:
+            expected = solo(rt.loaded, rt.pipelines, r, image, m)
+            assert max_diff(images[r.request_id], expected) <= 2, r.request_id
+    # The model looked at the mask: the same request with another mask differs.
+    again = run_plan(rt.step_engine(), {0: [(fill("a", 1, prompt="a red circle", steps=5,
+                                                  guidance=30.0), [picture, border(64, 8)])]})
+    assert max_diff(again["a"], images["a"]) > 2
