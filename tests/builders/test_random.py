@@ -18,6 +18,7 @@ ARCHITECTURES = architectures()
 # Parameters of each released model's modules, in billions (its published size).
 PUBLISHED = {
     "flux.1-dev": {"transformer": 11.90, "text_encoder_2": 4.76, "text_encoder": 0.123},
+    "flux.1-fill-dev": {"transformer": 11.90, "text_encoder_2": 4.76, "text_encoder": 0.123},
     "qwen-image": {"transformer": 20.43, "text_encoder": 8.29},
     "z-image-turbo": {"transformer": 6.15, "text_encoder": 4.02},
     "sdxl": {"unet": 2.57, "text_encoder_2": 0.695, "text_encoder": 0.123},
@@ -51,7 +52,7 @@ def test_the_published_sizes(name, tmp_path):
 
 def test_a_spec_that_names_nothing_known_is_refused_at_configuration():
     with pytest.raises(ConfigError, match=r"--model 'random:flux': no random architecture "
-                                          r"'flux'; known: sdxl, flux.1-dev, qwen-image"):
+                                          r"'flux'; known: sdxl, flux.1-dev, flux.1-fill-dev, qwen-image"):
         ServerConfig(model="random:flux")
     with pytest.raises(ConfigError, match=r"the scale 'huge' is not one of full, tiny"):
         ServerConfig(model="random:sdxl:huge")
