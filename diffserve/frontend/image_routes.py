@@ -51,9 +51,10 @@ def input_frames(request: ImageRequest, spec: RequestSpec, max_pixels: int,
 
 
 def edit_task(info, form) -> Task:
-    """What an edit of this model is: inpainting with a mask; else an instruction edit where the
+    """What an edit of this model is: inpainting with a mask, or on a model that only inpaints
+    (FLUX.1 Fill: the image's transparency is then its mask); else an instruction edit where the
     model conditions on reference images, image-to-image where it redraws by strength."""
-    if form.mask is not None:
+    if form.mask is not None or tuple(info.tasks) == (INPAINT.name,):
         return INPAINT
     return EDIT if EDIT.name in info.tasks else IMAGE_TO_IMAGE
 

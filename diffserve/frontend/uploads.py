@@ -11,7 +11,8 @@ Rules (documented in docs/edits.md):
   centre-cropped to it. Transparency is dropped (composited on black).
 - The mask must have the image's dimensions. With an alpha channel, transparent pixels are the
   ones to edit (OpenAI's convention); without one, white pixels are (diffusers' convention).
-  It is fitted like the image.
+  It is fitted like the image. A model that only inpaints (FLUX.1 Fill) takes an image without
+  a mask where the image has transparency: its transparent pixels are the mask (OpenAI's rule).
 """
 
 from __future__ import annotations
@@ -191,5 +192,15 @@ def decode_inputs(form: EditForm, task: Task, width: int, height: int,
     if form.mask is not None:
         frames[MASK.name] = [mask_pixels(open_image(form.mask, "mask", max_pixels), images[0],
                                          width, height)]
+    elif task.masked:  # no mask for a model that only inpaints: the image's own transparency
+        if not has_alpha(images[0]):
+            raise invalid_request("this model only inpaints: give a 'mask', or an 'image' whose "
+                                  "transparent pixels are the ones to redraw", "mask",
+                                  "missing_required_parameter")
+        frames[MASK.name] = [mask_pixels(images[0], images[0], width, height)]
     return frames
+
+
+def has_alpha(image: Image.Image) -> bool:
+    return image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info)
 
