@@ -13,7 +13,7 @@ from kit import in_process, stats
 
 # Each family's model: a released architecture with random weights (with --tiny, at its tiny scale).
 FAMILIES = {"flux": "random:flux.1-dev", "qwen-image": "random:qwen-image", "wan": "random:wan2.1-14b",
-            "z-image": "random:z-image-turbo"}
+            "z-image": "random:z-image-turbo", "flux-fill": "random:flux.1-fill-dev"}
 IMAGES = ("flux", "qwen-image")
 CORE = ("flux", "qwen-image", "wan")  # a section's families unless it names its own
 SECTIONS: dict[str, SimpleNamespace] = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from diffserve.builders.random.parts import FULL, Architecture, Module
+from diffserve.builders.random.parts import FULL, Module
 from diffserve.executor.families.flux.architecture import FLUX_1_DEV
 
 # A token: 2x2 latent cells of 16 channels (64), the masked image's the same (64), and the mask's
