@@ -1,6 +1,6 @@
 """FLUX.1 Fill in the step engine: inpainting and outpainting (a border to fill) whose masked image
 and mask travel per row beside the latents, requests joining mid-run and sharing forwards, each
-equal to ``FluxFillPipeline`` called alone."""
+equal to ``FluxFillPipeline`` called alone; and the same in request mode."""
 
 from __future__ import annotations
 
@@ -69,3 +69,18 @@ def test_staggered_inpaintings_and_outpaintings_equal_the_pipeline_alone(runtime
     again = run_plan(rt.step_engine(), {0: [(fill("a", 1, prompt="a red circle", steps=5,
                                                   guidance=30.0), [picture, border(64, 8)])]})
     assert max_diff(again["a"], images["a"]) > 2
+
+
+def test_fills_in_request_mode_equal_the_pipeline_alone(runtime):
+    from diffserve.wire.request import Work, WorkItem
+
+    rt = runtime
+    picture, mask = sample_image(64, seed=4)
+    requests = [fill(f"r{i}", 10 + i, prompt=f"fill {i}", steps=3, guidance=30.0, n=1 + i % 2)
+                for i in range(2)]
+    frames = [[picture, mask], [np.ascontiguousarray(picture[::-1]), border(64, 16)]]
+    outcomes = rt.request_runner().execute(Work(1, [WorkItem(r, 0, r.n) for r in requests]),
+                                           frames)
+    for r, (image, m), o in zip(requests, frames, outcomes):
+        assert o.error is None, o.error
+        assert max_diff(o.images, solo(rt.loaded, rt.pipelines, r, image, m)) <= 2, r.request_id
