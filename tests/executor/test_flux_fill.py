@@ -1,6 +1,7 @@
 """FLUX.1 Fill in the step engine: inpainting and outpainting (a border to fill) whose masked image
-and mask travel per row beside the latents, requests joining mid-run and sharing forwards, each
-equal to ``FluxFillPipeline`` called alone; and the same in request mode."""
+and mask travel per row beside the latents, requests joining mid-run and sharing forwards (LoRA
+adapters per row too), each equal to ``FluxFillPipeline`` called alone; and the same in request
+mode."""
 
 from __future__ import annotations
 
@@ -84,3 +85,41 @@ def test_fills_in_request_mode_equal_the_pipeline_alone(runtime):
     for r, (image, m), o in zip(requests, frames, outcomes):
         assert o.error is None, o.error
         assert max_diff(o.images, solo(rt.loaded, rt.pipelines, r, image, m)) <= 2, r.request_id
+
+
+def test_lora_adapters_apply_per_row_in_one_running_set(runtime, tmp_path):
+    """A denoiser LoRA on some fills and not others, in one forward: each equals
+    ``FluxFillPipeline`` alone after ``load_lora_weights`` and ``set_adapters``."""
+    from types import SimpleNamespace
+
+    from diffusers import DiffusionPipeline
+
+    from diffserve.builders.random.loras import write_lora
+    from diffserve.builders.registry import resolve_model
+    from diffserve.executor.checks.reference import with_adapters
+    from diffserve.executor.lora.store import AdapterStore
+    from diffserve.executor.step.engine import StepEngine
+
+    rt = runtime
+    path = write_lora(MODEL, tmp_path / "A", rank=4, seed=1)
+    store = AdapterStore(rt.loaded.pipe, max_resident=2, max_rank=16)
+    store.add("A", path)
+    reference = DiffusionPipeline.from_pretrained(resolve_model(MODEL))
+    reference.set_progress_bar_config(disable=True)
+    reference.load_lora_weights(path, adapter_name="A")
+    picture, mask = sample_image(64, seed=5)
+    plan = {0: [(fill("plain", 1, prompt="a cat", steps=4, guidance=30.0), [picture, mask]),
+                (fill("lora", 1, prompt="a cat", steps=4, guidance=30.0, loras=(("A", 1.0),)),
+                 [picture, mask]),
+                (fill("half", 2, prompt="a dog", steps=4, guidance=30.0, loras=(("A", 0.5),)),
+                 [picture, border(64, 16)])]}
+    try:
+        images = run_plan(StepEngine(rt.family, adapters=store), plan)
+    finally:
+        store.remove("A")  # the module's model as it was for any later test
+    for r, (image, m) in plan[0]:
+        pipe = with_adapters(reference, list(r.loras))
+        expected = solo(SimpleNamespace(pipe=pipe, call_kwargs=rt.loaded.call_kwargs), {}, r,
+                        image, m)
+        assert max_diff(images[r.request_id], expected) <= 2, r.request_id
+    assert max_diff(images["lora"], images["plain"]) > 8  # the adapter changes the image
