@@ -48,7 +48,11 @@ def test_staggered_inpaintings_and_outpaintings_equal_the_pipeline_alone(runtime
         1: [(fill("out", 2, prompt="a wide landscape around it", steps=4, guidance=10.0, n=2),
              [framed, border(64, 16)])],
         2: [(fill("half", 3, prompt="x", steps=6, strength=0.6, guidance=3.5),
-             [other, np.ascontiguousarray(mask[::-1].T)])],
+             [other, np.ascontiguousarray(mask[::-1].T)]),
+            # Another size: a running set of its own beside the others.
+            (fill("wide", 4, prompt="wider", steps=4, guidance=30.0, width=96),
+             [np.ascontiguousarray(np.concatenate([picture, other[:, :32]], axis=1)),
+              np.ascontiguousarray(np.concatenate([mask, mask[:, :32]], axis=1))])],
     }
     rows, real = [], rt.family.forward
 
