@@ -39,7 +39,7 @@ SECONDS = {
     "tests/test_client.py": 4, "tests/test_config.py": 4, "tests/test_instruction_edits.py": 4,
     "tests/test_priorities.py": 4, "tests/frontend/test_light.py": 2,
     "tests/test_memory_server.py": 2, "tests/builders/test_random.py": 12,
-    "tests/test_controlnet_server.py": 20,
+    "tests/test_controlnet_server.py": 20, "tests/test_fill_edits.py": 16,
     # Its tests take their results from the Ray application's background run, which has ended
     # by the time they come (it keeps both cores' share busy from the session's start instead).
     "tests/test_ray.py": 1,
@@ -52,6 +52,7 @@ IN_PROCESS = {
     "tests/executor/test_adapters.py": 18, "tests/executor/test_compiled.py": 16,
     "tests/executor/test_step_engine.py": 16, "tests/executor/test_adapter_rows.py": 15,
     "tests/executor/test_memory.py": 14, "tests/executor/test_dit_families.py": 12,
+    "tests/executor/test_flux_fill.py": 10,
     "tests/executor/test_self_check.py": 12, "tests/executor/test_half_precision.py": 9,
     "tests/builders/test_shapes.py": 9, "tests/executor/test_step_cache.py": 8,
     "tests/builders/test_embedded.py": 8, "tests/executor/test_request_runner.py": 6,
