@@ -18,13 +18,14 @@ import time
 from importlib.metadata import version
 from types import SimpleNamespace
 
+import numpy as np
+
 import bench_parallel
 import bench_step
 import gpu.rent  # noqa: F401 - each module's sections register themselves, in this order
 import gpu.speed  # noqa: F401
 import gpu.seed  # noqa: F401
-import gpu.fill  # noqa: F401
-from gpu import FAMILIES, IMAGES, SECTIONS, Context, failures, section
+from gpu import CORE, FAMILIES, IMAGES, SECTIONS, Context, failures, section
 from kit import cli, in_process, stats
 from diffserve.executor.memory import oom as memory
 
@@ -83,18 +84,40 @@ def oom_split(ctx, rt, family: str) -> dict:
     return fig
 
 
-@section("exactness")
+@section("exactness", families=(*CORE, "flux-fill"))
 def exactness(ctx, family: str) -> dict:
+    """4 requests in step mode, two joining the running set after its first step, each against the
+    plain pipeline alone; FLUX.1 Fill's are two inpaintings and two outpaintings (a border to fill)."""
     from diffserve.executor.checks.reference import solo
 
     rt = ctx.runtime(family, dtype="bfloat16", skip_startup_check=True)
-    its = ctx.items(rt, family, 4, "exact")  # two join the running set after its first step
-    stepped = in_process.stepped(rt.step_engine(), {0: its[:2], 1: its[2:]})
-    served = {o.item.request.request_id: o.images for o in stepped}
-    pairs = [(served[i.request.request_id].astype(int), solo(rt.loaded, rt.pipelines, i.request)) for i in its]
-    return {"dtype": rt.loaded.dtype, "worst pixel diff": max(int(abs(a - b).max()) for a, b in pairs),
+    fill = family == "flux-fill"
+    its = ctx.items(rt, family, 4, "exact", **({"task": "inpaint", "strength": 1.0} if fill else {}))
+    frames = fill_frames(*ctx.sizes[family][:2], its) if fill else {i.request.request_id: [] for i in its}
+    rows, forward = [], rt.family.forward
+    rt.family.forward = lambda latents, *a, **k: rows.append(latents.shape[0]) or forward(latents, *a, **k)
+    try:
+        stepped = in_process.stepped(rt.step_engine(), {0: its[:2], 1: its[2:]},
+                                     inputs=lambda item: frames[item.request.request_id])
+    finally:
+        rt.family.forward = forward
+    served = {o.item.request.request_id: o.images for o in stepped if not o.error}
+    pairs = [(served[i.request.request_id].astype(int),
+              solo(rt.loaded, rt.pipelines, i.request, *frames[i.request.request_id])) for i in its]
+    return {"dtype": rt.loaded.dtype, "failed": failures(stepped), "most rows a forward": max(rows),
+            "worst pixel diff": max(int(abs(a - b).max()) for a, b in pairs),
             "mean pixel diff": statistics.mean(float(abs(a - b).mean()) for a, b in pairs),
             "worst PSNR dB": min(stats.psnr(a, b) for a, b in pairs)}
+
+
+def fill_frames(width: int, height: int, its) -> dict:
+    """Each item's image and mask: the right half to inpaint, or all but the middle to outpaint."""
+    rng, half = np.random.default_rng(0), np.zeros((height, width), np.uint8)
+    half[:, width // 2:] = 255
+    border = np.full((height, width), 255, np.uint8)
+    border[height // 4:3 * height // 4, width // 4:3 * width // 4] = 0
+    return {i.request.request_id: [(rng.random((height, width, 3)) * 255).astype(np.uint8),
+                                   half if n % 2 == 0 else border] for n, i in enumerate(its)}
 
 
 @section("memory", needs="cuda", families=IMAGES)

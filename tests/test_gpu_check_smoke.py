@@ -15,10 +15,10 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
     out = tmp_path / "gpu-check.json"
     only = ["rent", "first-day", "exactness", "memory", "parallel"]  # speed and seed: test_slice.py
     done = run_tool("gpu_check.py", "--tiny", "--torch-threads", "1", "--output-file", str(out),
-                    "--only", ",".join(only), "--families", "flux,qwen-image,wan")
+                    "--only", ",".join(only), "--families", "flux,qwen-image,wan,flux-fill")
     report = json.loads(out.read_text())
     assert report["models"] == {"flux": "random:flux.1-dev:tiny", "qwen-image": "random:qwen-image:tiny",
-                                "wan": "random:wan2.1-14b:tiny"}
+                                "wan": "random:wan2.1-14b:tiny", "flux-fill": "random:flux.1-fill-dev:tiny"}
     sections = report["sections"]
     assert list(sections) == only
     rent = sections["rent"]["families"]
@@ -30,7 +30,10 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
     assert sections["memory"] == {"status": "skipped: needs CUDA"}
     assert sections["parallel"] == {"status": "skipped: needs 2+ GPUs"}
     first, exact = sections["first-day"]["families"], sections["exactness"]["families"]
-    assert set(first) == set(exact) == {"flux", "qwen-image", "wan"}
+    assert set(first) == {"flux", "qwen-image", "wan"} and set(exact) == {*first, "flux-fill"}
+    # FLUX.1 Fill: two inpaintings and two outpaintings against FluxFillPipeline, in one forward
+    assert exact["flux-fill"]["failed"] == [] and exact["flux-fill"]["most rows a forward"] == 4
+    assert exact["flux-fill"]["worst PSNR dB"] > 30
     for family, fig in first.items():
         assert fig["mode"] == "step" and fig["fallback"] == {} and fig["task modes"]["generate"] == "step", family
         assert fig["non-finite"] == 0 and fig["failed"] == [] and "start-up check" not in fig, family

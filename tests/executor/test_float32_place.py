@@ -75,7 +75,7 @@ def test_every_rank_takes_the_leaders_answer(card):
 def test_a_reference_the_host_cannot_hold_is_skipped(card, monkeypatch, caplog):
     """Qwen-Image under an 80 GB cap: ~115 GB of float32 weights would go to a 128 GiB host."""
     rt = _runtime()
-    card["free"] = float32.extra_bytes(rt.loaded.pipe)  # no room on the card: the host's turn
+    card.free_bytes = float32.extra_bytes(rt.loaded.pipe)  # no room on the card: the host's turn
     # host_bytes counts the tensors off the host; the fake card's weights are on the CPU.
     monkeypatch.setattr(float32, "host_bytes", lambda pipe: 115 * 10**9)
     monkeypatch.setattr(float32, "host_available", lambda: 120 * GiB)
