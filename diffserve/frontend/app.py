@@ -25,6 +25,8 @@ from diffserve.frontend.auth import BearerAuth
 from diffserve.frontend.bodies import validation_error
 from diffserve.frontend.scheduler_client import SchedulerClient
 from diffserve.frontend.image_routes import image_routes
+from diffserve.frontend.image_store import ImageStore
+from diffserve.frontend.image_content import image_content_routes
 from diffserve.frontend.info_routes import info_routes
 from diffserve.frontend.serving import Serving
 from diffserve.frontend.weight_routes import weight_routes
@@ -41,8 +43,11 @@ def create_app(config: ServerConfig, scheduler: SchedulerClient, counts: Fronten
         app.add_middleware(BearerAuth, keys=config.api_keys)
     add_error_handlers(app)
     serving = Serving(config, scheduler, counts,
-                      ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode"))
+                      ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode"),
+                      ImageStore(config.image_dir, config.image_ttl_s,
+                                 config.max_image_store_bytes))
     app.include_router(image_routes(serving))
+    app.include_router(image_content_routes(serving))
     if getattr(getattr(scheduler, "model_info", None), "num_frames", 0):  # a video model
         from diffserve.frontend.videos.setup import video_api
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import orjson
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -16,12 +18,16 @@ from diffserve.errors import invalid_request
 from diffserve.frontend import streaming
 from diffserve.frontend.controls import control_frames
 from diffserve.frontend.auth import PRIORITY
-from diffserve.frontend.bodies import form_body_schema, json_body_schema, parse_json, validate
-from diffserve.frontend.schemas import (ImageEditForm, ImageGenerationRequest, ImagesResponse,
-                                        RolloutRequest)
+from diffserve.frontend.compat import check_served
+from diffserve.frontend.bodies import (form_body_schema, json_body_schema, parse_json, validate,
+                                      validation_error)
+from diffserve.frontend.image_urls import json_edit_inputs
+from diffserve.frontend.schemas import (ImageEditForm, ImageEditJSON, ImageGenerationRequest,
+                                        ImagesResponse, RolloutRequest)
 from diffserve.frontend.serving import Accepted, Serving
 from diffserve.frontend.spec import RequestSpec, edit_spec, generation_spec, rollout_spec
-from diffserve.frontend.uploads import decode_inputs, image_size, parse_form, read_limited
+from diffserve.frontend.uploads import (EditForm, decode_inputs, image_size, parse_form,
+                                        read_limited)
 from diffserve.frontend.validation import fitted_size, to_engine_request
 from diffserve.wire.request import CONTROLS, ImageRequest, in_manifest_order
 from diffserve.wire.rollouts import LATENTS_LAYOUT, safetensors_body
@@ -58,6 +64,24 @@ def edit_task(info, form) -> Task:
     return EDIT if EDIT.name in info.tasks else IMAGE_TO_IMAGE
 
 
+async def read_edit(http_request: Request, config) -> tuple[ImageEditForm, EditForm]:
+    """An edit's body and its input files: a multipart form, or JSON naming them by URL."""
+    limit = config.max_upload_bytes
+    raw = await read_limited(http_request.stream(), limit,
+                             http_request.headers.get("content-length"), "--max-upload-bytes")
+    content_type = http_request.headers.get("content-type", "").lower()
+    if content_type.startswith("application/json"):
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise validation_error([{"type": "json_invalid"}]) from None
+        body = validate(ImageEditJSON, data)
+        images, mask = await json_edit_inputs(body, config.allowed_image_hosts, limit)
+        return body, EditForm({}, images, mask)
+    form = await parse_form(http_request.headers, raw, limit)
+    return validate(ImageEditForm, form.fields), form
+
+
 def image_routes(serving: Serving) -> APIRouter:
     router = APIRouter()
     config, scheduler = serving.config, serving.scheduler
@@ -68,6 +92,7 @@ def image_routes(serving: Serving) -> APIRouter:
         async def accept() -> Accepted:
             body = await parse_json(http_request, ImageGenerationRequest, config.max_body_bytes,
                                     "--max-body-bytes")
+            check_served(body)
             spec = generation_spec(body)
             request = to_engine_request(spec, f"img-{uuid.uuid4().hex}", scheduler.model_info,
                                         config, GENERATE, scheduler.adapters,
@@ -79,15 +104,13 @@ def image_routes(serving: Serving) -> APIRouter:
 
         return await serving.serve(http_request, accept, streaming.GENERATIONS)
 
-    @router.post("/v1/images/edits", openapi_extra=form_body_schema(ImageEditForm),
+    @router.post("/v1/images/edits", openapi_extra=form_body_schema(ImageEditForm,
+                                                                          ImageEditJSON),
                  responses={200: {"model": ImagesResponse}})
     async def edit_images(http_request: Request):
         async def accept() -> Accepted:
-            raw = await read_limited(http_request.stream(), config.max_upload_bytes,
-                                     http_request.headers.get("content-length"),
-                                     "--max-upload-bytes")
-            form = await parse_form(http_request.headers, raw, config.max_upload_bytes)
-            body = validate(ImageEditForm, form.fields)
+            body, form = await read_edit(http_request, config)
+            check_served(body)
             spec = edit_spec(body)
             info = scheduler.model_info
             task, size = edit_task(info, form), None
