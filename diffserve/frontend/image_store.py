@@ -84,10 +84,12 @@ class RemoteFiles:
 
 class ImageStore:
     def __init__(self, where: str, ttl_s: float, max_bytes: int, clock=time.time) -> None:
-        root = where or tempfile.mkdtemp(prefix="diffserve-images-")
-        if not where:
-            atexit.register(shutil.rmtree, root, True)
-        self.files = RemoteFiles(root) if "://" in root else LocalFiles(os.path.join(root, "urls"))
+        root = where or self._temporary()
+        remote = "://" in root
+        self.files = RemoteFiles(root) if remote else LocalFiles(os.path.join(root, "urls"))
+        # Where the image jobs' table lives: a local directory (a temporary one beside an
+        # object store).
+        self.local_dir = self._temporary() if remote else root
         self.ttl_s, self.max_bytes, self.clock = ttl_s, max_bytes, clock
         self.lock = threading.Lock()
         # name -> (bytes, made at), oldest first: what a restart finds is kept until it expires.
@@ -95,6 +97,12 @@ class ImageStore:
             (name, (size, made)) for name, size, made in
             sorted(self.files.listing(), key=lambda entry: entry[2]))
         self.bytes = sum(size for size, _ in self.kept.values())
+
+    @staticmethod
+    def _temporary() -> str:
+        root = tempfile.mkdtemp(prefix="diffserve-images-")
+        atexit.register(shutil.rmtree, root, True)
+        return root
 
     def put(self, data: bytes, fmt: str) -> str:
         """Keep an image; its id."""

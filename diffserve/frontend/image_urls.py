@@ -41,13 +41,13 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
         return None  # the 3xx is answered as an error
 
 
-_OPENER = urllib.request.build_opener(_NoRedirects)
+NO_REDIRECTS = urllib.request.build_opener(_NoRedirects)
 
 
 def fetch(url: str, limit: int, timeout_s: float = FETCH_TIMEOUT_S) -> bytes:
     """GET ``url``: its body, at most ``limit`` bytes (``ValueError`` past it)."""
     request = urllib.request.Request(url, headers={"User-Agent": "diffserve"})
-    with _OPENER.open(request, timeout=timeout_s) as response:
+    with NO_REDIRECTS.open(request, timeout=timeout_s) as response:
         data = response.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"it is larger than {limit} bytes (--max-upload-bytes)")

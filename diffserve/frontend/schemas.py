@@ -108,6 +108,12 @@ class ImageOptions(BaseModel):
     controls: list[ControlRef] | None = Field(
         None, description="ControlNet controls, stacked (their residuals summed): each a "
         "served control model, its image, scale, window and union mode (docs/controlnet.md).")
+    webhook: str | None = Field(None, max_length=2048, description="With Prefer: "
+                                "respond-async: where the job's events are posted, signed "
+                                "(docs/generations.md#asynchronous-jobs).")
+    webhook_events_filter: list[Literal["start", "output", "completed"]] | None = Field(
+        None, description="Which events are posted (default: all three); output: each "
+        "partial image (partial_images).")
 
 
 class ImageGenerationRequest(ImageOptions):
@@ -131,7 +137,7 @@ class ImageEditForm(ImageOptions):
         "is redrawn, from near 0 (stay close to it) to 1 (start from pure noise); 0.8 unless "
         "given. Refused for models that edit by instruction, which take none.")
 
-    @field_validator("loras", "controls", mode="before")
+    @field_validator("loras", "controls", "webhook_events_filter", mode="before")
     @classmethod
     def _json_form_field(cls, value):
         """A form field is text: the adapters and the controls come as JSON lists."""

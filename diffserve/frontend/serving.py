@@ -41,11 +41,12 @@ class Serving:
             raise unavailable("The model is not ready (no executor is serving: starting or "
                               "restarting); retry shortly.", "engine_not_ready")
 
-    def url_keeper(self, http_request: Request, body: ImageOptions):
-        """For a url answer: keeps an encoded image and gives its URL on this server."""
+    def url_keeper(self, base_url: str, body: ImageOptions):
+        """For a url answer: keeps an encoded image and gives its URL on this server (whose
+        address is ``base_url``)."""
         if body.response_format != "url" or self.images is None:
             return None
-        base = str(http_request.base_url).rstrip("/")
+        base = base_url.rstrip("/")
 
         def keep(data: bytes, fmt: str) -> str:
             return f"{base}/v1/images/{self.images.put(data, fmt)}/content"
@@ -71,7 +72,7 @@ class Serving:
             self.counts.adapters_used(name for name, _ in request.loras)
             answer = ImageAnswer(request, body, events, arrival,
                                  self.scheduler.model_info.spatial_stride, self.pool,
-                                 self.url_keeper(http_request, body))
+                                 self.url_keeper(str(http_request.base_url), body))
             if body.stream:
                 response = await self._stream(http_request, answer, request, frames, finished)
                 streamed = response is not None
