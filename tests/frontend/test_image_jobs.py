@@ -12,6 +12,8 @@ import hmac
 import http.server
 import io
 import json
+import shutil
+import tempfile
 import threading
 import time
 
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from diffserve.frontend.image_jobs.store import IN_PROGRESS, QUEUED, ImageJob, ImageJobStore
 from server import LAUNCHES, assert_openai_error, decode, metric, serves, spec
 
 SECRET = "whsec_" + base64.b64encode(b"a test secret of some length").decode()
@@ -26,13 +29,53 @@ GENERATIONS = "/v1/images/generations"
 ASYNC = {"Prefer": "respond-async"}
 
 
+def left_behind(directory: str) -> dict[str, dict]:
+    """Jobs a previous server on ``directory`` left queued or running (as it would after being
+    killed): the server started on it runs them again."""
+    image = io.BytesIO()
+    Image.fromarray(np.full((64, 64, 3), 200, np.uint8)).save(image, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(image.getvalue()).decode()
+    bodies = {
+        "imgjob_0000000000000001left": ("generations", {"prompt": "left queued", "seed": 8,
+                                                         "num_inference_steps": 2}),
+        "imgjob_0000000000000002left": ("edits", {"prompt": "left running", "seed": 9,
+                                                   "num_inference_steps": 2, "strength": 0.5,
+                                                   "images": [{"image_url": url}]})}
+    store = ImageJobStore(directory)
+    for status, (job_id, (route, body)) in zip((QUEUED, IN_PROGRESS), bodies.items()):
+        store.insert(ImageJob(job_id, route, status, 1, {
+            "request": body, "events": "image_generation", "base_url": "http://127.0.0.1:1/"}))
+    return {job_id: body for job_id, (_, body) in bodies.items()}
+
+
+JOB_DIR = tempfile.mkdtemp(prefix="diffserve-test-jobs-")
+LEFT = left_behind(JOB_DIR)
+
+
 @pytest.fixture(scope="module")
-@serves(spec("--dynamic-batch-delay-ms", "20", "--webhook-secret", SECRET,
+@serves(spec("--dynamic-batch-delay-ms", "20", "--webhook-secret", SECRET, "--image-dir", JOB_DIR,
              "--allowed-webhook-hosts", "127.0.0.1", "--image-ttl-s", "120",
              "--max-inference-steps", "1000"))
 def server(request):
     with LAUNCHES.take(request) as srv:
         yield srv
+    shutil.rmtree(JOB_DIR, ignore_errors=True)
+
+
+def test_jobs_a_stopped_server_left_unfinished_are_run_by_the_next_one(server):
+    with server.client() as c:
+        for job_id, body in LEFT.items():
+            done = finished(c, f"/v1/images/jobs/{job_id}")
+            assert done["status"] == "completed", done
+            assert done["result"]["data"][0]["seed"] == body["seed"]
+        plain = c.post(GENERATIONS, json=LEFT["imgjob_0000000000000001left"]).json()
+    assert np.array_equal(decode(done_image(c, server, "imgjob_0000000000000001left")),
+                          decode(plain["data"][0]["b64_json"]))
+
+
+def done_image(c, server, job_id: str) -> str:
+    with server.client() as c:
+        return c.get(f"/v1/images/jobs/{job_id}").json()["result"]["data"][0]["b64_json"]
 
 
 class Receiver:
@@ -186,3 +229,25 @@ def test_bad_job_requests_are_a_400(server, body, headers, param):
                             400, param)
         assert_openai_error(c.get("/v1/images/jobs/imgjob_none"), 404, code="job_not_found")
         assert_openai_error(c.delete("/v1/images/jobs/imgjob_none"), 404)
+
+
+def test_the_python_client_and_the_sdk_hand_in_poll_and_cancel_jobs(server):
+    import openai
+
+    from diffserve.client import Client, RolloutError
+
+    with receiver() as (url, got), Client(server.url) as client:
+        job = client.submit_job(BODY, webhook=url, events=["completed"])
+        done = client.wait_job(job["id"], poll_s=0.1, timeout_s=60)
+        assert done["status"] == "completed" and done["result"]["data"][1]["seed"] == 22
+        assert client.cancel_job(job["id"])["status"] == "completed"  # finished: left as it is
+        wait_until(lambda: got.verified())
+        with pytest.raises(RolloutError) as error:
+            client.job("imgjob_none")
+        assert error.value.status == 404
+    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    job = sdk.post("/images/generations", cast_to=object, body={**BODY, "num_inference_steps": 900},
+                   options={"headers": {"Prefer": "respond-async"}})
+    assert job["status"] in ("queued", "in_progress")
+    assert sdk.get(f"/images/jobs/{job['id']}", cast_to=object)["id"] == job["id"]
+    assert sdk.delete(f"/images/jobs/{job['id']}", cast_to=object)["status"] == "cancelled"
