@@ -135,6 +135,12 @@ class ImageJobs:
                 self._finish(job, accepted_body_of(job), status=FAILED,
                              error=error.body()["error"])
                 continue
+            except Exception as error:  # noqa: BLE001 - this job fails, the others resume
+                log.exception("image job %s could not be resumed", job.id)
+                self._finish(job, accepted_body_of(job), status=FAILED, error={
+                    "message": f"The job could not be resumed: {error}", "type": "server_error",
+                    "param": None, "code": "internal_error"})
+                continue
             self.store.update(job.id, status=QUEUED)
             self._start(job, accepted)
 
