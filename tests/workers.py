@@ -70,7 +70,7 @@ IN_PROCESS = {
         "tests/executor/test_weights.py", "tests/frontend/test_edit_rules.py",
         "tests/frontend/test_encode.py", "tests/frontend/test_scheduler_client.py",
         "tests/frontend/test_validation.py", "tests/frontend/test_openai_params.py",
-        "tests/frontend/test_image_job_store.py",
+        "tests/frontend/test_image_job_store.py", "tests/frontend/test_image_urls.py",
         "tests/policies/test_fair.py",
         "tests/policies/test_oldest.py", "tests/policies/test_priority.py",
         "tests/policies/test_sjf.py", "tests/policies/test_srpt.py",

@@ -36,6 +36,10 @@ def data_url_bytes(url: str, param: str) -> bytes:
                               "invalid_image_url") from None
 
 
+class TooLarge(Exception):
+    """A fetched image past the size cap."""
+
+
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, *args, **kwargs):
         return None  # the 3xx is answered as an error
@@ -45,12 +49,12 @@ NO_REDIRECTS = urllib.request.build_opener(_NoRedirects)
 
 
 def fetch(url: str, limit: int, timeout_s: float = FETCH_TIMEOUT_S) -> bytes:
-    """GET ``url``: its body, at most ``limit`` bytes (``ValueError`` past it)."""
+    """GET ``url``: its body, at most ``limit`` bytes (:class:`TooLarge` past it)."""
     request = urllib.request.Request(url, headers={"User-Agent": "diffserve"})
     with NO_REDIRECTS.open(request, timeout=timeout_s) as response:
         data = response.read(limit + 1)
     if len(data) > limit:
-        raise ValueError(f"it is larger than {limit} bytes (--max-upload-bytes)")
+        raise TooLarge(f"it is larger than {limit} bytes (--max-upload-bytes)")
     return data
 
 
@@ -68,12 +72,12 @@ async def image_bytes(url: str, param: str, allowed_hosts, limit: int) -> bytes:
                               "URL", param, "image_url_not_allowed")
     try:
         return await asyncio.to_thread(fetch, url, limit)
+    except TooLarge as error:
+        raise invalid_request(f"{param}: {error}", param, "image_too_large") from None
     except urllib.error.HTTPError as error:
         why = f"the host answered {error.code}"
-    except (urllib.error.URLError, OSError) as error:
+    except (urllib.error.URLError, OSError, ValueError) as error:
         why = f"it could not be fetched ({getattr(error, 'reason', error)})"
-    except ValueError as error:
-        why = str(error)
     raise invalid_request(f"{param}: {why}", param, "image_url_unreachable")
 
 
