@@ -85,3 +85,19 @@ def test_a_job_left_queued_is_run_by_the_next_server(tmp_path):
     job = asyncio.run(main())
     assert [r.prompt for r in submitted] == ["left behind"]
     assert job.status == COMPLETED and job.result["data"][0]["seed"] == 5
+
+
+def test_a_multipart_edit_is_stored_as_the_json_edit_that_runs_it_again():
+    from diffserve.frontend.image_routes import stored_edit
+    from diffserve.frontend.image_urls import json_edit_inputs
+    from diffserve.frontend.schemas import ImageEditForm, ImageEditJSON
+    from diffserve.frontend.uploads import EditForm
+
+    fields = {"prompt": "x", "n": "2", "strength": "0.5", "loras": '[{"name": "a", "scale": 0.5}]',
+              "webhook_events_filter": '["completed"]'}
+    form = EditForm(fields, [b"first", b"second"], b"mask")
+    body = ImageEditForm.model_validate(fields)
+    again = ImageEditJSON.model_validate(stored_edit(body, form))
+    assert again.model_dump(exclude={"images", "mask"}) == body.model_dump()
+    images, mask = asyncio.run(json_edit_inputs(again, (), 1 << 20))
+    assert (images, mask) == ([b"first", b"second"], b"mask")
