@@ -69,13 +69,9 @@ def test_jobs_a_stopped_server_left_unfinished_are_run_by_the_next_one(server):
             assert done["status"] == "completed", done
             assert done["result"]["data"][0]["seed"] == body["seed"]
         plain = c.post(GENERATIONS, json=LEFT["imgjob_0000000000000001left"]).json()
-    assert np.array_equal(decode(done_image(c, server, "imgjob_0000000000000001left")),
+        resumed = c.get("/v1/images/jobs/imgjob_0000000000000001left").json()
+    assert np.array_equal(decode(resumed["result"]["data"][0]["b64_json"]),
                           decode(plain["data"][0]["b64_json"]))
-
-
-def done_image(c, server, job_id: str) -> str:
-    with server.client() as c:
-        return c.get(f"/v1/images/jobs/{job_id}").json()["result"]["data"][0]["b64_json"]
 
 
 class Receiver:
