@@ -198,17 +198,25 @@ def test_a_cancelled_job_never_runs_to_the_end(server):
             return metric(c.get("/metrics").text, name)
 
         made, dropped = gauge("diffserve_images_generated_total"), stopped(c.get("/metrics").text)
-        r = c.post(GENERATIONS, json={"prompt": "a slow one", "num_inference_steps": 900},
-                   headers=ASYNC)
-        assert r.status_code == 202, r.text
+        with receiver() as (url, got):
+            r = c.post(GENERATIONS, json={"prompt": "a slow one", "num_inference_steps": 900,
+                                          "webhook": url}, headers=ASYNC)
+            cancel_soon(c, r)
+            events = wait_until(lambda: len(v := got.verified()) == 2 and v)
+        assert [e["data"]["status"] for e in events] == ["in_progress", "cancelled"]
         location = r.headers["location"]
-        wait_until(lambda: gauge("diffserve_num_requests_running") >= 1, 30)  # the engine has it
-        cancelled = c.delete(location).json()
-        assert cancelled["status"] == "cancelled" and cancelled["result"] is None
         wait_until(lambda: stopped(c.get("/metrics").text) > dropped, 60)
         wait_until(lambda: gauge("diffserve_num_requests_running") == 0, 30)
         assert c.get(location).json()["status"] == "cancelled"
         assert gauge("diffserve_images_generated_total") == made
+
+
+def cancel_soon(c, r) -> None:
+    """Cancel the job ``r`` answered once the engine runs it."""
+    assert r.status_code == 202, r.text
+    wait_until(lambda: metric(c.get("/metrics").text, "diffserve_num_requests_running") >= 1, 30)
+    cancelled = c.delete(r.headers["location"]).json()
+    assert cancelled["status"] == "cancelled" and cancelled["result"] is None
 
 
 @pytest.mark.parametrize("body, headers, param", [

@@ -114,9 +114,7 @@ class ImageJobs:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        now = int(time.time())
-        self.store.update(job_id, status=CANCELLED, completed_at=now,
-                          expires_at=now + int(self.ttl_s))
+        self._finish(job, accepted_body_of(job), status=CANCELLED)
         return self.store.get(job_id)
 
     async def resume(self, rebuild: Callable[[ImageJob], Awaitable[Accepted]]) -> None:
