@@ -2,7 +2,7 @@
 tensors back as torch tensors, many prompts sent at once, an overloaded or restarting server
 (429, 503) retried as its ``Retry-After`` asks; and the control routes of the online loop (a
 server started with ``--enable-weight-updates``): new weights, from disk or straight from the
-trainer's memory, and sleeping while the trainer has the device.
+trainer's memory, and sleeping while the trainer has the device; and asynchronous image jobs.
 
     from diffserve.client import Client
 
@@ -11,6 +11,8 @@ trainer's memory, and sleeping while the trainer has the device.
     groups[0].log_probs.shape  # torch.Size([16, 20])
     groups[0].weight_version   # "0": the weights that made them
     client.update_weights(tensors=model.state_dict())  # {"weight_version": "1", ...}
+    job = client.submit_job({"prompt": "a red circle"})  # an image job, answered later
+    client.wait_job(job["id"])["result"]  # the images answer
 
 Needs ``httpx`` (``pip install 'diffserve[client]'``) and torch.
 """
@@ -127,21 +129,57 @@ class Client:
             raise RolloutError(response.status_code, _json(response))
         return response.json()["is_sleeping"]
 
-    def _post(self, path: str, body: dict[str, Any]):
-        """The answer, retrying 429 and 503 after the server's ``Retry-After`` (else an
-        exponential backoff) and a connection that fails (a server restarting)."""
+    # -- asynchronous image jobs (Prefer: respond-async) -----------------------------------
+
+    def submit_job(self, body: dict[str, Any], route: str = "generations",
+                   webhook: str | None = None, events: Sequence[str] | None = None) -> dict:
+        """Hand in a generation (or, with ``route="edits"``, a JSON edit: images as
+        ``{"image_url": "data:..."}``); the job, queued. ``webhook``: where its events are
+        posted, signed; ``events``: which (start, output, completed; default all)."""
+        body = {**body, **({"webhook": webhook} if webhook else {}),
+                **({"webhook_events_filter": list(events)} if events is not None else {})}
+        return self._post(f"/v1/images/{route}", body, {"Prefer": "respond-async"}).json()
+
+    def job(self, job_id: str) -> dict:
+        """The job: its status and, once completed, its answer (``result``)."""
+        return self._call("GET", f"/v1/images/jobs/{job_id}")
+
+    def cancel_job(self, job_id: str) -> dict:
+        """Cancel a queued or running job (a finished one is left as it is); the job."""
+        return self._call("DELETE", f"/v1/images/jobs/{job_id}")
+
+    def wait_job(self, job_id: str, poll_s: float = 0.5, timeout_s: float | None = None) -> dict:
+        """Poll until the job is finished (completed, failed or cancelled); the job.
+        ``TimeoutError`` after ``timeout_s``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (job := self.job(job_id))["status"] in ("queued", "in_progress"):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {job['status']}")
+            time.sleep(poll_s)
+        return job
+
+    def _call(self, method: str, path: str) -> dict:
+        response = self.http.request(method, path)
+        if response.status_code != 200:
+            raise RolloutError(response.status_code, _json(response))
+        return response.json()
+
+    def _post(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None):
+        """The answer (200, or 202 for a job), retrying 429 and 503 after the server's
+        ``Retry-After`` (else an exponential backoff) and a connection that fails (a server
+        restarting)."""
         import httpx
 
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             try:
-                response = self.http.post(path, json=body)
+                response = self.http.post(path, json=body, headers=headers)
             except httpx.TransportError:
                 if last:
                     raise
                 time.sleep(self.backoff_s * 2**attempt)
                 continue
-            if response.status_code == 200:
+            if response.status_code in (200, 202):
                 return response
             if response.status_code not in RETRIED or last:
                 raise RolloutError(response.status_code, _json(response))

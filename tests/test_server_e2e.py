@@ -181,7 +181,7 @@ BAD_INPUTS = [
     ({"prompt": "x", "size": "64"}, 400, "size", "invalid_size"),
     ({"prompt": "x", "size": "0x64"}, 400, "size", "invalid_size"),
     ({"prompt": "x", "size": "4096x4096"}, 400, "size", "invalid_size"),
-    ({"prompt": "x", "response_format": "url"}, 400, "response_format", None),
+    ({"prompt": "x", "response_format": "url", "stream": True}, 400, "response_format", None),
     ({"prompt": "x", "response_format": "gif"}, 400, "response_format", None),
     ({"prompt": "x", "output_format": "gif"}, 400, "output_format", None),
     ({"prompt": "x", "output_compression": 101}, 400, "output_compression", None),

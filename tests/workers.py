@@ -40,6 +40,7 @@ SECONDS = {
     "tests/test_priorities.py": 4, "tests/frontend/test_light.py": 2,
     "tests/test_memory_server.py": 2, "tests/builders/test_random.py": 12,
     "tests/test_controlnet_server.py": 20, "tests/test_fill_edits.py": 16,
+    "tests/frontend/test_image_api.py": 25, "tests/frontend/test_image_jobs.py": 25,
     # Its tests take their results from the Ray application's background run, which has ended
     # by the time they come (it keeps both cores' share busy from the session's start instead).
     "tests/test_ray.py": 1,
@@ -69,7 +70,9 @@ IN_PROCESS = {
         "tests/executor/test_planner.py", "tests/executor/test_step_timer.py",
         "tests/executor/test_weights.py", "tests/frontend/test_edit_rules.py",
         "tests/frontend/test_encode.py", "tests/frontend/test_scheduler_client.py",
-        "tests/frontend/test_validation.py", "tests/policies/test_fair.py",
+        "tests/frontend/test_validation.py", "tests/frontend/test_openai_params.py",
+        "tests/frontend/test_image_job_store.py", "tests/frontend/test_image_urls.py",
+        "tests/policies/test_fair.py",
         "tests/policies/test_oldest.py", "tests/policies/test_priority.py",
         "tests/policies/test_sjf.py", "tests/policies/test_srpt.py",
         "tests/scheduler/test_adapter_slots.py", "tests/scheduler/test_batcher.py",

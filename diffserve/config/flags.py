@@ -236,6 +236,27 @@ class ServerConfig(SpeedOptions):
         64, "Video models: most queued video jobs; more get 429.", ge=1, le=1_000_000)
     max_video_frames: int = option(
         257, "Video models: largest frame count a job may ask for.", ge=1, le=10_000)
+    allowed_image_hosts: tuple[str, ...] = option(
+        (), "Hosts whose http(s) image URLs a JSON edit may name, fetched by the server (at most "
+        "--max-upload-bytes, 10 s each); * allows any. Unset: data URLs only. A URL makes the "
+        "server reach hosts the client names (SSRF): list only hosts meant for it.")
+    image_dir: str = option(
+        "", "Where response_format=url images and image jobs are kept (a local directory, or an "
+        "fsspec URL such as s3://bucket/prefix where fsspec is installed). Unset: a temporary "
+        "directory removed at exit; jobs then end with the server.")
+    image_ttl_s: float = option(
+        3600.0, "A url image, and a finished image job, is removed this long after it was made.",
+        ge=1, le=365 * 86_400)
+    max_image_store_bytes: int = option(
+        1 << 30, "Most bytes of url images kept; past it the oldest go first.", ge=1 << 20,
+        le=1 << 50)
+    webhook_secret: str = option(
+        "", "Signs image jobs' webhooks (Standard Webhooks: webhook-signature is v1, and the "
+        "base64 HMAC-SHA256 of id.timestamp.body); a whsec_ prefix is base64. Unset: webhooks "
+        "are refused.", env="DIFFSERVE_WEBHOOK_SECRET")
+    allowed_webhook_hosts: tuple[str, ...] = option(
+        (), "Hosts an image job's webhook may name. Unset: any host. The server posts to the "
+        "host the client names (SSRF): narrow it where the server reaches private hosts.")
     log_level: str = option("info", "Log level.",
                             choices=("debug", "info", "warning", "error", "critical"))
 
@@ -254,8 +275,9 @@ class ServerConfig(SpeedOptions):
         if problem is not None:
             raise ConfigError(problem)
 
-    def __repr__(self) -> str:  # keep the API key out of logs
-        shown = dataclasses.replace(self, api_key=("***",)) if self.api_key else self
+    def __repr__(self) -> str:  # keep the API keys and the webhook secret out of logs
+        shown = dataclasses.replace(self, api_key=("***",) if self.api_key else (),
+                                    webhook_secret="***" if self.webhook_secret else "")
         return "ServerConfig(" + ", ".join(
             f"{f.name}={getattr(shown, f.name)!r}" for f in dataclasses.fields(self)) + ")"
 

@@ -25,6 +25,12 @@ from diffserve.frontend.auth import BearerAuth
 from diffserve.frontend.bodies import validation_error
 from diffserve.frontend.scheduler_client import SchedulerClient
 from diffserve.frontend.image_routes import image_routes
+from diffserve.frontend.image_store import ImageStore
+from diffserve.frontend.image_content import image_content_routes
+from diffserve.frontend.image_jobs.jobs import ImageJobs
+from diffserve.frontend.image_jobs.routes import ResumeOnStart, job_routes
+from diffserve.frontend.image_jobs.store import ImageJobStore
+from diffserve.frontend.image_jobs.webhooks import Webhooks
 from diffserve.frontend.info_routes import info_routes
 from diffserve.frontend.serving import Serving
 from diffserve.frontend.weight_routes import weight_routes
@@ -40,9 +46,17 @@ def create_app(config: ServerConfig, scheduler: SchedulerClient, counts: Fronten
     if config.api_key:
         app.add_middleware(BearerAuth, keys=config.api_keys)
     add_error_handlers(app)
+    images = ImageStore(config.image_dir, config.image_ttl_s, config.max_image_store_bytes)
     serving = Serving(config, scheduler, counts,
-                      ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode"))
-    app.include_router(image_routes(serving))
+                      ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode"), images)
+    jobs = ImageJobs(ImageJobStore(images.local_dir), serving, Webhooks(config.webhook_secret),
+                     config.image_ttl_s)
+    router, rebuild = image_routes(serving, jobs)
+    app.include_router(router)
+    app.include_router(image_content_routes(serving))
+    app.include_router(job_routes(jobs))
+    app.add_middleware(ResumeOnStart, jobs=jobs, rebuild=rebuild)
+    app.state.image_jobs = jobs
     if getattr(getattr(scheduler, "model_info", None), "num_frames", 0):  # a video model
         from diffserve.frontend.videos.setup import video_api
 

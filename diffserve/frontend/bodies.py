@@ -37,6 +37,11 @@ def validation_error(errors: list[dict]) -> APIError:
                                "missing_required_parameter")
     if kind == "model_attributes_type" or not param:
         return invalid_request("The request body must be a JSON object.", None, "invalid_type")
+    if kind in ("literal_error", "enum"):  # a value outside a set: name the value given
+        given = repr(first.get("input"))
+        given = given if len(given) <= 64 else given[:61] + "..."
+        return invalid_request(f"Invalid value {given} for {param!r}: {first.get('msg')}.", param,
+                               "invalid_value")
     return invalid_request(f"Invalid value for {param!r}: {first.get('msg', 'invalid')}.", param,
                            "invalid_value")
 
@@ -64,12 +69,17 @@ def json_body_schema(model: type[BaseModel]) -> dict:
         "application/json": {"schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
 
-def form_body_schema(model: type[BaseModel]) -> dict:
+def form_body_schema(model: type[BaseModel], json_model: type[BaseModel] | None = None) -> dict:
+    """A multipart body's schema (the files beside ``model``'s fields), and ``json_model`` as
+    the JSON body the route also takes."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     schema["properties"] = {"image": {"type": "string", "format": "binary"},
                             "mask": {"type": "string", "format": "binary"}, **schema["properties"]}
     schema["required"] = ["image", *schema.get("required", [])]
-    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
+    content = {"multipart/form-data": {"schema": schema}}
+    if json_model is not None:
+        content.update(json_body_schema(json_model)["requestBody"]["content"])
+    return {"requestBody": {"required": True, "content": content}}
 
 
 async def until_disconnected(request: Request, work):

@@ -4,6 +4,7 @@ Server-Sent Events (see :mod:`diffserve.frontend.streaming` for the events)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 from concurrent.futures import Executor
 from typing import Awaitable, Callable
 
@@ -35,8 +36,10 @@ class ImageAnswer:
     """One accepted request's answer; ``events`` names its stream events (see streaming)."""
 
     def __init__(self, request: ImageRequest, body: ImageOptions, events: str, created: float,
-                 spatial_stride: int, pool: Executor) -> None:
-        self.request, self.body, self.events = request, body, events
+                 spatial_stride: int, pool: Executor,
+                 keep: Callable[[bytes, str], str] | None = None) -> None:
+        """``keep(data, format)``: for a url answer, keeps an image and gives its URL."""
+        self.request, self.body, self.events, self.keep = request, body, events, keep
         self.created = int(created)
         self.stride, self.pool = spatial_stride, pool
         self.size = f"{request.width}x{request.height}"
@@ -49,17 +52,38 @@ class ImageAnswer:
     def _usage(self, text_tokens: int, image_count: int, cached_steps: int | None = None) -> dict:
         return usage(self.request, self.stride, text_tokens, image_count, cached_steps)
 
+    async def _images(self, encoded: list[str]) -> list[dict]:
+        """Each image as the answer gives it: base64, or the URL it is kept under."""
+        if self.keep is None:
+            return [{"b64_json": b64} for b64 in encoded]
+        fmt = self.body.output_format
+
+        def keep_all() -> list[dict]:
+            return [{"url": self.keep(base64.b64decode(b64), fmt)} for b64 in encoded]
+
+        return await asyncio.get_running_loop().run_in_executor(self.pool, keep_all)
+
     async def json(self, done: DoneEvent) -> OrjsonResponse:
-        encoded = await self._encode(done.frames)
-        return OrjsonResponse({
+        return OrjsonResponse(await self.answer(done))
+
+    async def answer(self, done: DoneEvent) -> dict:
+        """The JSON answer's content."""
+        images = await self._images(await self._encode(done.frames))
+        return {
             "created": self.created,
-            "data": [{"b64_json": b64, "seed": seed} for b64, seed in zip(encoded, done.done.seeds)],
+            "data": [{**image, "seed": seed} for image, seed in zip(images, done.done.seeds)],
             "output_format": self.body.output_format, "size": self.size, "background": "opaque",
             "usage": self._usage(done.done.prompt_tokens, self.request.n,
                                  None if done.done.cached_steps is None
                                  else sum(done.done.cached_steps)),
             "weight_version": done.done.weight_version,
-        })
+            **self._identifier(),
+        }
+
+    def _identifier(self) -> dict:
+        """The caller's end-user identifier, echoed as the API does (``user`` if no other)."""
+        given = self.body.safety_identifier or self.body.user
+        return {"safety_identifier": given} if given else {}
 
     def stream(self, first, submission: Submission,
                next_event: Callable[[], Awaitable], finished: Callable[[str], None]) -> StreamingResponse:

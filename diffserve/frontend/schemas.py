@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from diffserve.frontend.bounds import Guidance, Priority, Prompt, Seed, Steps, User
 from diffserve.wire.rollouts import DEFAULT_RETURN, RETURNABLE
@@ -49,19 +49,41 @@ class ImageOptions(BaseModel):
     """Fields both endpoints take. Bounds that depend on the server's configuration or on the
     loaded model are checked in :mod:`diffserve.frontend.validation`."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """The OpenAI SDK declares every optional parameter nullable: null means the default."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
     prompt: Prompt = Field(description="What to draw.")
     model: str | None = Field(None, description="Must be the served model's name if given.")
     n: int = Field(1, ge=1, description="Number of images.")
     size: str | None = Field(None, description='"WIDTHxHEIGHT" or "auto" (the model\'s native size).')
     response_format: Literal["b64_json", "url"] = "b64_json"
-    output_format: Literal["png", "jpeg", "webp"] = "png"
+    # The API's whole set of values is declared, so a value the server cannot honour is refused
+    # by name (diffserve.frontend.compat), not as an unknown literal.
+    output_format: Literal["png", "jpeg", "webp", "gif", "svg"] = "png"
     output_compression: int | None = Field(None, ge=0, le=100,
                                            description="JPEG/WebP quality, PNG effort, 0-100.")
     user: User | None = None
-    quality: Quality = Field("auto", description="Accepted for compatibility; the server runs "
-                             "the request's own steps and guidance.")
-    background: Literal["auto", "opaque"] = Field(
-        "auto", description="Accepted for compatibility; images are always opaque.")
+    safety_identifier: User | None = Field(None, description="Echoed in the answer; the server "
+                                           "runs no safety monitoring of its own.")
+    quality: Quality = Field("auto", description="Accepted for compatibility; the server "
+                                    "runs the request's own steps and guidance.")
+    background: Literal["auto", "opaque", "transparent"] = Field(
+        "auto", description="auto or opaque; images are always opaque.")
+    moderation: Literal["auto", "low"] | None = Field(
+        None, description="Accepted for compatibility: this server moderates nothing.")
+    style: Literal["vivid", "natural"] | None = Field(
+        None, description="Accepted for compatibility; describe the style in the prompt.")
+    complexity: Literal["low", "medium", "high"] | None = Field(
+        None, description="Accepted for compatibility; there is no planning stage.")
+    frame_count: int | None = Field(None, description="GIF output only, which is not served.")
+    frame_duration_ms: int | None = Field(None, description="GIF output only, which is not "
+                                          "served.")
+    svg: dict | None = Field(None, description="SVG output only, which is not served.")
     stream: bool = Field(False, description="Answer with Server-Sent Events.")
     partial_images: int = Field(0, ge=0, le=MAX_PARTIAL_IMAGES,
                                 description="Streamed previews per image (stream only).")
@@ -86,6 +108,12 @@ class ImageOptions(BaseModel):
     controls: list[ControlRef] | None = Field(
         None, description="ControlNet controls, stacked (their residuals summed): each a "
         "served control model, its image, scale, window and union mode (docs/controlnet.md).")
+    webhook: str | None = Field(None, max_length=2048, description="With Prefer: "
+                                "respond-async: where the job's events are posted, signed "
+                                "(docs/generations.md#asynchronous-jobs).")
+    webhook_events_filter: list[Literal["start", "output", "completed"]] | None = Field(
+        None, description="Which events are posted (default: all three); output: each "
+        "partial image (partial_images).")
 
 
 class ImageGenerationRequest(ImageOptions):
@@ -101,12 +129,15 @@ class ImageEditForm(ImageOptions):
 
     model_config = ConfigDict(extra="forbid")
 
+    input_fidelity: Literal["high", "low"] | None = Field(
+        None, description="Accepted for compatibility: an edit always conditions on the whole "
+        "input image (strength says how far it may move from it).")
     strength: float | None = Field(
         None, gt=0, le=1, description="Image-to-image and inpainting: how much of the input image "
         "is redrawn, from near 0 (stay close to it) to 1 (start from pure noise); 0.8 unless "
         "given. Refused for models that edit by instruction, which take none.")
 
-    @field_validator("loras", "controls", mode="before")
+    @field_validator("loras", "controls", "webhook_events_filter", mode="before")
     @classmethod
     def _json_form_field(cls, value):
         """A form field is text: the adapters and the controls come as JSON lists."""
@@ -116,6 +147,27 @@ class ImageEditForm(ImageOptions):
             except json.JSONDecodeError:
                 raise ValueError("must be a JSON list of objects") from None
         return value
+
+
+class ImageRef(BaseModel):
+    """An image of a JSON edit: a data URL, or an http(s) URL the server may fetch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_url: str | None = Field(None, min_length=1, description="A data URL "
+                                  "(data:image/png;base64,...), or an http(s) URL on a host "
+                                  "the operator allows (--allowed-image-hosts).")
+    file_id: str | None = Field(None, description="Not served (there is no files API).")
+
+
+class ImageEditJSON(ImageEditForm):
+    """``POST /v1/images/edits`` as a JSON body: the images and the mask named by URL."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    images: list[ImageRef] = Field(min_length=1, description="The input images.")
+    mask: ImageRef | None = Field(None, description="Where to edit (OpenAI's convention: "
+                                  "transparent pixels).")
 
 
 class Usage(BaseModel):
@@ -128,7 +180,9 @@ class Usage(BaseModel):
 
 
 class ImageData(BaseModel):
-    b64_json: str
+    b64_json: str | None = Field(None, description="The image (response_format=b64_json).")
+    url: str | None = Field(None, description="Where the image is kept until it expires "
+                            "(response_format=url): GET it with the API key.")
     seed: int
     revised_prompt: str | None = None
 
@@ -144,6 +198,8 @@ class ImagesResponse(BaseModel):
     usage: Usage
     weight_version: str = Field("0", description="The version of the weights that made the "
                                 "images (POST /v1/update_weights; 0: --model's own).")
+    safety_identifier: str | None = Field(None, description="The request's safety_identifier, "
+                                          "or its user; absent where it gave neither.")
 
 
 class ModelCard(BaseModel):

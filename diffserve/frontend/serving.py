@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from diffserve.config.flags import ServerConfig
 from diffserve.errors import APIError, unavailable
 from diffserve.frontend.bodies import until_disconnected
+from diffserve.frontend.image_store import ImageStore
 from diffserve.frontend.scheduler_client import SchedulerClient
 from diffserve.frontend.responses import ImageAnswer
 from diffserve.frontend.schemas import ImageOptions
@@ -31,6 +32,7 @@ class Serving:
     scheduler: SchedulerClient
     counts: FrontendMetrics
     pool: Executor  # encodes and decodes images off the event loop
+    images: ImageStore | None = None  # where response_format=url images are kept
 
     def check_serving(self) -> None:
         if self.scheduler.draining:
@@ -38,6 +40,18 @@ class Serving:
         if not self.scheduler.ready:
             raise unavailable("The model is not ready (no executor is serving: starting or "
                               "restarting); retry shortly.", "engine_not_ready")
+
+    def url_keeper(self, base_url: str, body: ImageOptions):
+        """For a url answer: keeps an encoded image and gives its URL on this server (whose
+        address is ``base_url``)."""
+        if body.response_format != "url" or self.images is None:
+            return None
+        base = base_url.rstrip("/")
+
+        def keep(data: bytes, fmt: str) -> str:
+            return f"{base}/v1/images/{self.images.put(data, fmt)}/content"
+
+        return keep
 
     async def serve(self, http_request: Request, accept: Callable[[], Awaitable[Accepted]],
                      events: str, respond=None) -> Response:
@@ -57,7 +71,8 @@ class Serving:
             request, frames, body = await accept()
             self.counts.adapters_used(name for name, _ in request.loras)
             answer = ImageAnswer(request, body, events, arrival,
-                                 self.scheduler.model_info.spatial_stride, self.pool)
+                                 self.scheduler.model_info.spatial_stride, self.pool,
+                                 self.url_keeper(str(http_request.base_url), body))
             if body.stream:
                 response = await self._stream(http_request, answer, request, frames, finished)
                 streamed = response is not None

@@ -26,11 +26,12 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from diffserve.errors import body_too_large, invalid_request
+from diffserve.frontend.compat import check_form_fields
 from diffserve.wire.tasks import IMAGE, MASK, REFERENCE, Task
 
 FORMATS = {"PNG", "JPEG", "WEBP"}
 IMAGE_FIELDS = ("image", "image[]")
-FILE_FIELDS = (*IMAGE_FIELDS, "mask")
+FILE_FIELDS = (*IMAGE_FIELDS, "mask", "markup")
 
 
 @dataclass
@@ -56,6 +57,7 @@ async def read_limited(stream, limit: int, declared: str | None, flag: str) -> b
 async def parse_form(headers, body: bytes, limit: int) -> EditForm:
     """Split an edit's multipart body into its text fields, its images and its mask."""
     fields, files = await read_multipart(headers, body, limit, FILE_FIELDS)
+    check_form_fields(fields, files)
     images = [data for name in IMAGE_FIELDS for data in files.get(name, [])]
     if not images:
         raise invalid_request("Missing required parameter: 'image' (a PNG, JPEG or WebP file).",

@@ -127,9 +127,9 @@ def to_engine_request(body: RequestSpec, request_id: str, info: ModelInfo,
     if task.references and not 1 <= references <= info.max_edit_images:
         raise invalid_request(f"{references} input images; model {info.name!r} takes at most "
                               f"{info.max_edit_images} per edit", "image", "invalid_value")
-    if body.response_format == "url":
-        raise invalid_request("response_format 'url' is not supported by this server; use "
-                              "'b64_json'", "response_format", "unsupported_value")
+    if body.response_format == "url" and body.stream:
+        raise invalid_request("response_format='url' is not streamed: a stream's events carry "
+                              "base64 images", "response_format", "unsupported_value")
     if body.n > config.max_n:
         raise invalid_request(f"n={body.n} is above this server's limit of {config.max_n}", "n",
                               "invalid_value")

@@ -236,7 +236,8 @@ def bomb() -> bytes:
     ("two images", 400, "image", "invalid_value"),
     ("no image", 400, "image", "missing_required_parameter"),
     ("too large", 413, None, "request_too_large"),
-    ("json body", 400, None, "invalid_content_type"),
+    ("json body without images", 400, "images", "missing_required_parameter"),
+    ("text body", 400, None, "invalid_content_type"),
     ("unterminated", 400, None, "invalid_multipart"),
     ("unknown field", 400, "colour", "unknown_parameter"),
     ("bad strength", 400, "strength", "invalid_value"),
@@ -265,7 +266,7 @@ def test_bad_uploads_get_a_clear_400(server, case, status, param, code):
         files = [("n", (None, "1"))]  # a multipart form with text fields only
     elif case == "too large":
         files = [("image", ("in.png", b"\x89PNG" + b"0" * (1 << 20), "image/png"))]
-    elif case == "json body":
+    elif case in ("json body without images", "text body"):
         content = b'{"prompt": "a cat"}'
     elif case == "unterminated":  # the last field (n=2) has no closing boundary after it
         content = (b'--b0und\r\nContent-Disposition: form-data; name="image"; filename="in.png"\r\n\r\n'
@@ -280,7 +281,8 @@ def test_bad_uploads_get_a_clear_400(server, case, status, param, code):
     with server.client() as c:
         before = metric(c.get("/metrics").text, "diffserve_dispatches_total")
         if content is not None:
-            kind = "multipart/form-data; boundary=b0und" if case == "unterminated" else "application/json"
+            kind = {"unterminated": "multipart/form-data; boundary=b0und",
+                    "text body": "text/plain"}.get(case, "application/json")
             r = c.post(EDITS, content=content, headers={"content-type": kind})
         else:
             r = c.post(EDITS, files=files, data=fields)

@@ -48,7 +48,7 @@ def test_the_largest_seed_is_accepted_and_its_images_wrap():
     ({"size": "4096x64"}, "size", 400),
     ({"n": 11}, "n", 400),
     ({"num_inference_steps": 201}, "num_inference_steps", 400),
-    ({"response_format": "url"}, "response_format", 400),
+    ({"response_format": "url", "stream": True}, "response_format", 400),
     ({"prompt": " \n\t"}, "prompt", 400),
     ({"prompt": "a\x00b"}, "prompt", 400),
     ({"negative_prompt": "x" * 4001}, "negative_prompt", 400),

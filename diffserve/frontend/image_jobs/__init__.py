@@ -1,0 +1,1 @@
+"""Asynchronous image jobs (``Prefer: respond-async``) and their webhooks."""
