@@ -109,3 +109,24 @@ def test_a_bad_or_missing_mask_is_a_400_naming_it(server):
     # No mask, and an image without transparency: nothing says what to redraw.
     error = assert_openai_error(edit([("image", png(picture))]), 400, "mask")
     assert "only inpaints" in error["message"]
+
+
+def test_a_json_edit_with_a_mask_equals_the_multipart_edit(server):
+    """OpenAI's JSON edits: the image and the mask as data URLs, the same edit as multipart."""
+    import base64
+
+    picture, mask = sample_image(64)
+    fields = {"prompt": "a red circle", "seed": 5, "strength": 1.0, "num_inference_steps": 4}
+
+    def url(image) -> str:
+        return "data:image/png;base64," + base64.b64encode(png(image)).decode()
+
+    with server.client() as c:
+        multipart = c.post("/v1/images/edits", data={k: str(v) for k, v in fields.items()},
+                           files=[("image", ("in.png", png(picture), "image/png")),
+                                  ("mask", ("m.png", png(mask), "image/png"))])
+        as_json = c.post("/v1/images/edits", json={**fields, "images": [{"image_url": url(picture)}],
+                                                   "mask": {"image_url": url(mask)}})
+    assert multipart.status_code == as_json.status_code == 200, (multipart.text, as_json.text)
+    assert max_diff(decode(as_json.json()["data"][0]["b64_json"]),
+                    decode(multipart.json()["data"][0]["b64_json"])) == 0
