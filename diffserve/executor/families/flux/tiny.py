@@ -19,6 +19,15 @@ def build(directory: Path) -> None:
          pipeline_kwargs={"max_sequence_length": 64})
 
 
+def dev_schedule():
+    """FLUX.1 [dev]'s schedule (Kontext's and Fill's too): shifted by the image's token count."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5,
+                                           max_image_seq_len=4096, max_shift=1.15, shift=3.0,
+                                           use_dynamic_shifting=True)
+
+
 def components(directory: Path, guidance_embeds: bool = False) -> dict:
     """A one-block MM-DiT (with a guidance embedding where ``guidance_embeds``, as FLUX.1 [dev]
     and Kontext), Flux's VAE, CLIP and T5 with their tokenizers: all but the scheduler."""

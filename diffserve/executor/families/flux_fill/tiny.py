@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffserve.builders.common import save, seeded
-from diffserve.executor.families.flux.tiny import components
+from diffserve.executor.families.flux.tiny import components, dev_schedule
 
 
 def build(directory: Path) -> None:
     """FluxFillPipeline: a one-block MM-DiT with a guidance embedding (as Fill [dev]) whose input
     is the latents' tokens, the masked image's and the mask's (64 values a token side: the VAE's
     8x8 pixels per latent cell), CLIP + T5 text encoders, 64x64 native."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxFillPipeline, FluxTransformer2DModel
+    from diffusers import FluxFillPipeline, FluxTransformer2DModel
 
     parts = components(directory, guidance_embeds=True)
     latent = parts["vae"].config.latent_channels * 4  # a token: 2x2 latent cells
@@ -23,10 +23,7 @@ def build(directory: Path) -> None:
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
         guidance_embeds=True, axes_dims_rope=(4, 6, 6))
     pipe = FluxFillPipeline(
-        # FLUX.1's schedule: shifted by the image's token count.
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
-            shift=3.0, use_dynamic_shifting=True),
+        scheduler=dev_schedule(),
         **parts)
     save(pipe, directory, spatial_stride=16, guidance_scale=30.0,
          pipeline_kwargs={"max_sequence_length": 64})

@@ -5,20 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffserve.builders.common import save
-from diffserve.executor.families.flux.tiny import components
+from diffserve.executor.families.flux.tiny import components, dev_schedule
 
 
 def build(directory: Path) -> None:
     """FluxKontextPipeline: a one-block MM-DiT with a guidance embedding (as Kontext [dev]),
     CLIP + T5 text encoders, 64x64 native; edits put the input image's tokens beside the
     generated ones."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
+    from diffusers import FluxKontextPipeline
 
     pipe = FluxKontextPipeline(
-        # FLUX.1's schedule: shifted by the image's token count.
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
-            shift=3.0, use_dynamic_shifting=True),
+        scheduler=dev_schedule(),
         **components(directory, guidance_embeds=True))
     save(pipe, directory, spatial_stride=16, guidance_scale=2.5,
          pipeline_kwargs={"max_sequence_length": 64})
