@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import itertools
 import json
 import math
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from diffserve.wire.protocol import FAILED, FINISHED, REQUEST_MODE, ItemResult, ItemsDone
@@ -139,3 +142,28 @@ def sde_log_prob(x, v, nxt, sigmas, step: int, a: float) -> float:
     mean = x.double() * (1 + s * s * d / (2 * s_t)) + v * (1 + s * s * (1 - s_t) / (2 * s_t)) * d
     std = s * math.sqrt(-d)
     return (-((nxt - mean) ** 2) / (2 * std * std) - math.log(std) - 0.5 * math.log(2 * math.pi)).mean().item()
+
+
+@contextlib.contextmanager
+def image_host(status: int = 200, body: bytes = b"", location: str | None = None):
+    """A tiny HTTP server on 127.0.0.1 that answers every GET with ``status`` and ``body`` (and a
+    ``Location``, for a redirect); the URL of an image on it."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            if location:
+                self.send_header("Location", location)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/in.png"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -4,10 +4,7 @@ of generations and edits, JSON edits, and values the server cannot honour refuse
 from __future__ import annotations
 
 import base64
-import contextlib
-import http.server
 import io
-import threading
 import time
 
 import httpx
@@ -16,6 +13,7 @@ import openai
 import pytest
 from PIL import Image
 
+from helpers import image_host
 from server import LAUNCHES, assert_openai_error, decode, serves, spec
 
 SIZE = 64
@@ -98,30 +96,6 @@ def test_an_edit_asking_for_svg_output_is_refused_by_name(server):
         assert_openai_error(r, 400, "markup", "unsupported_value")
 
 
-@contextlib.contextmanager
-def image_host(body: bytes, status: int = 200):
-    """A tiny HTTP server on 127.0.0.1 that answers every GET with ``body``."""
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(status)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}/in.png"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-
-
 def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
@@ -136,7 +110,7 @@ def test_a_json_edit_equals_the_same_multipart_edit(server):
         assert multipart.status_code == 200, multipart.text
         by_data = c.post(EDITS, json={**EDIT_FIELDS, "images": [{"image_url": data_url(png(5))}]})
         assert by_data.status_code == 200, by_data.text
-        with image_host(png(5)) as url:
+        with image_host(body=png(5)) as url:
             by_url = c.post(EDITS, json={**EDIT_FIELDS, "images": [{"image_url": url}]})
         assert by_url.status_code == 200, by_url.text
     expected = decode(multipart.json()["data"][0]["b64_json"])
@@ -159,7 +133,7 @@ def test_a_json_edit_with_a_bad_image_is_a_400(server, images, param, code):
 
 
 def test_an_image_host_that_fails_is_a_400(server):
-    with image_host(b"gone", status=404) as url, client(server) as c:
+    with image_host(404, b"gone") as url, client(server) as c:
         r = c.post(EDITS, json={"prompt": "x", "images": [{"image_url": url}]})
     assert_openai_error(r, 400, "images[0].image_url", "image_url_unreachable")
 
