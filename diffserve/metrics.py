@@ -24,6 +24,8 @@ ENV = "PROMETHEUS_MULTIPROC_DIR"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024)
 _COST_BUCKETS = (0.25, 0.5, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 8192, 16_384, 32_768, 65_536, 131_072, 262_144)
+_FRACTION_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
 # Distinct sizes the per-size step counter keeps apart.
 SIZE_LABELS = 16
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -279,7 +281,15 @@ class ProcessMetrics:
             "the model's native size (see --max-batch-cost).", ex, buckets=_COST_BUCKETS)
         self.steps_total = Counter(
             "diffserve_steps", "Step mode: denoising steps by the size of the set they advanced "
-            "(past 16 sizes, the rest count as \"other\").", ["executor", "size"])
+            "(\"mixed\" where its rows' sizes differ; past 16 sizes, the rest count as "
+            "\"other\").", ["executor", "size"])
+        self.forward_tokens = Histogram(
+            "diffserve_forward_tokens", "Step mode: image tokens one denoiser forward carried, "
+            "every row's own (a UNet's: latent cells), padding aside.", ex, buckets=_TOKEN_BUCKETS)
+        self.forward_padding = Histogram(
+            "diffserve_forward_padding_fraction", "Step mode: of the image tokens one forward "
+            "computed, the share that padded rows of smaller sizes to the longest row's (0 where "
+            "its rows share a size).", ex, buckets=_FRACTION_BUCKETS)
         self.set_waits_total = Counter(
             "diffserve_set_waits", "Step mode: requests at the head of the queue that had to wait "
             "because no executor had running-cost room for them (--max-running-cost).")
@@ -312,8 +322,8 @@ class ProcessMetrics:
                        self.non_finite_outputs_total, self.batches_interrupted_total, self.executor_restarts_total,
                        self.group_restarts_total,
                        self.step_seconds, self.step_running_images, self.step_admissions_total,
-                       self.forward_cost, self.model_flops_total,
-                       self.lora_loads_total, self.lora_unloads_total, self.lora_evictions_total,
+                       self.forward_cost, self.forward_tokens, self.forward_padding,
+                       self.model_flops_total, self.lora_loads_total, self.lora_unloads_total, self.lora_evictions_total,
                        self.lora_load_seconds):
             metric.labels(executor=label)
         for reason in DISPATCH_REASONS:

@@ -75,6 +75,20 @@ class Runtime:
         return {key: REQUEST_MODE if self.mode == REQUEST_MODE or key in self.fallback
                 or key.split("+")[0] in self.fallback else STEP_MODE for key in keys}
 
+    @property
+    def mixed_sizes(self) -> dict[str, str]:
+        """Each step-mode task (mode key) and whether its requests of different sizes share a
+        forward: "" where they do, else why not (docs/batching.md, "Sizes in one forward")."""
+        family = self.family
+        why = ("--size-mixing off" if self.config.size_mixing == "off"
+               else None if family is None else family.mixes_sizes_now())
+        why = why or ("--step-cache" if self.step_cache is not None else
+                      "--compile" if self.compiled is not None else
+                      "a parallel group" if self.group is not None else "")
+        return {key: ("controls" if key.endswith(WITH_CONTROLS) else
+                      "reference images" if TASKS[key].references else why)
+                for key, mode in self.task_modes.items() if mode == STEP_MODE}
+
     def _controlled(self, task: str) -> bool:
         """Whether ``task`` takes controls: where diffusers has a ControlNet pipeline for it (the
         reference), and rollouts where generation takes them (they sample on it)."""
@@ -88,7 +102,7 @@ class Runtime:
                           list(self.adapters.current) if self.adapters else [],
                           self.task_modes, self.unavailable, self.group,
                           self.controls.describe() if self.controls else [])
-        return dataclasses.replace(info, speed=dict(self.speed))
+        return dataclasses.replace(info, speed=dict(self.speed), mixed_sizes=self.mixed_sizes)
 
     @property
     def threaded_stages(self) -> bool:
@@ -106,6 +120,8 @@ class Runtime:
         kwargs.setdefault("prompt_cache", self.prompt_cache)
         if self.compiled is not None:
             kwargs.setdefault("text_multiple", self.compiled.text_multiple(self.family))
+        kwargs.setdefault("mixed_sizes", frozenset(
+            key for key, why in self.mixed_sizes.items() if not why))
         return StepEngine(self.family, self.count_tokens, adapters=self.adapters,
                           step_cache=self.step_cache, cache_threshold=self.config.cache_threshold,
                           group=self.group, **kwargs)

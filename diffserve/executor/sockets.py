@@ -138,10 +138,9 @@ class ExecutorSockets:
         if seconds is not None:
             m.lora_load_seconds.labels(executor=label).observe(seconds)
 
-    def _size_label(self, batch_key: tuple) -> str:
-        """"WxH" of a set's batch key (model, width, height), bounded in number: sizes are the
-        clients' choice."""
-        size = f"{batch_key[1]}x{batch_key[2]}"
+    def _size_label(self, size: str) -> str:
+        """A step's size ("WxH", or "mixed"), bounded in number: sizes are the clients'
+        choice."""
         if size not in self._sizes and len(self._sizes) >= metrics.SIZE_LABELS:
             return "other"
         self._sizes.add(size)
@@ -186,7 +185,10 @@ class ExecutorSockets:
         if out.samples:
             m.step_running_images.labels(executor=label).observe(out.samples)
             m.forward_cost.labels(executor=label).observe(out.cost)
-            m.steps_total.labels(executor=label, size=self._size_label(out.batch_key)).inc()
+            m.steps_total.labels(executor=label, size=self._size_label(out.size)).inc()
+            m.forward_tokens.labels(executor=label).observe(out.tokens)
+            m.forward_padding.labels(executor=label).observe(
+                out.padding / (out.tokens + out.padding) if out.tokens else 0.0)
         m.running_sets.labels(executor=label).set(out.sets)
         self.count_memory(out.running_cost)
         m.executor_busy_seconds.labels(executor=label).inc(out.seconds)

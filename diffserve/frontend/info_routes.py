@@ -27,7 +27,8 @@ def info_routes(scheduler: SchedulerClient, render_metrics: Callable[[], tuple[b
         info = scheduler.model_info
         card = dict(created=int(started), pipeline=info.pipeline_class, dtype=info.dtype,
                     batching_mode=info.batching_mode, tasks=info.tasks,
-                    task_modes=info.task_modes, unavailable_tasks=info.unavailable_tasks,
+                    task_modes=info.task_modes, mixed_sizes=info.mixed_sizes,
+                    unavailable_tasks=info.unavailable_tasks,
                     partial_images=info.partial_images, max_edit_images=info.max_edit_images,
                     schedulers=info.schedulers, num_frames=info.num_frames,
                     frame_stride=info.frame_stride, fps=info.fps, parallel=info.parallel,

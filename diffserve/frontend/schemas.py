@@ -216,6 +216,10 @@ class ModelCard(BaseModel):
     task_modes: dict[str, str] = Field(default_factory=dict, description="Each task's batching "
                                        "mode: step, or request where the step engine does not "
                                        "run that task on this model.")
+    mixed_sizes: dict[str, str] = Field(default_factory=dict, description="Each step-mode "
+                                        "task and whether requests of different sizes share "
+                                        "one denoiser forward: an empty string where they do, "
+                                        "else why not (docs/batching.md).")
     unavailable_tasks: dict[str, str] = Field(default_factory=dict, description="Tasks the "
                                               "model has but cannot serve, with why.")
     partial_images: bool

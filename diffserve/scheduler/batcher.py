@@ -31,7 +31,7 @@ from typing import Iterator
 from diffserve.policies import QueuePolicy
 from diffserve.policies.fcfs import FirstCome
 from diffserve.wire.model_info import mode_for
-from diffserve.wire.protocol import REQUEST_MODE
+from diffserve.wire.protocol import REQUEST_MODE, key_mode
 from diffserve.wire.request import ImageRequest
 from diffserve.scheduler.slots import Seat
 
@@ -62,6 +62,8 @@ class _Entry:
             return 0
         if self.request.cost > 0 and cost < math.inf:
             room = min(room, math.floor(cost / self.request.cost + 1e-9))
+        if seat is not None:
+            room = min(room, seat.images(self.request))
         count = max(0, min(room, self.remaining))
         return count if self.pinned is None or count == self.remaining else 0
 
@@ -115,8 +117,11 @@ class Slice:
 class Batcher:
     def __init__(self, max_batch_size: int, max_delay_s: float, mode: str = REQUEST_MODE,
                  max_batch_cost: float = math.inf, policy: QueuePolicy | None = None,
-                 task_modes: dict[str, str] | None = None) -> None:
-        """``mode``: the executors' mode; ``task_modes``: tasks whose mode differs from it."""
+                 task_modes: dict[str, str] | None = None,
+                 mixed_sizes: frozenset[str] = frozenset()) -> None:
+        """``mode``: the executors' mode; ``task_modes``: tasks whose mode differs from it;
+        ``mixed_sizes``: the mode keys whose requests of different sizes share a forward (their
+        key leaves the size out)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_delay_s < 0:
@@ -126,6 +131,7 @@ class Batcher:
         self.max_delay_s = max_delay_s
         self.mode = mode
         self.task_modes = task_modes or {}
+        self.mixed_sizes = frozenset(mixed_sizes)
         self.policy = policy or FirstCome()
         self._arrivals = itertools.count()  # ties of rank go by arrival
         # Arrival order over all requests (for expiry), queue order over all and per batch key,
@@ -158,7 +164,8 @@ class Batcher:
             raise ValueError(f"request {request.request_id!r} is already waiting")
         if request.n < 1:
             raise ValueError(f"request {request.request_id!r} asks for n={request.n} images")
-        key = request.batch_key(self.mode_of(request.mode_key))
+        key = request.batch_key(key_mode(self.mode_of(request.mode_key),
+                                         request.mode_key in self.mixed_sizes))
         self._link(_Entry(request, now, key, (*self.policy.rank(request, now),
                                               next(self._arrivals))))
         return key
@@ -167,6 +174,12 @@ class Batcher:
         """The batching mode a request's mode key (its task, with or without controls) runs in:
         its own where it has one, else its task's."""
         return mode_for(self.task_modes, key, self.mode)
+
+    def mixes_sizes(self, batch_key: tuple) -> bool:
+        """Whether the waiting group of ``batch_key`` is of a task whose sizes share a forward."""
+        group = self._groups.get(batch_key)
+        return (bool(group) and self.mode_of(group.first().request.mode_key) != REQUEST_MODE
+                and group.first().request.mode_key in self.mixed_sizes)
 
     def is_call(self, batch_key: tuple) -> bool:
         """Whether the waiting group of ``batch_key`` runs as whole pipeline calls (request mode)
@@ -306,7 +319,7 @@ class Batcher:
             taken.append(Slice(entry.request, entry.next_index, entry.next_index + count,
                                entry.enqueued_at, key, resume=entry.pinned is not None))
             if seat is not None:
-                seat.take(entry.request)
+                seat.take(entry.request, count)
             entry.next_index += count
             left -= count
             left_cost -= count * entry.request.cost

@@ -30,7 +30,7 @@ from diffserve.wire.protocol import DELAY, DRAIN, EXECUTOR_FREE, FULL, JOIN, NEW
 from diffserve.wire.request import Work, WorkItem
 from diffserve.scheduler.batcher import Slice
 from diffserve.scheduler.decisions import Dispatch
-from diffserve.scheduler.slots import ExecutorSlot, RunningSet, Seat
+from diffserve.scheduler.slots import ExecutorSlot, PaddedRoom, RunningSet, Seat
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,10 @@ class Placement:
             room = self.max_batch_size - running.samples
             room_cost = min(self.max_batch_cost - running.cost,
                             self.max_running_cost - slot.cost - reserve)
+        if self.batcher.mixes_sizes(batch_key):  # a join can widen every row's padding
+            running = slot.sets.get(batch_key, RunningSet())
+            seat.padded = PaddedRoom(running.density, max(running.by_area, default=0),
+                                     room_cost + running.cost)
         if not self.batcher.fits(batch_key, room, room_cost, seat):
             return None
         return _Placement(slot, room, room_cost, batch_key in slot.sets, seat)

@@ -286,7 +286,8 @@ class SchedulerProc:
             self._send_executor(index, encode(Kind.WEIGHT_STEP, step))
         if not self.announced:
             self.core.set_mode(info.batching_mode, info.max_batch_cost, info.max_running_cost,
-                               info.task_modes)
+                               info.task_modes, frozenset(
+                                   key for key in info.mixed_sizes if info.mixes_sizes(key)))
             self.metrics.batching_mode.labels(mode=info.batching_mode).set(1)
             self.to_frontend.send_multipart(encode(Kind.READY, info))
             self.announced = True

@@ -5,6 +5,7 @@ toward nothing until they resume)."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -16,7 +17,30 @@ class RunningSet:
     """What an executor holds of one batch key (in request mode: its one batch)."""
 
     samples: int = 0
-    cost: float = 0.0
+    # Pixels an image -> (its images, their cost): a set whose rows' sizes differ (the step
+    # engine mixes them in one forward) pads every row to the largest one's tokens.
+    by_area: dict[int, list] = field(default_factory=dict)
+
+    @property
+    def cost(self) -> float:
+        """What its forward costs: its images', each priced at the largest image's tokens where
+        their sizes differ (the padding counts)."""
+        return self.density * max(self.by_area, default=0)
+
+    @property
+    def density(self) -> float:
+        """Its images' cost per pixel, summed: its cost is this times its largest image's
+        pixels."""
+        return sum(cost / area for area, (_, cost) in self.by_area.items())
+
+    def change(self, item: WorkItem, sign: int) -> None:
+        r = item.request
+        held = self.by_area.setdefault(r.width * r.height, [0, 0.0])
+        held[0] += sign * item.samples
+        held[1] += sign * item.samples * r.cost
+        self.samples += sign * item.samples
+        if held[0] == 0:
+            del self.by_area[r.width * r.height]
 
 
 @dataclass
@@ -38,20 +62,52 @@ class AdapterRoom:
 
 
 @dataclass
+class PaddedRoom:
+    """The cost room of a running set whose rows' sizes differ (the step engine pads each to
+    the largest one's tokens): ``density`` (its images' cost per pixel, summed) times its
+    largest image's pixels stays within ``limit``, the images that join counted in both."""
+
+    density: float
+    largest: int
+    limit: float
+
+    def images(self, request) -> int | float:
+        """How many images of ``request`` fit (inf where it costs nothing)."""
+        area = request.width * request.height
+        if request.cost <= 0:
+            return math.inf
+        return max(0, math.floor((self.limit / max(self.largest, area) - self.density)
+                                 * area / request.cost + 1e-9))
+
+    def take(self, request, count: int) -> None:
+        area = request.width * request.height
+        self.density += count * request.cost / area
+        self.largest = max(self.largest, area)
+
+
+@dataclass
 class Seat:
     """What an executor offers a group as the batcher forms it: which executor it is (a paused
-    item resumes only where its state is) and, where adapters are counted, its adapter slots."""
+    item resumes only where its state is), where adapters are counted, its adapter slots, and,
+    for a running set that mixes sizes, its cost room with the padding counted."""
 
     executor: int
     adapters: AdapterRoom | None = None
+    padded: PaddedRoom | None = None
 
     def admits(self, request, pinned: int | None) -> bool:
         return ((pinned is None or pinned == self.executor)
                 and (self.adapters is None or self.adapters.fits(request.loras)))
 
-    def take(self, request) -> None:
+    def images(self, request) -> int | float:
+        """The most images of ``request`` its padded room takes (inf: no such bound)."""
+        return math.inf if self.padded is None else self.padded.images(request)
+
+    def take(self, request, count: int = 1) -> None:
         if self.adapters is not None:
             self.adapters.take(request.loras)
+        if self.padded is not None:
+            self.padded.take(request, count)
 
 
 @dataclass
@@ -108,9 +164,7 @@ class ExecutorSlot:
 
     def put(self, item: WorkItem, batch_key: tuple) -> None:
         self.items[item.key] = (item, batch_key)
-        running = self.sets.setdefault(batch_key, RunningSet())
-        running.samples += item.samples
-        running.cost += item.samples * item.request.cost
+        self.sets.setdefault(batch_key, RunningSet()).change(item, 1)
         self.adapters.update(name for name, _ in item.request.loras)
 
     def get(self, key: tuple[str, int]) -> WorkItem | None:
@@ -120,8 +174,7 @@ class ExecutorSlot:
     def take(self, key: tuple[str, int]) -> WorkItem:
         item, batch_key = self.items.pop(key)
         running = self.sets[batch_key]
-        running.samples -= item.samples
-        running.cost -= item.samples * item.request.cost
+        running.change(item, -1)
         if running.samples == 0:
             del self.sets[batch_key]
         self.adapters.subtract(name for name, _ in item.request.loras)

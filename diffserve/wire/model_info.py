@@ -83,6 +83,9 @@ class ModelInfo:
     # Each task's batching mode (a task the step engine gets wrong runs in request mode), and the
     # tasks the model has but cannot serve, with why (their plain pipeline fails on it).
     task_modes: dict[str, str] = field(default_factory=dict)
+    # Each step-mode task and whether requests of different sizes share one forward: "" where
+    # they do, else why not (a UNet family, controls, --step-cache...).
+    mixed_sizes: dict[str, str] = field(default_factory=dict)
     unavailable_tasks: dict[str, str] = field(default_factory=dict)
     # Each executor's parallel group ({"ulysses", "ring", "cfg", "tp", "groups"}) and where its
     # components sit (one executor's view).
@@ -99,6 +102,11 @@ class ModelInfo:
 
     def control_model(self, name: str) -> ControlModelInfo | None:
         return next((m for m in self.control_models if m.name == name), None)
+
+    def mixes_sizes(self, key: str) -> bool:
+        """Whether requests of mode key ``key`` (a task, with or without controls) of different
+        sizes share a forward."""
+        return self.mixed_sizes.get(key) == ""
 
     def mode_of(self, key: str) -> str:
         """The batching mode of a request's mode key (its task, or its task with controls)."""

@@ -25,17 +25,21 @@ import msgspec
 from diffserve.wire.roles import (  # noqa: F401  (the roles are part of the protocol's vocabulary)
     BOOKKEEPING,
     CALL,
+    MIXED_STEP_MODE,
     REQUEST_MODE,
     ROLES,
     SAMPLE,
     SHAPE,
+    SIZE,
     STEP_MODE,
     VARIES_PER_SAMPLE,
     bookkeeping,
     call,
     fields_with_role,
+    key_mode,
     sample,
     shape,
+    size,
     batch_key_fields,
 )
 from diffserve.wire.weight_commands import BASE_VERSION, WeightCommand, WeightResult, WeightStep

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from diffserve.wire.roles import batch_key_fields, bookkeeping, call, sample, shape
+from diffserve.wire.roles import batch_key_fields, bookkeeping, call, sample, shape, size
 from diffserve.wire.tasks import GENERATE, REFERENCE, Input, Task, task_named
 
 # Seeds are unsigned 32-bit: the API accepts 0..SEED_MAX, and image i of a request uses
@@ -99,8 +99,10 @@ class ImageRequest:
 
     request_id: str = bookkeeping()
     model: str = shape()
-    width: int = shape()
-    height: int = shape()
+    # Its size: one per forward, except where the step engine mixes sizes (the rows' tokens
+    # padded to the longest: diffserve.executor.families.row_sizes).
+    width: int = size()
+    height: int = size()
     # Instruction edits: how many reference images condition it. Their tokens lengthen every
     # row's sequence, so requests with different counts never share a forward.
     references: int = shape(0)

@@ -11,19 +11,25 @@ from typing import Any
 
 # How a request field takes part in batching:
 SHAPE = "shape"              # fixes tensor shapes: equal for every sample of a forward, in any mode
+SIZE = "size"                # an image's size: its token count, which a mixing step engine pads
 CALL = "call"                # one value per pipeline call; the step engine varies it per sample
 SAMPLE = "sample"            # may differ between the samples of one forward, in any mode
 BOOKKEEPING = "bookkeeping"  # identifies or tracks the request; never affects what is computed
-ROLES = (SHAPE, CALL, SAMPLE, BOOKKEEPING)
+ROLES = (SHAPE, SIZE, CALL, SAMPLE, BOOKKEEPING)
 
 REQUEST_MODE = "request"
 STEP_MODE = "step"
+# The step engine over a family whose forward carries rows of different sizes (a transformer's
+# rows are token sequences, padded to the longest): not a batching mode of its own, the key of
+# the tasks the step engine mixes sizes in (ModelInfo.mixed_sizes).
+MIXED_STEP_MODE = "step-mixed"
 # Which roles each batching mode can vary inside one batch (request mode) or one running set
 # (step mode). The step engine runs every sample on its own noise schedule, so CALL fields
 # (steps, guidance, strength, task) may differ there.
 VARIES_PER_SAMPLE: dict[str, frozenset[str]] = {
     REQUEST_MODE: frozenset({SAMPLE}),
     STEP_MODE: frozenset({SAMPLE, CALL}),
+    MIXED_STEP_MODE: frozenset({SAMPLE, CALL, SIZE}),
 }
 
 def _role(role: str, default: Any) -> Any:
@@ -40,6 +46,10 @@ def call(default: Any = dataclasses.MISSING) -> Any:
 
 def sample(default: Any = dataclasses.MISSING) -> Any:
     return _role(SAMPLE, default)
+
+
+def size(default: Any = dataclasses.MISSING) -> Any:
+    return _role(SIZE, default)
 
 
 def bookkeeping(default: Any = dataclasses.MISSING) -> Any:
@@ -64,3 +74,9 @@ def batch_key_fields(cls: type, mode: str) -> tuple[str, ...]:
     varies = VARIES_PER_SAMPLE[mode] | {BOOKKEEPING}
     return tuple(name for role in ROLES if role not in varies
                  for name in fields_with_role(cls, role))
+
+
+def key_mode(mode: str, mixes_sizes: bool) -> str:
+    """The mode a request's batch key is computed in: ``mode``, or the step engine's mixing
+    key where the step engine runs the request's task with sizes mixed."""
+    return MIXED_STEP_MODE if mode == STEP_MODE and mixes_sizes else mode

@@ -1,7 +1,8 @@
 """Step-mode running sets and several executors in the scheduler, in place: no processes, no
 sockets, a fake clock."""
 
-from diffserve.wire.protocol import REQUEST_MODE, STEP_MODE
+from diffserve.wire.protocol import REQUEST_MODE, STEP_MODE, batch_key_fields
+from diffserve.wire.request import ImageRequest
 from diffserve.scheduler.core import DELAY, FULL, JOIN, NEW_SET
 from helpers import make_request, ready_core as core, run, taken
 
@@ -37,7 +38,10 @@ def test_step_mode_a_head_of_another_size_opens_a_set_of_its_own_at_once():
     second, third = c.dispatch(0.3)  # no draining: the other size runs beside, at once
     assert (second.reason, taken([second])) == (NEW_SET, [[("wide", 0, 2)]])
     assert (third.reason, taken([third])) == (JOIN, [[("small-again", 0, 1)]])
-    assert {sig[1:3]: rs.samples for sig, rs in c.slots[0].sets.items()} == {(64, 64): 3, (128, 64): 2}
+    fields = batch_key_fields(ImageRequest, STEP_MODE)
+    size = lambda key: (key[fields.index("width")], key[fields.index("height")])  # noqa: E731
+    assert {size(key): rs.samples for key, rs in c.slots[0].sets.items()} == {(64, 64): 3,
+                                                                             (128, 64): 2}
 
 
 def test_two_sizes_arriving_interleaved_are_both_running_after_one_dispatch():
@@ -186,3 +190,22 @@ def test_a_task_in_request_mode_beside_the_step_engine_runs_as_calls_of_its_own(
     run(c, four, now=0.5)
     (again,) = c.dispatch(0.5)
     assert taken([again]) == [[("i4", 0, 1)]]
+
+
+def test_where_the_engine_mixes_sizes_they_share_one_set_priced_with_its_padding():
+    c = core(max_size=8, delay=0.0, mode=STEP_MODE)
+    c.set_mode(STEP_MODE, 8.0, 12.0, None, frozenset({"generate", "image-to-image"}))
+    c.add(make_request(request_id="small", n=2, cost=1.0), [], 0.0)
+    (first,) = c.dispatch(0.0)
+    c.add(make_request(request_id="large", width=96, height=96, cost=2.25), [], 0.1)
+    c.add(make_request(request_id="edit", task="image-to-image", width=96, cost=2.25), [], 0.2)
+    (joined,) = c.dispatch(0.2)
+    # Every size joins the one running set, as far as the padding leaves room: with "large",
+    # the two small rows cost 2 x 1 x (96*96 / 64*64) = 4.5, so the set costs 6.75 of the 8;
+    # the 96x64 edit would cost 1.5 x 2.25 more.
+    assert joined.reason == JOIN and taken([joined]) == [[("large", 0, 1)]]
+    (running,) = c.slots[0].sets.values()
+    assert (running.samples, running.cost) == (3, 2 * 9216 / 4096 + 2.25)
+    run(c, first, now=0.3)
+    (edit,) = c.dispatch(0.3)  # the small rows gone, it fits: 2.25 + 2.25 x 1.5
+    assert taken([edit]) == [[("edit", 0, 1)]] and c.slots[0].cost == 2.25 + 2.25 * 1.5

@@ -88,6 +88,10 @@ class Family(ControlHooks):
     # the default of ``max_shift`` the family's own pipeline passes when the scheduler's config
     # has none (SD3's differs from Flux's).
     max_shift: ClassVar[float] = 1.15
+    # Whether rows of different sizes share one forward (a transformer's rows are token
+    # sequences: diffserve.executor.families.row_sizes); else one running set per size.
+    mixes_sizes: ClassVar[bool] = False
+
     def __init__(self, pipe, pipelines: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
         import torch
 
@@ -271,8 +275,35 @@ class Family(ControlHooks):
         """One denoiser forward over stacked rows: ``timesteps`` and ``guidance`` have one
         value per row, ``cond`` one row per row of ``latents``; every row has this size. A
         family that ``splits_by_timestep`` is also given ``host_timesteps``, the rows'
-        timesteps on the host, to split by without reading the device."""
+        timesteps on the host, to split by without reading the device. A family that
+        ``mixes_sizes`` is given ``sizes`` (a :class:`~.row_sizes.RowSizes`) where the rows'
+        sizes differ: ``latents`` are then padded to the longest row's tokens, and so is the
+        output."""
         raise NotImplementedError
+
+    def row_tokens(self, latents) -> int:
+        """A row's image tokens in its latents (a UNet's: its latent cells)."""
+        cells = 1
+        for side in latents.shape[2:]:
+            cells *= side
+        return cells
+
+    def mixes_sizes_now(self) -> str | None:
+        """Why rows of different sizes cannot share a forward of the model as loaded (None:
+        they can)."""
+        return None if self.mixes_sizes else f"{self.name} runs one size a forward"
+
+    def _mixing_refused(self, kinds: tuple[type, ...]) -> str | None:
+        from diffserve.executor.families.row_sizes import foreign_processors
+
+        foreign = foreign_processors(self.denoiser, kinds)
+        return (f"its attention runs {', '.join(foreign)}, which a forward of several sizes "
+                "cannot stand in for" if foreign else None)
+
+    @staticmethod
+    def _longest(sizes) -> tuple[int, int]:
+        """The size of a mixed forward's longest row."""
+        return sizes.sizes[sizes.tokens.index(sizes.longest)]
 
     def guide(self, uncond, cond, scale: float):
         """Classifier-free guidance of one request's rows."""

@@ -30,13 +30,17 @@ class PackedFlow(Family):
     def __init__(self, pipe, pipelines, call_kwargs) -> None:
         super().__init__(pipe, pipelines, call_kwargs)
         self._ids: OrderedDict[tuple, Any] = OrderedDict()
-        self._ids_lock = threading.Lock()  # the step loop and an encode stage both ask
+        self._ids_lock = threading.RLock()  # the step loop and an encode stage both ask; reentrant: a mix of sizes makes its sizes' ids
 
     def _position_ids(self, width: int, height: int, make):
         """The image tokens' position ids at this size, ``make()`` once while the size is in
         use (built on the host and copied up, they would cost a copy that waits for the device
         at every forward)."""
-        key = (width, height, self.dtype)
+        return self._kept((width, height), make)
+
+    def _kept(self, key: tuple, make):
+        """``make()`` once while ``key`` is in use (a size's ids, a mix of sizes' positions)."""
+        key = (*key, self.dtype)
         with self._ids_lock:
             if key not in self._ids:
                 self._ids[key] = make()
@@ -60,6 +64,11 @@ class PackedFlow(Family):
         parameters = vae.encode(pixels).latent_dist.parameters
         repeated = parameters.repeat(k, *([1] * (parameters.dim() - 1)))
         return DiagonalGaussianDistribution(repeated).sample(generators)
+
+    def row_tokens(self, latents) -> int:
+        if latents.dim() == 3:  # packed: (rows, tokens, channels)
+            return latents.shape[1]
+        return super().row_tokens(latents) // (self.patch * self.patch)  # patched in the model
 
     @property
     def _channels(self) -> int:

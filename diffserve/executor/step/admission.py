@@ -23,7 +23,8 @@ from diffserve.wire.tasks import REFERENCE
 class UnitBuilder:
     def __init__(self, family: Family, count_tokens: Callable[[str], int],
                  rows: Callable[[list], AbstractContextManager], step_cache=None,
-                 cache_threshold: float = 0.0, prompt_cache=None) -> None:
+                 cache_threshold: float = 0.0, prompt_cache=None,
+                 mixed_sizes: frozenset[str] = frozenset()) -> None:
         """``rows(stacks)``: the context in which row i of every adapted call gets
         ``stacks[i]``. ``step_cache`` and ``cache_threshold``: the engine's step cache, if any,
         and the threshold of requests that name none. ``prompt_cache``: encodings kept for the
@@ -34,6 +35,7 @@ class UnitBuilder:
         self.rows = rows
         self.step_cache = step_cache
         self.cache_threshold = cache_threshold
+        self.mixed_sizes = mixed_sizes  # mode keys whose sizes share a running set
 
     def encode(self, items: list[WorkItem], stacks: list, frames: list[list[Any]]) -> list[Encoded]:
         """Every item's text conditioning (one row per image), in one encoder call per group:
@@ -84,7 +86,7 @@ class UnitBuilder:
         # A rollout's noise comes from the same generators, after its first latents'.
         trajectory = Trajectory(r.noise_level, gens) if r.task_spec.trajectory else None
         threshold = self.threshold(r)
-        return Unit(item, batch_key_of(item), scheduler, prepared, prepared.negative is not None,
+        return Unit(item, batch_key_of(item, self.mixed_sizes), scheduler, prepared, prepared.negative is not None,
                     partial_steps(r.partial_images, len(prepared.timesteps)), start,
                     Member(arrived, len(prepared.timesteps)),
                     self.count_tokens(r.prompt), adapters=stack, trajectory=trajectory,

@@ -63,7 +63,8 @@ class StepEngine:
                  clock: Callable[[], float] = time.perf_counter, adapters=None,
                  policy: SetPolicy | None = None, step_cache=None, cache_threshold: float = 0.0,
                  group=None, stages: bool = False, prompt_cache=None,
-                 defer_timing: bool = False, text_multiple: int = 1) -> None:
+                 defer_timing: bool = False, text_multiple: int = 1,
+                 mixed_sizes: frozenset[str] = frozenset()) -> None:
         """``adapters``: the :class:`~diffserve.executor.lora.store.AdapterStore`, if any.
         ``policy``: which running set a step advances (default: time-fair). ``step_cache``: a
         :class:`~diffserve.executor.accel.step_cache.StepCache` over the family's denoisers, and
@@ -74,7 +75,9 @@ class StepEngine:
         any. ``defer_timing``: on CUDA, a step's time is read a step later (in the next
         output's ``timed``), so that the host never waits for the device between steps (the
         serving loop); else each output carries its own step's time. ``text_multiple``: what
-        prompt lengths are padded to (static-shape compile)."""
+        prompt lengths are padded to (static-shape compile). ``mixed_sizes``: the mode keys
+        (tasks) whose requests of different sizes share a running set, where an item's key was
+        not computed by the scheduler's queue (the family pads their rows)."""
         self.family, self.group, self.clock = family, group, clock
         self.adapters, self.step_cache = adapters, step_cache
         self._cfg_parallel = group is not None and group.degrees.cfg > 1
@@ -83,8 +86,9 @@ class StepEngine:
         self.planner = Planner(policy or TimeFair())
         self._inputs: dict[tuple, SetInputs] = {}  # per running set, while its members stay
         self.members = Members(family, adapters, clock, lambda key: self._inputs.pop(key, None))
+        self.mixed_sizes = frozenset(mixed_sizes)
         self.builder = UnitBuilder(family, count_tokens, self.members.rows, step_cache,
-                                   cache_threshold, prompt_cache)
+                                   cache_threshold, prompt_cache, self.mixed_sizes)
         # A step's time as the device spent it (on CUDA: events, read a step later if deferred).
         self.timer = StepTimer(family.torch, family.device, clock)
         self._keep_laps = 1 if defer_timing else 0
@@ -169,7 +173,8 @@ class StepEngine:
                 failed.append(Outcome.failed(item, describe(error), self.clock() - start))
                 continue
             if stack is None:
-                self.members.waiting.append(Waiting(item, frames, batch_key_of(item),
+                key = batch_key_of(item, self.mixed_sizes)
+                self.members.waiting.append(Waiting(item, frames, key,
                                                     Member(arrived[item.request.request_id])))
             else:
                 ready.append(((item, frames), stack))
@@ -259,6 +264,7 @@ class StepEngine:
             units = [u for u in self.units if u.batch_key == self.units[0].batch_key]
         out.batch_key = units[0].batch_key
         out.samples, out.cost = sum(u.samples for u in units), sum(u.cost for u in units)
+        self._count_tokens(units, out)
         self.timer.begin(partial(self._timed_step, [u.member for u in units], out.samples,
                                  out.cost, out.batch_key))
         with self.family.torch.inference_mode():
@@ -280,6 +286,16 @@ class StepEngine:
         out.host_seconds = sum(t.host_seconds for t in out.timed)
         if self.step_cache is not None:
             out.cache_hits, out.cache_misses = self.step_cache.take_counts()
+
+    def _count_tokens(self, units: list[Unit], out: StepOutput) -> None:
+        """The forward's image tokens, its padding (rows of several sizes pad to the longest)
+        and its size ("WxH", or "mixed")."""
+        tokens = [(u.rows, self.family.row_tokens(u.prepared.latents)) for u in units]
+        longest = max(t for _, t in tokens)
+        out.tokens = sum(rows * t for rows, t in tokens)
+        out.padding = sum(rows * (longest - t) for rows, t in tokens)
+        sizes = {(u.request.width, u.request.height) for u in units}
+        out.size = "mixed" if len(sizes) > 1 else "{}x{}".format(*sizes.pop())
 
     def _timed_step(self, members, samples: int, cost: float, batch_key, seconds: float,
                     inner: float) -> None:
@@ -314,7 +330,7 @@ class StepEngine:
             inputs = self._inputs[units[0].batch_key] = SetInputs(
                 units, fam.torch, fam.control_from_positive, self._text_multiple)
         latents, timesteps = inputs.inputs()
-        r = units[0].request  # every unit of one forward has the same size
+        r = units[0].request  # its size, where every unit of the forward has the same
         uses = inputs.control.active(units) if inputs.control else []
         with (self.timer.span(), self.members.rows(inputs.stacks),
               self._cached(inputs, force=bool(uses))):
@@ -348,6 +364,8 @@ class StepEngine:
         extra = {"host_timesteps": host} if host is not None else {}
         if control is not None:
             extra["control"] = control
+        if inputs.sizes is not None:  # rows of several sizes, padded to the longest
+            extra["sizes"] = inputs.sizes if isinstance(rows, slice) else inputs.sizes.select(rows)
         return fam.forward(latents, timesteps, cond, guidance, r.width, r.height, **extra)
 
     def _cached(self, inputs: SetInputs, force: bool = False):

@@ -9,7 +9,9 @@ timesteps, runs the forward, and guides.
 
 Rows are laid out work item after work item; with classifier-free guidance an item's k images
 take 2k rows, the unconditional ones first (``[neg_1..k, pos_1..k]``), as the families' pipelines
-stack them.
+stack them. Where the set's items have different sizes (a family that mixes sizes), each row's
+tokens are padded to the longest row's, and each prediction is cut back to its own
+(:mod:`diffserve.executor.families.row_sizes`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from diffserve.executor.control.residuals import ControlPlan
+from diffserve.executor.families.row_sizes import RowSizes, padded_tokens
 from diffserve.executor.rows import on_device, selection, take
 
 
@@ -41,6 +44,12 @@ class SetInputs:
                                    for _ in range(u.rows)], device, torch.float32)
         self.stacks = [u.adapters for u in units for _ in range(u.rows)]
         self.control = ControlPlan(units, self.offsets, control_from_positive)
+        # Each row's size and image tokens (a packed family's latents: rows, tokens, channels).
+        sizes = RowSizes(tuple((u.request.width, u.request.height) for u in units
+                               for _ in range(u.rows)),
+                         tuple(u.prepared.latents.shape[1] for u in units for _ in range(u.rows)))
+        self.sizes = sizes if len(set(sizes.sizes)) > 1 else None  # None: one size
+        self.tokens = sum(sizes.tokens) if self.sizes else None
         self._torch = torch
         self._device = device
         self._guided: dict[tuple[int, ...], tuple[Any, Any]] = {}  # units -> their (neg, pos) rows
@@ -66,7 +75,9 @@ class SetInputs:
                 x = scale(x, t)
             latents += (x, x) if u.cfg else (x,)
             timesteps.append(t.expand(u.rows) if t.dim() == 0 else t.repeat(u.rows))
-        return torch.cat(latents), torch.cat(timesteps)
+        stacked = (torch.cat(latents) if self.sizes is None
+                   else padded_tokens(torch, latents, self.sizes.longest))
+        return stacked, torch.cat(timesteps)
 
     def predictions(self, family, output) -> list:
         """Each item's noise prediction from the forward's ``output``: its rows as they are, or
@@ -88,6 +99,8 @@ class SetInputs:
                 k = self.units[i].samples
                 predictions[i] = guided[at:at + k]
                 at += k
+        if self.sizes is not None:  # each item's own tokens, the padding cut off
+            predictions = [p[:, :u.prepared.latents.shape[1]] for p, u in zip(predictions, self.units)]
         return predictions
 
     def _guided_rows(self, members: tuple[int, ...]):

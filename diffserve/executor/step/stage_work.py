@@ -204,10 +204,12 @@ class StageWork:
         return self._decode_latents([(u, u.prepared.latents) for u in units])
 
     def _decode_latents(self, pairs: list) -> list[Any]:
-        """Pixels of each (unit, latents): one VAE call per task among them (they share a size).
-        A unit with an image that is not finite gets a NonFiniteOutput, which fails it alone."""
+        """Pixels of each (unit, latents): one VAE call per task and size among them (a set
+        that mixes sizes finishes several at once). A unit with an image that is not finite
+        gets a NonFiniteOutput, which fails it alone."""
         by_unit: dict[int, Any] = {}
-        for group in group_by(pairs, lambda pair: pair[0].request.task).values():
+        for group in group_by(pairs, lambda pair: (pair[0].request.task, pair[0].request.width,
+                                                   pair[0].request.height)).values():
             r = group[0][0].request
             latents = self.family.torch.cat([x for _, x in group])
             parts = split_finite(lambda: self.family.decode(latents, r.width, r.height,

@@ -11,7 +11,7 @@ from diffserve.executor.families.conditioning import Prepared
 from diffserve.executor.results import Outcome, PartialImage
 from diffserve.executor.step.rollout import Trajectory
 from diffserve.policies.base import Member
-from diffserve.wire.protocol import STEP_MODE
+from diffserve.wire.protocol import STEP_MODE, key_mode
 from diffserve.wire.request import WorkItem
 
 
@@ -98,6 +98,9 @@ class StepOutput:
     samples: int = 0  # samples the forward carried
     cost: float = 0.0  # and their cost (diffserve.wire.costs)
     batch_key: tuple | None = None  # of the running set it advanced
+    size: str = ""  # its rows' size, "WxH", or "mixed" where they differ
+    tokens: int = 0  # image tokens the forward carried (latent cells, for a UNet)
+    padding: int = 0  # tokens it padded rows of several sizes with
     sets: int = 0  # running sets held after the step
     # The steps whose time was read since the last output: this step's own, or (timing deferred
     # on CUDA) the one before; ``seconds`` and ``host_seconds`` sum them.
@@ -117,7 +120,9 @@ class StepOutput:
     running_cost: float = 0.0  # of every request running after the step
 
 
-def batch_key_of(item: WorkItem) -> tuple:
+def batch_key_of(item: WorkItem, mixed: frozenset[str] = frozenset()) -> tuple:
     """The item's running set: the key the queue computed, else (an item that did not come
-    through the scheduler's queue) computed here, once."""
-    return item.batch_key or item.request.batch_key(STEP_MODE)
+    through the scheduler's queue) computed here, once; ``mixed``: the mode keys whose sizes
+    share a forward."""
+    return item.batch_key or item.request.batch_key(
+        key_mode(STEP_MODE, item.request.mode_key in mixed))

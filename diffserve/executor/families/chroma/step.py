@@ -31,6 +31,7 @@ class ChromaConditioning(Conditioning):
 
 class Chroma(Flux):
     name = "chroma"
+    mixes_sizes = False  # its own forward takes one size (docs/batching.md)
     pipelines = ("ChromaPipeline",)
     strength_pipelines = {}  # diffusers' auto-pipelines map none for Chroma
     guidance_rule = ABOVE_ONE

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from diffserve.wire.costs import NEVER
 from diffserve.executor.families.blocks import JOINT
 from diffserve.executor.families.conditioning import Conditioning, Encoded, shared
-from diffserve.executor.families.flux import controls
+from diffserve.executor.families.flux import controls, rows
 from diffserve.executor.families.packed_flow import PackedFlow
+from diffserve.executor.families.row_sizes import processors_swapped
 from diffserve.wire.tasks import IMAGE_TO_IMAGE, INPAINT
 
 
@@ -35,6 +37,7 @@ class Flux(PackedFlow):
     # double-stream ones do.
     block_kinds = {"FluxTransformerBlock": JOINT, "FluxSingleTransformerBlock": JOINT}
     guidance_rule = NEVER  # guidance is an input of the transformer; negative prompts are not used
+    mixes_sizes = True
     control_classes = controls.CLASSES
     control_config_keys = ("in_channels", "joint_attention_dim", "pooled_projection_dim")
     control_pipelines = controls.PIPELINES
@@ -54,17 +57,34 @@ class Flux(PackedFlow):
         return self._position_ids(width, height, lambda: pipe._prepare_latent_image_ids(
             1, lat_h // 2, lat_w // 2, self.device, self.dtype))
 
-    def forward(self, latents, timesteps, cond, guidance, width, height, control=None):
+    def forward(self, latents, timesteps, cond, guidance, width, height, control=None,
+                sizes=None):
         transformer = self.pipe.transformer
         residuals = {} if control is None else {
             "controlnet_block_samples": control[0] or None,
             "controlnet_single_block_samples": control[1] or None}
-        return transformer(
-            hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=guidance if transformer.config.guidance_embeds else None,
-            encoder_hidden_states=cond.prompt_embeds, pooled_projections=cond.pooled_projections,
-            txt_ids=cond.text_ids, img_ids=self._latent_ids(width, height), **residuals,
-            return_dict=False)[0]
+        mixed = sizes is not None and sizes.mixed
+        with self._rows_attention(sizes, cond) if mixed else nullcontext():
+            return transformer(
+                hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000,
+                guidance=guidance if transformer.config.guidance_embeds else None,
+                encoder_hidden_states=cond.prompt_embeds,
+                pooled_projections=cond.pooled_projections, txt_ids=cond.text_ids,
+                img_ids=self._latent_ids(*self._longest(sizes) if mixed else (width, height)),
+                **residuals, return_dict=False)[0]
+
+    # -- rows of different sizes in one forward (diffserve.executor.families.row_sizes)
+
+    def mixes_sizes_now(self) -> str | None:
+        return self._mixing_refused(rows.kinds())
+
+    def _rows_attention(self, sizes, cond):
+        transformer = self.pipe.transformer
+        positions = self._kept(("rows", sizes.sizes), lambda: rows.flux_rows(
+            self.torch, transformer, sizes, cond.text_ids,
+            {size: self._latent_ids(*size) for size in sizes.distinct()}))
+        return processors_swapped(transformer, rows.kinds(),
+                                  lambda inner: rows.RowsProcessor(inner, positions))
 
     # -- ControlNet: InstantX's kind, the control image through the VAE as packed latents, one
     # residual per double and per single block.

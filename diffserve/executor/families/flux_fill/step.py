@@ -25,6 +25,7 @@ class FillConditioning(FluxConditioning):
 
 class FluxFill(Flux):
     name = "flux-fill"
+    mixes_sizes = False  # its own forward takes one size (docs/batching.md)
     pipelines = ("FluxFillPipeline",)
     generates = False  # the pipeline needs an image and a mask
     strength_pipelines = {INPAINT.name: "FluxFillPipeline"}

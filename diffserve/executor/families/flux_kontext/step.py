@@ -24,6 +24,7 @@ class KontextConditioning(FluxConditioning):
 
 class FluxKontext(TogetherReferences, Flux):
     name = "flux-kontext"
+    mixes_sizes = False  # its own forward takes one size (docs/batching.md)
     pipelines = ("FluxKontextPipeline",)
     max_references = 1  # the pipeline takes one input image
     reference_call = BY_AREA

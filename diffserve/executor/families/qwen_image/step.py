@@ -16,7 +16,8 @@ from diffserve.wire.costs import WITH_NEGATIVE
 from diffserve.executor.families.blocks import JOINT
 from diffserve.executor.families.conditioning import Conditioning, Encoded, padded
 from diffserve.executor.families.packed_flow import PackedFlow
-from diffserve.executor.families.qwen_image import controls
+from diffserve.executor.families.qwen_image import controls, rows
+from diffserve.executor.families.row_sizes import processors_swapped
 from diffserve.wire.tasks import IMAGE_TO_IMAGE, INPAINT
 
 
@@ -39,6 +40,7 @@ class QwenImage(PackedFlow):
     block_kinds = {"QwenImageTransformerBlock": JOINT}
     guidance_kwarg = "true_cfg_scale"
     guidance_rule = WITH_NEGATIVE
+    mixes_sizes = True
     text_bucket = 64  # a 64-token pad is under 2% of a 1024x1024 image's 4,096 tokens
     control_classes = controls.CLASSES
     control_config_keys = ("in_channels", "joint_attention_dim")
@@ -58,9 +60,27 @@ class QwenImage(PackedFlow):
     def encode(self, prompts, negatives, cfg):
         return Encoded(self._encode(prompts), self._encode(negatives) if cfg else None)
 
-    def forward(self, latents, timesteps, cond, guidance, width, height, control=None):
+    def forward(self, latents, timesteps, cond, guidance, width, height, control=None,
+                sizes=None):
+        if sizes is not None and sizes.mixed:
+            with self._rows_attention(sizes, cond):
+                return self.transform(latents, timesteps, cond,
+                                      [self.grid(*self._longest(sizes))])
         return self.transform(latents, timesteps, cond, [self.grid(width, height)],
                               control[0] if control is not None else None)
+
+    # -- rows of different sizes in one forward (diffserve.executor.families.row_sizes)
+
+    def mixes_sizes_now(self) -> str | None:
+        return self._mixing_refused(rows.kinds())
+
+    def _rows_attention(self, sizes, cond):
+        transformer, length = self.pipe.transformer, cond.prompt_embeds.shape[1]
+        positions = self._kept(("rows", sizes.sizes, length), lambda: rows.qwen_rows(
+            self.torch, transformer, sizes, {size: self.grid(*size) for size in sizes.distinct()},
+            length, cond.prompt_embeds.device))
+        return processors_swapped(transformer, rows.kinds(),
+                                  lambda inner: rows.RowsProcessor(inner, positions))
 
     _mask_seen: tuple = (None, None)  # the last forward's mask, and what mask_of made of it
 

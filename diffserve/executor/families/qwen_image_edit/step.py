@@ -31,6 +31,7 @@ class QwenEditConditioning(QwenImageConditioning):
 
 class QwenImageEdit(TogetherReferences, QwenImage):
     name = "qwen-image-edit"
+    mixes_sizes = False  # its own forward takes one size (docs/batching.md)
     pipelines = ("QwenImageEditPipeline",)
     max_references = 1
     reference_call = ONE_IMAGE

@@ -1,0 +1,85 @@
+"""Flux's attention over rows of different sizes (:mod:`~diffserve.executor.families.row_sizes`):
+the text tokens, then each row's image tokens padded to the longest row's; each row's own rotary
+positions (its text ids, then its own image ids), and a key mask over the padding. The
+projections, norms and output layers are the model's own; only the positions and the mask are
+per row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from diffserve.executor.families.row_sizes import RowSizes, by_row, rotate_pairs
+
+
+@dataclass(frozen=True)
+class FluxRows:
+    """What every attention of a mixed forward shares: each row's rotary (cos, sin: rows,
+    tokens, dim) over [text, padded image] and the key mask (rows, 1, 1, tokens)."""
+
+    cos: Any
+    sin: Any
+    mask: Any
+
+
+def flux_rows(torch, transformer, rows: RowSizes, text_ids, image_ids: dict) -> FluxRows:
+    """The rows' positions: ``image_ids`` maps each size to its image tokens' ids."""
+    cos, sin = {}, {}
+    for size in rows.distinct():
+        c, s = transformer.pos_embed(torch.cat([text_ids, image_ids[size]], dim=0))
+        cos[size], sin[size] = c, s
+    length = text_ids.shape[0] + rows.longest
+    ones = lambda shape, like: like.new_ones(shape)  # noqa: E731 - the padding turns nothing
+    zeros = lambda shape, like: like.new_zeros(shape)  # noqa: E731
+    valid = rows.valid(torch, text_ids.device)
+    text = valid.new_ones((len(rows.tokens), text_ids.shape[0]))
+    mask = torch.cat([text, valid], dim=1)[:, None, None, :]
+    return FluxRows(by_row(torch, cos, rows, length, ones), by_row(torch, sin, rows, length, zeros),
+                    mask)
+
+
+class RowsProcessor:
+    """The per-row processor standing in for ``inner`` (a ``FluxAttnProcessor``) in a mixed
+    forward: the same computation with each row's positions and the padding masked. (A class
+    with the processor's own signature: an attention module passes on only the keywords its
+    processor's ``__call__`` names.)"""
+
+    def __init__(self, inner, rows: FluxRows) -> None:
+        self.inner, self.rows = inner, rows
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+        import torch
+
+        rows, inner = self.rows, self.inner
+        query, key, value, text_q, text_k, text_v = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states)
+        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if attn.added_kv_proj_dim is not None:
+            text_q, text_k, text_v = (t.unflatten(-1, (-1, attn.head_dim))
+                                      for t in (text_q, text_k, text_v))
+            text_q, text_k = attn.norm_added_q(text_q), attn.norm_added_k(text_k)
+            query = torch.cat([text_q, query], dim=1)
+            key = torch.cat([text_k, key], dim=1)
+            value = torch.cat([text_v, value], dim=1)
+        query = rotate_pairs(query, rows.cos, rows.sin)
+        key = rotate_pairs(key, rows.cos, rows.sin)
+        out = dispatch_attention_fn(query, key, value, attn_mask=rows.mask,
+                                    backend=getattr(inner, "_attention_backend", None))
+        out = out.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return out
+        text, image = out.split_with_sizes(
+            [encoder_hidden_states.shape[1], out.shape[1] - encoder_hidden_states.shape[1]], dim=1)
+        image = attn.to_out[1](attn.to_out[0](image.contiguous()))
+        return image, attn.to_add_out(text.contiguous())
+
+
+def kinds() -> tuple[type, ...]:
+    """The processors a mixed forward stands in for (the model's own)."""
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    return (FluxAttnProcessor,)

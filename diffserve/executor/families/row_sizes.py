@@ -1,0 +1,120 @@
+"""Rows of different sizes in one transformer forward.
+
+A transformer denoiser sees an image as a sequence of tokens, so images of different sizes are
+sequences of different lengths. One forward carries them padded: every row's image tokens are
+padded with zeros to the longest row's, a key mask keeps each row's attention off the padding
+(no real token ever attends to one), each row gets its own rotary positions, and each row's
+prediction is its own leading tokens. Modulation is per row already (its timestep and
+guidance), and every other layer acts per token. A row so computed equals the row run alone, up
+to float summation order.
+
+Padded rather than packed: a packed (variable-length) forward needs the flash kernels' varlen
+entry points, which the CPU and the default attention backends lack, and a block-diagonal mask
+over one long sequence costs the square of the whole forward's tokens. The padding's cost is
+priced into admission (docs/batching.md, "Sizes in one forward").
+
+The transformers' own attention processors apply one set of positions to every row; a mixed
+forward swaps them, for its duration only, for the family's per-row processor
+(:func:`processors_swapped`), so that a forward of one size runs the model exactly as before.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+
+@dataclass(frozen=True)
+class RowSizes:
+    """The rows of one forward: each row's (width, height) and image tokens."""
+
+    sizes: tuple[tuple[int, int], ...]
+    tokens: tuple[int, ...]
+
+    @property
+    def longest(self) -> int:
+        return max(self.tokens)
+
+    @property
+    def mixed(self) -> bool:
+        return len(set(self.tokens)) > 1
+
+    @property
+    def padding(self) -> int:
+        """Padded tokens the forward carries."""
+        return sum(self.longest - t for t in self.tokens)
+
+    def valid(self, torch, device):
+        """(rows, longest) bool: True at each row's own tokens."""
+        at = torch.arange(self.longest, device=device)
+        return at[None, :] < torch.tensor(self.tokens, device=device)[:, None]
+
+    def select(self, rows: Sequence[int]) -> "RowSizes":
+        return RowSizes(tuple(self.sizes[r] for r in rows), tuple(self.tokens[r] for r in rows))
+
+    def distinct(self) -> list[tuple[int, int]]:
+        """The sizes in first-seen order."""
+        return list(dict.fromkeys(self.sizes))
+
+
+def padded_tokens(torch, parts: Sequence[Any], longest: int):
+    """``parts`` ((rows_i, tokens_i, C) each) stacked, each padded with zeros to ``longest``
+    tokens."""
+    padded = [p if p.shape[1] == longest else
+              torch.cat([p, p.new_zeros((p.shape[0], longest - p.shape[1], *p.shape[2:]))], 1)
+              for p in parts]
+    return torch.cat(padded)
+
+
+def by_row(torch, per_size: dict[tuple[int, int], Any], rows: RowSizes, length: int, fill):
+    """Each row's tensor of its size (``per_size``: size -> (tokens, ...)), padded with
+    ``fill(shape, like)`` to ``length`` along dim 0 and stacked: (rows, length, ...)."""
+    padded = {}
+    for size, t in per_size.items():
+        padded[size] = t if t.shape[0] == length else torch.cat(
+            [t, fill((length - t.shape[0], *t.shape[1:]), t)])
+    return torch.stack([padded[size] for size in rows.sizes])
+
+
+@contextmanager
+def processors_swapped(model, kinds: tuple[type, ...],
+                       make: Callable[[Any], Callable]) -> Iterator[None]:
+    """For the duration, every attention module of ``model`` whose processor is one of
+    ``kinds`` runs ``make(processor)`` instead."""
+    modules = [m for m in model.modules() if isinstance(getattr(m, "processor", None), kinds)]
+    saved = [m.processor for m in modules]
+    try:
+        for m, processor in zip(modules, saved):
+            m.processor = make(processor)
+        yield
+    finally:
+        for m, processor in zip(modules, saved):
+            m.processor = processor
+
+
+def foreign_processors(model, kinds: tuple[type, ...]) -> list[str]:
+    """The processors of ``model``'s attention modules that are not one of ``kinds`` (an
+    IP-Adapter's, a user's): a mixed forward cannot swap those."""
+    return sorted({type(m.processor).__name__ for m in model.modules()
+                   if getattr(m, "processor", None) is not None
+                   and not isinstance(m.processor, kinds)})
+
+
+def rotate_pairs(x, cos, sin):
+    """Rotary positions on ``x`` (rows, tokens, heads, dim), adjacent channel pairs rotated
+    (Flux's layout), with each row's own ``cos`` and ``sin`` (rows, tokens, dim)."""
+    import torch
+
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    turned = torch.stack([-imag, real], dim=-1).flatten(3)
+    return (x.float() * cos[:, :, None, :] + turned.float() * sin[:, :, None, :]).to(x.dtype)
+
+
+def rotate_complex(x, freqs):
+    """Rotary positions on ``x`` (rows, tokens, heads, dim) as complex products, with each
+    row's own ``freqs`` (rows, tokens, dim / 2, complex) (Qwen-Image's layout)."""
+    import torch
+
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs[:, :, None, :]).flatten(3).type_as(x)

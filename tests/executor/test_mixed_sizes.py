@@ -1,0 +1,92 @@
+"""Rows of different sizes in one transformer forward (diffserve.executor.families.row_sizes),
+in process: requests of five sizes and aspect ratios share forwards in one running set, and each
+image equals its family's plain diffusers pipeline called alone (within 2/255)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffserve.executor.checks.reference import max_diff, sample_image, solo
+from diffserve.executor.families.known import family_for
+from diffserve.executor.model.loading import load_model
+from diffserve.executor.model.task_pipelines import task_pipelines
+from diffserve.executor.step.engine import StepEngine
+from diffserve.wire.request import WorkItem
+from helpers import make_request
+
+# Five sizes and aspect ratios (square, wide, tall, small, large), six requests.
+SIZES = [(64, 64), (96, 64), (64, 96), (48, 48), (80, 80), (64, 64)]
+MIXED = frozenset({"generate", "image-to-image", "inpaint"})
+
+
+def engine_for(model: str, mixed=MIXED):
+    torch.manual_seed(0)
+    loaded = load_model(model, torch_threads=1)
+    pipelines = task_pipelines(loaded.pipe)
+    family = family_for(loaded.pipeline_class)(loaded.pipe, pipelines, loaded.call_kwargs)
+    return loaded, pipelines, StepEngine(family, mixed_sizes=mixed)
+
+
+@pytest.fixture(scope="module", params=["tiny-flux", "tiny-qwen-image"])
+def mixed(request):
+    return request.param, *engine_for(request.param)
+
+
+def burst(model: str, **kw):
+    negative = {"negative_prompt": "blurry", "guidance": 4.0} if "qwen" in model else {}
+    return [make_request(request_id=f"r{i}", model=model, width=w, height=h, seed=10 + i,
+                         steps=4 + i % 3, prompt=f"a picture {i}", **(negative if i % 2 else {}),
+                         **kw)
+            for i, (w, h) in enumerate(SIZES)]
+
+
+def drain(engine, requests, frames=None):
+    failed = engine.admit([WorkItem(r, 0, r.n) for r, in zip(requests)],
+                          frames or [[] for _ in requests])
+    assert not failed, [f.error for f in failed]
+    images, per_forward = {}, []
+    while engine:
+        out = engine.step()
+        per_forward.append(out.samples)
+        for o in out.finished:
+            assert o.error is None, o.error
+            images[o.item.request.request_id] = o.images
+    return images, per_forward
+
+
+def test_six_requests_of_five_sizes_share_forwards_and_equal_their_solo_runs(mixed):
+    model, loaded, pipelines, engine = mixed
+    requests = burst(model)
+    images, per_forward = drain(engine, requests)
+    assert len(engine.running_sets()) == 0
+    # One running set: every forward carries every request still running.
+    assert per_forward[0] == len(requests)
+    assert sum(per_forward) / len(per_forward) >= 3
+    for r in requests:
+        image = images[r.request_id]
+        assert image.shape[1:3] == (r.height, r.width)
+        assert max_diff(image, solo(loaded, pipelines, r)) <= 2, (model, r.request_id)
+
+
+def test_edits_of_different_sizes_share_forwards(mixed):
+    model, loaded, pipelines, engine = mixed
+    requests, frames = [], []
+    for i, (w, h) in enumerate([(64, 64), (96, 64), (48, 48)]):
+        image, mask = sample_image(max(w, h))
+        image, mask = image[:h, :w].copy(), mask[:h, :w].copy()
+        task = "inpaint" if i % 2 else "image-to-image"
+        requests.append(make_request(request_id=f"e{i}", model=model, width=w, height=h,
+                                     task=task, strength=0.7, steps=5, seed=i, guidance=3.5))
+        frames.append([image, mask] if task == "inpaint" else [image])
+    images, per_forward = drain(engine, requests, frames)
+    assert per_forward[0] == 3
+    for r, f in zip(requests, frames):
+        assert max_diff(images[r.request_id], solo(loaded, pipelines, r, *f)) <= 2, r.request_id
+
+
+def test_without_mixing_each_size_keeps_its_own_set():
+    _, _, engine = engine_for("tiny-flux", mixed=frozenset())
+    requests = burst("tiny-flux")
+    engine.admit([WorkItem(r, 0, r.n) for r in requests], [[] for _ in requests])
+    assert len(engine.running_sets()) == 5
