@@ -28,13 +28,14 @@ def engine_for(model: str, mixed=MIXED):
     return loaded, pipelines, StepEngine(family, mixed_sizes=mixed)
 
 
-@pytest.fixture(scope="module", params=["tiny-flux", "tiny-qwen-image"])
+@pytest.fixture(scope="module", params=["tiny-flux", "tiny-qwen-image", "tiny-z-image"])
 def mixed(request):
     return request.param, *engine_for(request.param)
 
 
 def burst(model: str, **kw):
-    negative = {"negative_prompt": "blurry", "guidance": 4.0} if "qwen" in model else {}
+    # Guidance where the model runs it (Qwen-Image: true CFG, with a negative prompt).
+    negative = {"negative_prompt": "blurry", "guidance": 4.0} if "flux" not in model else {}
     return [make_request(request_id=f"r{i}", model=model, width=w, height=h, seed=10 + i,
                          steps=4 + i % 3, prompt=f"a picture {i}", **(negative if i % 2 else {}),
                          **kw)
@@ -83,6 +84,16 @@ def test_edits_of_different_sizes_share_forwards(mixed):
     assert per_forward[0] == 3
     for r, f in zip(requests, frames):
         assert max_diff(images[r.request_id], solo(loaded, pipelines, r, *f)) <= 2, r.request_id
+
+
+def test_a_wide_and_a_tall_image_of_equal_tokens_keep_their_own_positions(mixed):
+    model, loaded, pipelines, engine = mixed
+    requests = [make_request(request_id=f"{w}x{h}", model=model, width=w, height=h, seed=3,
+                             steps=3) for w, h in ((96, 64), (64, 96))]
+    images, per_forward = drain(engine, requests)
+    assert per_forward == [2, 2, 2]
+    for r in requests:
+        assert max_diff(images[r.request_id], solo(loaded, pipelines, r)) <= 2, r.request_id
 
 
 def test_without_mixing_each_size_keeps_its_own_set():

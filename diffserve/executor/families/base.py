@@ -302,8 +302,8 @@ class Family(ControlHooks):
 
     @staticmethod
     def _longest(sizes) -> tuple[int, int]:
-        """The size of a mixed forward's longest row."""
-        return sizes.sizes[sizes.tokens.index(sizes.longest)]
+        """The size of a mixed forward's row with the most tokens."""
+        return sizes.sizes[sizes.tokens.index(max(sizes.tokens))]
 
     def guide(self, uncond, cond, scale: float):
         """Classifier-free guidance of one request's rows."""

@@ -27,44 +27,61 @@ from typing import Any, Callable, Iterator, Sequence
 
 @dataclass(frozen=True)
 class RowSizes:
-    """The rows of one forward: each row's (width, height) and image tokens."""
+    """The rows of one forward: each row's (width, height) and image tokens, and the tokens
+    each is padded to (``length``: the longest row's of the whole set, also where a forward
+    takes some of its rows)."""
 
     sizes: tuple[tuple[int, int], ...]
     tokens: tuple[int, ...]
+    length: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.length:
+            object.__setattr__(self, "length", max(self.tokens))
 
     @property
     def longest(self) -> int:
-        return max(self.tokens)
-
-    @property
-    def mixed(self) -> bool:
-        return len(set(self.tokens)) > 1
+        """The tokens every row is padded to."""
+        return self.length
 
     @property
     def padding(self) -> int:
         """Padded tokens the forward carries."""
-        return sum(self.longest - t for t in self.tokens)
+        return sum(self.length - t for t in self.tokens)
 
     def valid(self, torch, device):
-        """(rows, longest) bool: True at each row's own tokens."""
-        at = torch.arange(self.longest, device=device)
+        """(rows, length) bool: True at each row's own tokens."""
+        at = torch.arange(self.length, device=device)
         return at[None, :] < torch.tensor(self.tokens, device=device)[:, None]
 
     def select(self, rows: Sequence[int]) -> "RowSizes":
-        return RowSizes(tuple(self.sizes[r] for r in rows), tuple(self.tokens[r] for r in rows))
+        return RowSizes(tuple(self.sizes[r] for r in rows), tuple(self.tokens[r] for r in rows),
+                        self.length)
 
     def distinct(self) -> list[tuple[int, int]]:
         """The sizes in first-seen order."""
         return list(dict.fromkeys(self.sizes))
 
 
-def padded_tokens(torch, parts: Sequence[Any], longest: int):
-    """``parts`` ((rows_i, tokens_i, C) each) stacked, each padded with zeros to ``longest``
-    tokens."""
-    padded = [p if p.shape[1] == longest else
-              torch.cat([p, p.new_zeros((p.shape[0], longest - p.shape[1], *p.shape[2:]))], 1)
-              for p in parts]
+def padded_rows(torch, parts: Sequence[Any]):
+    """``parts`` (rows_i, ...) stacked, each padded with zeros at the end of every dimension
+    past the first to the largest part's: packed tokens (rows, tokens, channels) to the most
+    tokens, latents a family's transformer patchifies itself (rows, channels, h, w) to the
+    tallest and the widest."""
+    shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+    padded = []
+    for p in parts:
+        if list(p.shape[1:]) != shape:
+            grown = p.new_zeros((p.shape[0], *shape))
+            grown[(slice(None), *(slice(0, side) for side in p.shape[1:]))] = p
+            p = grown
+        padded.append(p)
     return torch.cat(padded)
+
+
+def own_part(padded, like):
+    """A part of :func:`padded_rows`' output cut back to the shape of ``like`` (past rows)."""
+    return padded[(slice(None), *(slice(0, side) for side in like.shape[1:]))]
 
 
 def by_row(torch, per_size: dict[tuple[int, int], Any], rows: RowSizes, length: int, fill):

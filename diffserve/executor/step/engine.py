@@ -328,7 +328,7 @@ class StepEngine:
         inputs = self._inputs.get(units[0].batch_key)
         if inputs is None or not inputs.matches(units):
             inputs = self._inputs[units[0].batch_key] = SetInputs(
-                units, fam.torch, fam.control_from_positive, self._text_multiple)
+                units, fam.torch, fam.control_from_positive, self._text_multiple, fam.row_tokens)
         latents, timesteps = inputs.inputs()
         r = units[0].request  # its size, where every unit of the forward has the same
         uses = inputs.control.active(units) if inputs.control else []

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from diffserve.executor.control.residuals import ControlPlan
-from diffserve.executor.families.row_sizes import RowSizes, padded_tokens
+from diffserve.executor.families.row_sizes import RowSizes, own_part, padded_rows
 from diffserve.executor.rows import on_device, selection, take
 
 
@@ -28,7 +28,7 @@ class SetInputs:
     ``prepared``, ``adapters``, ``request``)."""
 
     def __init__(self, units: list, torch, control_from_positive: bool = False,
-                 text_multiple: int = 1) -> None:
+                 text_multiple: int = 1, row_tokens=lambda latents: latents.shape[1]) -> None:
         self.units = list(units)
         self.cfg = [u.cfg for u in units]
         self.offsets, at = [], 0
@@ -44,10 +44,11 @@ class SetInputs:
                                    for _ in range(u.rows)], device, torch.float32)
         self.stacks = [u.adapters for u in units for _ in range(u.rows)]
         self.control = ControlPlan(units, self.offsets, control_from_positive)
-        # Each row's size and image tokens (a packed family's latents: rows, tokens, channels).
+        # Each row's size and image tokens (``row_tokens``: the family's count of its latents).
         sizes = RowSizes(tuple((u.request.width, u.request.height) for u in units
                                for _ in range(u.rows)),
-                         tuple(u.prepared.latents.shape[1] for u in units for _ in range(u.rows)))
+                         tuple(row_tokens(u.prepared.latents) for u in units
+                               for _ in range(u.rows)))
         self.sizes = sizes if len(set(sizes.sizes)) > 1 else None  # None: one size
         self.tokens = sum(sizes.tokens) if self.sizes else None
         self._torch = torch
@@ -75,8 +76,7 @@ class SetInputs:
                 x = scale(x, t)
             latents += (x, x) if u.cfg else (x,)
             timesteps.append(t.expand(u.rows) if t.dim() == 0 else t.repeat(u.rows))
-        stacked = (torch.cat(latents) if self.sizes is None
-                   else padded_tokens(torch, latents, self.sizes.longest))
+        stacked = torch.cat(latents) if self.sizes is None else padded_rows(torch, latents)
         return stacked, torch.cat(timesteps)
 
     def predictions(self, family, output) -> list:
@@ -100,7 +100,7 @@ class SetInputs:
                 predictions[i] = guided[at:at + k]
                 at += k
         if self.sizes is not None:  # each item's own tokens, the padding cut off
-            predictions = [p[:, :u.prepared.latents.shape[1]] for p, u in zip(predictions, self.units)]
+            predictions = [own_part(p, u.prepared.latents) for p, u in zip(predictions, self.units)]
         return predictions
 
     def _guided_rows(self, members: tuple[int, ...]):

@@ -63,7 +63,7 @@ class Flux(PackedFlow):
         residuals = {} if control is None else {
             "controlnet_block_samples": control[0] or None,
             "controlnet_single_block_samples": control[1] or None}
-        mixed = sizes is not None and sizes.mixed
+        mixed = sizes is not None  # rows of several sizes, padded
         with self._rows_attention(sizes, cond) if mixed else nullcontext():
             return transformer(
                 hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000,
@@ -80,7 +80,7 @@ class Flux(PackedFlow):
 
     def _rows_attention(self, sizes, cond):
         transformer = self.pipe.transformer
-        positions = self._kept(("rows", sizes.sizes), lambda: rows.flux_rows(
+        positions = self._kept(("rows", sizes.sizes, sizes.length), lambda: rows.flux_rows(
             self.torch, transformer, sizes, cond.text_ids,
             {size: self._latent_ids(*size) for size in sizes.distinct()}))
         return processors_swapped(transformer, rows.kinds(),

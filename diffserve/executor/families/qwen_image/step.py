@@ -62,7 +62,7 @@ class QwenImage(PackedFlow):
 
     def forward(self, latents, timesteps, cond, guidance, width, height, control=None,
                 sizes=None):
-        if sizes is not None and sizes.mixed:
+        if sizes is not None:  # rows of several sizes, padded
             with self._rows_attention(sizes, cond):
                 return self.transform(latents, timesteps, cond,
                                       [self.grid(*self._longest(sizes))])
@@ -76,7 +76,8 @@ class QwenImage(PackedFlow):
 
     def _rows_attention(self, sizes, cond):
         transformer, length = self.pipe.transformer, cond.prompt_embeds.shape[1]
-        positions = self._kept(("rows", sizes.sizes, length), lambda: rows.qwen_rows(
+        key = ("rows", sizes.sizes, sizes.length, length)
+        positions = self._kept(key, lambda: rows.qwen_rows(
             self.torch, transformer, sizes, {size: self.grid(*size) for size in sizes.distinct()},
             length, cond.prompt_embeds.device))
         return processors_swapped(transformer, rows.kinds(),

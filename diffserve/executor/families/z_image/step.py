@@ -18,6 +18,7 @@ from diffserve.wire.costs import ABOVE_ZERO
 from diffserve.executor.families.blocks import BlockKind
 from diffserve.executor.families.conditioning import Conditioning, Encoded, on_host, padded
 from diffserve.executor.families.packed_flow import PackedFlow
+from diffserve.executor.families.row_sizes import padded_rows
 from diffserve.wire.tasks import IMAGE_TO_IMAGE, INPAINT
 
 SEQUENCE_MULTIPLE = 32  # the transformer pads each stream of a row to a multiple of this
@@ -48,6 +49,7 @@ class ZImage(PackedFlow):
     block_lists = {"ZImageTransformer2DModel": ("layers",)}
     block_kinds = {"ZImageTransformerBlock": BlockKind(hidden="x")}
     guidance_rule = ABOVE_ZERO
+    mixes_sizes = True  # its transformer takes a list of rows, each its own size
 
     def __init__(self, pipe, pipelines, call_kwargs) -> None:
         super().__init__(pipe, pipelines, call_kwargs)
@@ -89,13 +91,24 @@ class ZImage(PackedFlow):
         return pipe.prepare_mask_latents(condition, masked_image, k, height, width, dtype,
                                          self.device, generators)[0]
 
-    def forward(self, latents, timesteps, cond, guidance, width, height):
+    def forward(self, latents, timesteps, cond, guidance, width, height, sizes=None):
         transformer = self.pipe.transformer
         rows = list(latents.to(transformer.dtype).unsqueeze(2).unbind(0))  # a frame axis each
+        mixed = sizes is not None  # rows of several sizes, padded
+        if mixed:  # each row cut to its own size: the transformer pads and masks them itself
+            sides = [self._latent_sides(*size) for size in sizes.sizes]
+            rows = [row[:, :, :h, :w] for row, (h, w) in zip(rows, sides)]
         out = transformer(rows, (1000 - timesteps) / 1000, cond.captions(), return_dict=False)[0]
         # The pipeline negates after guidance; negating first gives the same bits (guidance is
         # linear, its norm cap sign-blind) and hands a rollout's sampler the velocity.
+        if mixed:
+            return -padded_rows(self.torch, [row.float().squeeze(1)[None] for row in out])
         return -self.torch.stack([row.float() for row in out]).squeeze(2)
+
+    def _latent_sides(self, width: int, height: int) -> tuple[int, int]:
+        """(h, w) of an image's latents, as the pipeline makes them."""
+        scale = self.pipe.vae_scale_factor * 2
+        return 2 * (height // scale), 2 * (width // scale)
 
     def guide(self, uncond, cond, scale):
         guided = cond + scale * (cond - uncond)
