@@ -175,6 +175,38 @@ def sizes(b: Bench) -> dict[str, float | None]:
     return f
 
 
+def mixing(b: Bench) -> dict[str, float | None]:
+    """Sizes in one forward: the first of ``--sizes`` alone, then the two mixed, at one rate
+    (``--sizes-load`` percent of step mode's saturation on the first size alone), step mode with
+    --size-mixing auto (one running set, rows padded) and off (a set per size): each size's p50
+    and the images a forward carried, against the uniform traffic's."""
+    a, f, rate = b.args, {}, None
+    if len(a.sizes or []) != 2:
+        raise SystemExit("compare.py mixing: needs --sizes with two sizes, e.g. 64x64,48x48")
+    per_image = lambda run: (run["server_metrics"] or {}).get("mean_step_running_images")  # noqa: E731
+    for name in ("auto", "off"):
+        with b.servers(f"mixing {name}", {"--batching-mode": "step", "--size-mixing": name}) as served:
+            if rate is None:  # the uniform traffic once, on the mixing server (one size: one set)
+                sat = b.load(served, f"saturated {a.sizes[0]}", max_concurrency=a.concurrency,
+                             sizes=a.sizes[:1])
+                rate = f["rate req/s"] = sat["requests_per_s"] * a.sizes_load / 100
+                uniform = b.load(served, f"uniform {a.sizes[0]}", request_rate=rate, sizes=a.sizes[:1])
+                f["p50 ms uniform"] = ms(uniform["latency_s"]["p50"])
+                f["images per forward, uniform"] = per_image(uniform)
+            mixed = b.load(served, f"mixed, {name}", request_rate=rate, sizes=a.sizes)
+            for i, size in enumerate(a.sizes, 1):
+                f[f"p50 ms size {i} ({size}), {name}"] = ms(mixed["latency_by_size_s"][size]["p50"])
+            f[f"images per forward, {name}"] = per_image(mixed)
+    for i, size in enumerate(a.sizes, 1):
+        for name in ("auto", "off"):
+            f[f"p50 size {i}, {name} / uniform"] = ratio(f[f"p50 ms size {i} ({size}), {name}"],
+                                                         f["p50 ms uniform"])
+    for name in ("auto", "off"):
+        f[f"images per forward, {name} / uniform"] = ratio(f[f"images per forward, {name}"],
+                                                          f["images per forward, uniform"])
+    return f
+
+
 def rules(b: Bench) -> dict[str, float | None]:
     """Two ``--sizes`` in turn at ``--sizes-load`` percent of request mode's saturation on the
     first size alone (one rate and the same arrivals for every server), request mode against step
@@ -292,8 +324,9 @@ def arguments(p) -> None:
     p.add_argument("--lora-counts", type=cli.ints, default=[0, 1, 4, 16], help="lora: distinct adapters.")
     p.add_argument("--lora-ranks", type=cli.ints, default=[8, 64], help="lora: adapter ranks.")
     p.add_argument("--lora-load", type=int, default=70, help="lora: %% of saturation for the p99.")
-    p.add_argument("--sizes", type=cli.names, help='sizes: the two sizes to mix, e.g. "32x32,48x48" (required).')
-    p.add_argument("--sizes-load", type=int, default=60, help="sizes, rules: %% of request mode's saturation.")
+    p.add_argument("--sizes", type=cli.names, help='sizes, mixing: the two sizes to mix, e.g. "32x32,48x48".')
+    p.add_argument("--sizes-load", type=int, default=60, help="sizes, rules: %% of request mode's saturation; "
+                   "mixing: of step mode's on the first size.")
     p.add_argument("--set-policies", type=cli.names, default=["fair", "srpt", "oldest"], help="rules: step mode's.")
     p.add_argument("--guidance-scale", type=float, help="rules: the requests' guidance_scale (None: the model's).")
     p.add_argument("--rollout-prompts", type=int, default=4, help="rollout: prompts (groups).")
@@ -320,6 +353,8 @@ SCENARIOS = {
                               ("images per forward, mixed / uniform", ">=", 0.8),
                               ("p99 rare size (90/10), mixed / alone", "<=", 2.0),
                               ("saturated img/s mixed, step / request", ">=", 0.95)]),
+    "mixing": Scenario(mixing, [*((f"p50 size {i}, auto / uniform", "<=", 1.0) for i in (1, 2)),
+                                ("images per forward, auto / uniform", ">=", 0.9)]),
     "rules": Scenario(rules, [(f"p50 size {i}, {p} / request", "<=", 1.0) for p in ("fair", "srpt", "oldest")
                               for i in (1, 2)]),
     "rollout": Scenario(rollout, [("samples/s, groups / singles, step", ">=", 1.3),

@@ -17,6 +17,7 @@ from diffserve.builders.embedded import EMBEDDED, SERVING_DEFAULTS_FILE  # noqa:
 
 PIPELINE_CLASSES = {
     "sd-mid": "StableDiffusionPipeline",
+    "flux-mid": "FluxPipeline",
     "tiny-sdxl": "StableDiffusionXLPipeline",
     "tiny-sd3": "StableDiffusion3Pipeline",
     "tiny-hunyuandit": "HunyuanDiTPipeline",
