@@ -90,3 +90,25 @@ def test_request_mode_applies_one_stack_per_call_and_is_exact(setup):
         for q, o in zip(batch, outcomes):
             assert o.error is None, o.error
             assert max_diff(o.images, expected(setup, q)) <= 2, (q.request_id, q.loras)
+
+
+def test_step_mode_mixes_sizes_and_stacks_in_one_forward(setup):
+    """Where the family mixes sizes (Flux), each row keeps its adapters at its own size."""
+    if setup.model != "tiny-flux":
+        pytest.skip("a family whose rows of different sizes share a forward")
+    import dataclasses
+
+    sizes = [(64, 64), (96, 64), (48, 48), (64, 96)]
+    plan = [dataclasses.replace(r, width=w, height=h)
+            for r, (w, h) in zip(requests(setup.model), sizes)]
+    engine = StepEngine(setup.family, adapters=setup.store, mixed_sizes=frozenset({"generate"}))
+    assert not engine.admit([WorkItem(r, 0, 1) for r in plan], [[]] * len(plan))
+    images, carried = {}, []
+    while engine:
+        out = engine.step()
+        carried.append(out.samples)
+        images.update({o.item.request.request_id: o.images for o in out.finished
+                       if o.error is None})
+    assert carried[0] == 4  # four sizes, four stacks, one forward
+    for r in plan:
+        assert max_diff(images[r.request_id], expected(setup, r)) <= 2, r.request_id

@@ -4,6 +4,9 @@ image equals its family's plain diffusers pipeline called alone (within 2/255)."
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +20,7 @@ from helpers import make_request
 
 # Five sizes and aspect ratios (square, wide, tall, small, large), six requests.
 SIZES = [(64, 64), (96, 64), (64, 96), (48, 48), (80, 80), (64, 64)]
-MIXED = frozenset({"generate", "image-to-image", "inpaint"})
+MIXED = frozenset({"generate", "image-to-image", "inpaint", "rollout"})
 
 
 def engine_for(model: str, mixed=MIXED):
@@ -94,6 +97,31 @@ def test_a_wide_and_a_tall_image_of_equal_tokens_keep_their_own_positions(mixed)
     assert per_forward == [2, 2, 2]
     for r in requests:
         assert max_diff(images[r.request_id], solo(loaded, pipelines, r)) <= 2, r.request_id
+
+
+def test_rollouts_of_different_sizes_share_forwards(mixed):
+    model, loaded, pipelines, engine = mixed
+    if model == "tiny-qwen-image":
+        pytest.skip("one flow-matching family's rollouts suffice here (tests/test_rollouts.py)")
+    plain = [make_request(request_id=f"plain{w}", model=model, task="rollout", width=w,
+                          height=h, seed=5, steps=4, guidance=2.0) for w, h in ((64, 64), (96, 48))]
+    plain = [dataclasses.replace(r, returns=("images",)) for r in plain]
+    sampled = dataclasses.replace(plain[1], request_id="sampled", noise_level=0.8,
+                                  returns=("latents", "log_probs", "images"))
+    done = {}
+    engine.admit([WorkItem(r, 0, 1) for r in [*plain, sampled]], [[], [], []])
+    carried = []
+    while engine:
+        out = engine.step()
+        carried.append(out.samples)
+        done.update({o.item.request.request_id: o for o in out.finished})
+    assert carried[0] == 3
+    for r in plain:  # without noise, the sampler is the pipeline's own step
+        generation = dataclasses.replace(r, task="generate", returns=())
+        assert max_diff(done[r.request_id].images, solo(loaded, pipelines, generation)) <= 2
+    tensors = done["sampled"].tensors
+    assert tensors["images"].shape == (1, 48, 96, 3)
+    assert np.isfinite(tensors["log_probs"]).all() and tensors["latents"].shape[1] == 5
 
 
 def test_without_mixing_each_size_keeps_its_own_set():
