@@ -31,7 +31,8 @@ def engine_for(model: str, mixed=MIXED):
     return loaded, pipelines, StepEngine(family, mixed_sizes=mixed)
 
 
-@pytest.fixture(scope="module", params=["tiny-flux", "tiny-qwen-image", "tiny-z-image"])
+@pytest.fixture(scope="module", params=["tiny-flux", "tiny-qwen-image", "tiny-z-image",
+                                                "tiny-chroma"])
 def mixed(request):
     return request.param, *engine_for(request.param)
 
@@ -75,6 +76,8 @@ def test_six_requests_of_five_sizes_share_forwards_and_equal_their_solo_runs(mix
 
 def test_edits_of_different_sizes_share_forwards(mixed):
     model, loaded, pipelines, engine = mixed
+    if not engine.family.strength_pipelines:
+        pytest.skip(f"{model} has no image-to-image or inpainting pipeline")
     requests, frames = [], []
     for i, (w, h) in enumerate([(64, 64), (96, 64), (48, 48)]):
         image, mask = sample_image(max(w, h))

@@ -10,6 +10,7 @@ row by row; all rows have the same text length, so they stack without padding.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,6 @@ class ChromaConditioning(Conditioning):
 
 class Chroma(Flux):
     name = "chroma"
-    mixes_sizes = False  # its own forward takes one size (docs/batching.md)
     pipelines = ("ChromaPipeline",)
     strength_pipelines = {}  # diffusers' auto-pipelines map none for Chroma
     guidance_rule = ABOVE_ONE
@@ -45,14 +45,19 @@ class Chroma(Flux):
         return Encoded(ChromaConditioning(positive, mask, text_ids),
                        ChromaConditioning(negative, negative_mask, text_ids) if cfg else None)
 
-    def forward(self, latents, timesteps, cond, guidance, width, height):
+    def forward(self, latents, timesteps, cond, guidance, width, height, sizes=None):
         pipe = self.pipe
+        # Rows of several sizes (padded): the bias as the pipeline makes it over the padded
+        # length, the padding then masked out by the per-row processor.
         mask = pipe._prepare_attention_mask(latents.shape[0], latents.shape[1], latents.dtype,
                                             cond.attention_mask)
-        return pipe.transformer(
-            hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000,
-            encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.text_ids,
-            img_ids=self._latent_ids(width, height), attention_mask=mask, return_dict=False)[0]
+        mixed = sizes is not None
+        with self._rows_attention(sizes, cond) if mixed else nullcontext():
+            return pipe.transformer(
+                hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000,
+                encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.text_ids,
+                img_ids=self._latent_ids(*self._longest(sizes) if mixed else (width, height)),
+                attention_mask=mask, return_dict=False)[0]
 
 
 FAMILIES = (Chroma,)

@@ -67,7 +67,10 @@ class RowsProcessor:
             value = torch.cat([text_v, value], dim=1)
         query = rotate_pairs(query, rows.cos, rows.sin)
         key = rotate_pairs(key, rows.cos, rows.sin)
-        out = dispatch_attention_fn(query, key, value, attn_mask=rows.mask,
+        # Chroma's transformer hands its processors a float bias: kept, the padding masked.
+        mask = (rows.mask if attention_mask is None
+                else attention_mask.masked_fill(~rows.mask, float("-inf")))
+        out = dispatch_attention_fn(query, key, value, attn_mask=mask,
                                     backend=getattr(inner, "_attention_backend", None))
         out = out.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
