@@ -82,8 +82,7 @@ class Runtime:
         family = self.family
         why = ("--size-mixing off" if self.config.size_mixing == "off"
                else None if family is None else family.mixes_sizes_now())
-        why = why or ("--step-cache" if self.step_cache is not None else
-                      "--compile" if self.compiled is not None else
+        why = why or ("--compile" if self.compiled is not None else
                       "a parallel group" if self.group is not None else "")
         return {key: ("controls" if key.endswith(WITH_CONTROLS) else
                       "reference images" if TASKS[key].references else why)

@@ -205,3 +205,27 @@ def test_a_denoiser_it_cannot_split_is_refused_with_its_name():
     loaded = load_model("tiny-z-image", torch_threads=1)  # one block in its main stack
     with pytest.raises(UnsupportedCache, match="ZImageTransformer2DModel"):
         StepCache([loaded.pipe.transformer])
+
+
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-z-image"])
+def test_rows_of_different_sizes_cache_as_each_would_alone(model):
+    """In a forward whose rows of several sizes are padded, an image's signal and cache cover
+    its own tokens: its hits and pixels are those of its run alone."""
+    loaded, _, family, cache = parts(model)
+    sizes = [(64, 64), (96, 48), (48, 48)]
+    plan = [cached(make_request(request_id=f"{w}x{h}", model=model, width=w, height=h, seed=i,
+                                steps=8), 1.0) for i, (w, h) in enumerate(sizes)]
+    alone = {}
+    for r in plan:
+        engine = StepEngine(family, step_cache=cache)
+        done, hits, _ = run(engine, {0: [r]})
+        alone[r.request_id] = (done[r.request_id].images, done[r.request_id].cached_steps, hits)
+    assert sum(hits for *_, hits in alone.values()) > 0  # the threshold lets steps reuse
+    engine = StepEngine(family, step_cache=cache, mixed_sizes=frozenset({"generate"}))
+    done, hits, misses = run(engine, {0: plan})
+    rows = 2 if family.uses_cfg(5.0, "") else 1
+    assert hits + misses == 3 * 8 * rows  # one forward a step carried all three
+    for r in plan:
+        images, steps, _ = alone[r.request_id]
+        assert done[r.request_id].cached_steps == steps, r.request_id
+        assert max_diff(done[r.request_id].images, images) <= 1, r.request_id

@@ -21,9 +21,9 @@ def decide(call: CacheCall, signal, reduce: Callable[[Any], Any] | None) -> None
     for e in call.entries:
         c = e.cache
         if (e.threshold <= 0 or e.forced or c is None or c.signal is None or c.owner != call.owner
-                or c.signal.shape != signal[e.offset:e.offset + e.rows].shape):
+                or c.signal.shape != e.own(signal).shape):
             continue
-        now = signal[e.offset:e.offset + e.rows]
+        now = e.own(signal)
         compared.append(e)
         sums.append(torch.stack([(now - c.signal).abs().flatten(1).sum(1, dtype=torch.float32),
                                  c.signal.abs().flatten(1).sum(1, dtype=torch.float32)]))
@@ -59,7 +59,7 @@ def rebuilt(call: CacheCall, computed, residual: bool):
         full = call.first_hidden.clone()
         target = full if call.tokens is None else full[:, :call.tokens]
         for e, j in call.hits:
-            add(target, *rows_of(e, j, full.device))
+            add(target if e.tokens is None else target[:, :e.tokens], *rows_of(e, j, full.device))
     else:
         sample = call.hits[0][0].cache.tail
         full = sample.new_empty((call.rows, *sample.shape[1:]))
@@ -90,11 +90,12 @@ def _commit(e: CacheRows, owner: int, signal, tail, computed: list[int]) -> None
             c.cached[j] += 1
     if not computed:
         return
-    rows = slice(e.offset, e.offset + e.rows)
-    if len(computed) == e.images or c.signal is None or c.owner != owner:
-        c.signal, c.tail = signal[rows].clone(), tail[rows].clone()
+    signal, tail = e.own(signal), e.own(tail)
+    if (len(computed) == e.images or c.signal is None or c.owner != owner
+            or c.signal.shape != signal.shape):
+        c.signal, c.tail = signal.clone(), tail.clone()
     else:
         local = [r for j in computed for r in e.local_rows(j)]
-        c.signal[local] = signal[rows][local]
-        c.tail[local] = tail[rows][local]
+        c.signal[local] = signal[local]
+        c.tail[local] = tail[local]
     c.owner = owner

@@ -43,18 +43,28 @@ class CacheRows:
     images: int
     threshold: float
     forced: bool  # this step computes whatever the signal says (warm-up)
+    # Its own leading image tokens, in a forward whose rows of several sizes are padded to the
+    # longest (None: the call's): its signal and cache cover those alone, so that they do not
+    # depend on the padding, which changes with its batch-mates.
+    tokens: int | None = None
+
+    def own(self, tensor):
+        """Its rows' part of a call's per-token ``tensor`` (rows first, tokens second)."""
+        part = tensor[self.offset:self.offset + self.rows]
+        return part if self.tokens is None else part[:, :self.tokens]
 
     def local_rows(self, image: int) -> list[int]:
         return [image, self.images + image] if self.rows > self.images else [image]
 
 
 def cache_rows(cache: UnitCache | None, offset: int, rows: int, images: int, threshold: float,
-               step: int, steps: int, force: bool = False) -> CacheRows:
+               step: int, steps: int, force: bool = False, tokens: int | None = None) -> CacheRows:
     """``step`` of ``steps``: the first and the last always compute, and every step of a
     forward that ``force`` says must (one that carries ControlNet residuals, which the
-    denoiser adds to every row between its blocks)."""
+    denoiser adds to every row between its blocks). ``tokens``: its own image tokens, where
+    the forward's rows are padded."""
     return CacheRows(cache, offset, rows, images, threshold if cache is not None else 0.0,
-                     force or step == 0 or step >= steps - 1)
+                     force or step == 0 or step >= steps - 1, tokens)
 
 
 @dataclass

@@ -134,8 +134,8 @@ class StepCache:
             return
         index = list(index)
         position = {row: i for i, row in enumerate(index)}
-        entries = [CacheRows(e.cache, position[e.offset], e.rows, e.images, e.threshold, e.forced)
-                   for e in call.entries if e.offset in position]
+        entries = [CacheRows(e.cache, position[e.offset], e.rows, e.images, e.threshold, e.forced,
+                             e.tokens) for e in call.entries if e.offset in position]
         part = CacheCall(entries, len(index), call.tokens)
         self._call = part
         try:

@@ -373,12 +373,16 @@ class StepEngine:
         (``force``: every row computes every block)."""
         if self.step_cache is None:
             return nullcontext()
-        r = inputs.units[0].request
+        fam, r = self.family, inputs.units[0].request
+        # Rows of several sizes: each unit's signal and cache cover its own image tokens.
+        own = ((lambda u: fam.cache_tokens(u.request.width, u.request.height)
+                or fam.row_tokens(u.prepared.latents))
+               if inputs.sizes is not None else lambda u: None)
         return self.step_cache.forward(
             [self.step_cache.rows(u.cache, offset, u.rows, u.samples, u.threshold, u.step,
-                                  len(u.prepared.timesteps), force)
+                                  len(u.prepared.timesteps), force, own(u))
              for u, offset in zip(inputs.units, inputs.offsets)],
-            inputs.rows, self.family.cache_tokens(r.width, r.height))
+            inputs.rows, None if inputs.sizes is not None else fam.cache_tokens(r.width, r.height))
 
     # -- after the forward -----------------------------------------------------------------
 
