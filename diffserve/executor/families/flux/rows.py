@@ -24,15 +24,20 @@ class FluxRows:
 
 def flux_rows(torch, transformer, rows: RowSizes, text_ids, image_ids: dict) -> FluxRows:
     """The rows' positions: ``image_ids`` maps each size to its image tokens' ids."""
-    cos, sin = {}, {}
-    for size in rows.distinct():
-        c, s = transformer.pos_embed(torch.cat([text_ids, image_ids[size]], dim=0))
-        cos[size], sin[size] = c, s
-    length = text_ids.shape[0] + rows.longest
+    return rows_of(torch, rows, text_ids.shape[0], {
+        size: transformer.pos_embed(torch.cat([text_ids, image_ids[size]], dim=0))
+        for size in rows.distinct()}, text_ids.device)
+
+
+def rows_of(torch, rows: RowSizes, text_length: int, positions: dict, device) -> FluxRows:
+    """``positions``: each size's (cos, sin) over its text tokens, then its image tokens."""
+    cos = {size: c for size, (c, _) in positions.items()}
+    sin = {size: s for size, (_, s) in positions.items()}
+    length = text_length + rows.longest
     ones = lambda shape, like: like.new_ones(shape)  # noqa: E731 - the padding turns nothing
     zeros = lambda shape, like: like.new_zeros(shape)  # noqa: E731
-    valid = rows.valid(torch, text_ids.device)
-    text = valid.new_ones((len(rows.tokens), text_ids.shape[0]))
+    valid = rows.valid(torch, device)
+    text = valid.new_ones((len(rows.tokens), text_length))
     mask = torch.cat([text, valid], dim=1)[:, None, None, :]
     return FluxRows(by_row(torch, cos, rows, length, ones), by_row(torch, sin, rows, length, zeros),
                     mask)

@@ -12,6 +12,7 @@ and every prompt has the same padded length.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,9 @@ import numpy as np
 
 from diffserve.wire.costs import ABOVE_ONE, NEVER
 from diffserve.executor.families.conditioning import Conditioning, Encoded, shared
+from diffserve.executor.families.flux2 import rows
 from diffserve.executor.families.packed_flow import PackedFlow
+from diffserve.executor.families.row_sizes import processors_swapped
 
 # The area (pixels) the pipelines shrink a larger reference image to before encoding it.
 REFERENCE_AREA = 1024 * 1024
@@ -47,6 +50,7 @@ class Flux2(PackedFlow):
     name = "flux2"
     pipelines = ("Flux2Pipeline",)
     guidance_rule = NEVER  # guidance is an embedding; the pipeline takes no negative prompt
+    mixes_sizes = True  # generations (edits' reference tokens keep one size a set)
     # The pipelines set no limit of their own. Each reference adds as many tokens as the image
     # generated (and attention costs their square), so an edit takes at most four.
     max_references = 4
@@ -107,18 +111,34 @@ class Flux2(PackedFlow):
         latents, ids = pipe.prepare_image_latents(images, k, generators, self.device, pipe.vae.dtype)
         return {"reference_latents": latents, "reference_ids": ids[0]}
 
-    def forward(self, latents, timesteps, cond, guidance, width, height):
+    def forward(self, latents, timesteps, cond, guidance, width, height, sizes=None):
         torch, transformer = self.torch, self.pipe.transformer
-        tokens, ids = latents, self._latent_ids(width, height)
+        mixed = sizes is not None  # rows of several sizes, padded (generations: no references)
+        tokens, ids = latents, self._latent_ids(*self._longest(sizes) if mixed else (width, height))
         if cond.reference_latents is not None:
             tokens = torch.cat([latents, cond.reference_latents], dim=1)
             ids = torch.cat([ids, cond.reference_ids])
-        out = transformer(
-            hidden_states=tokens.to(transformer.dtype), timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=guidance if transformer.config.guidance_embeds else None,
-            encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.text_ids, img_ids=ids,
-            return_dict=False)[0]
+        with self._rows_attention(sizes, cond) if mixed else nullcontext():
+            out = transformer(
+                hidden_states=tokens.to(transformer.dtype),
+                timestep=timesteps.to(latents.dtype) / 1000,
+                guidance=guidance if transformer.config.guidance_embeds else None,
+                encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.text_ids, img_ids=ids,
+                return_dict=False)[0]
         return out[:, :latents.shape[1]]
+
+    # -- rows of different sizes in one forward (diffserve.executor.families.row_sizes)
+
+    def mixes_sizes_now(self) -> str | None:
+        return self._mixing_refused(rows.kinds())
+
+    def _rows_attention(self, sizes, cond):
+        transformer = self.pipe.transformer
+        positions = self._kept(("rows", sizes.sizes, sizes.length), lambda: rows.flux2_rows(
+            self.torch, transformer, sizes, cond.text_ids,
+            {size: self._latent_ids(*size) for size in sizes.distinct()}))
+        return processors_swapped(transformer, rows.kinds(),
+                                  lambda inner: rows.processor(inner, positions))
 
     def unpack(self, latents, width, height):
         """Tokens to the VAE's patchified grid (k, 4C, h, w), in raster order."""
