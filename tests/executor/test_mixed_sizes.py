@@ -32,7 +32,8 @@ def engine_for(model: str, mixed=MIXED):
 
 
 @pytest.fixture(scope="module", params=["tiny-flux", "tiny-qwen-image", "tiny-z-image",
-                                                "tiny-chroma", "tiny-flux2", "tiny-flux2-klein"])
+                                                "tiny-chroma", "tiny-flux2", "tiny-flux2-klein",
+                                                "tiny-sd3"])
 def mixed(request):
     return request.param, *engine_for(request.param)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
+from collections import OrderedDict
 from contextlib import nullcontext
 from typing import Any, ClassVar
 
@@ -35,6 +37,8 @@ from diffserve.wire.tasks import Task
 
 
 BY_MODEL, BY_ROW, SHARED = "by-model", "by-row", "shared"
+# Values a family keeps per size or mix of sizes (each a few kB): enough for those in flight.
+KEPT = 16
 # How the reference oracle (diffserve.executor.checks.reference) calls an edit's own pipeline, as
 # the documented rules add to a plain call (docs/edits.md): the size asked for as an area with
 # the input image taken as it is (BY_AREA); one prompt with the request's images as one image
@@ -102,6 +106,23 @@ class Family(ControlHooks):
         self.device = pipe._execution_device
         self._samplers: dict[str, Any] = {}  # name -> a scheduler to copy per request
         self.row_scope = RowScope()  # narrowed where a forward splits between denoisers
+        self._kept_values: OrderedDict[tuple, Any] = OrderedDict()
+        # The step loop and an encode stage both ask; reentrant: a mix of sizes makes its
+        # sizes' values within its own.
+        self._kept_lock = threading.RLock()
+
+    def _kept(self, key: tuple, make):
+        """``make()`` once while ``key`` is in use: a size's position ids, a mix of sizes'
+        positions and masks (built on the host and copied up, they would cost a copy that
+        waits for the device at every forward)."""
+        key = (*key, self.dtype)
+        with self._kept_lock:
+            if key not in self._kept_values:
+                self._kept_values[key] = make()
+                while len(self._kept_values) > KEPT:
+                    self._kept_values.popitem(last=False)
+            self._kept_values.move_to_end(key)
+            return self._kept_values[key]
 
     @property
     def denoiser(self):

@@ -5,9 +5,6 @@ the family makes its own per size)."""
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from typing import Any
 
 import numpy as np
 
@@ -19,35 +16,15 @@ def _latents(returned):
     return returned[0] if isinstance(returned, tuple) else returned
 
 
-# Sizes whose position ids a family keeps (each a few kB): enough for the sizes in flight.
-IDS_CACHED = 8
-
-
 class PackedFlow(Family):
     begins_at_index_zero = True
     patch = 2  # latent cells per token side
-
-    def __init__(self, pipe, pipelines, call_kwargs) -> None:
-        super().__init__(pipe, pipelines, call_kwargs)
-        self._ids: OrderedDict[tuple, Any] = OrderedDict()
-        self._ids_lock = threading.RLock()  # the step loop and an encode stage both ask; reentrant: a mix of sizes makes its sizes' ids
 
     def _position_ids(self, width: int, height: int, make):
         """The image tokens' position ids at this size, ``make()`` once while the size is in
         use (built on the host and copied up, they would cost a copy that waits for the device
         at every forward)."""
         return self._kept((width, height), make)
-
-    def _kept(self, key: tuple, make):
-        """``make()`` once while ``key`` is in use (a size's ids, a mix of sizes' positions)."""
-        key = (*key, self.dtype)
-        with self._ids_lock:
-            if key not in self._ids:
-                self._ids[key] = make()
-                while len(self._ids) > IDS_CACHED:
-                    self._ids.popitem(last=False)
-            self._ids.move_to_end(key)
-            return self._ids[key]
 
     def sampled_latents(self, processor, image: np.ndarray, width: int, height: int, k: int,
                         generators: list):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from diffserve.executor.families.blocks import JOINT
 from diffserve.executor.families.base import Family
 from diffserve.executor.families.conditioning import Conditioning, Encoded
+from diffserve.executor.families.patched_rows import grid_valid, patched_per_row
+from diffserve.executor.families.row_sizes import processors_swapped
+from diffserve.executor.families.sd3 import rows
 from diffserve.wire.tasks import IMAGE_TO_IMAGE, INPAINT
 
 
@@ -29,6 +33,7 @@ class StableDiffusion3(Family):
     block_lists = {"SD3Transformer2DModel": ("transformer_blocks",)}
     block_kinds = {"JointTransformerBlock": JOINT}  # its last block returns no text stream
     max_shift = 1.16  # its pipeline's default, where Flux's is 1.15
+    mixes_sizes = True  # each row patchified at its own size, laid out in the union grid
 
     def encode(self, prompts, negatives, cfg):
         positive, negative, pooled, negative_pooled = self.pipe.encode_prompt(
@@ -38,11 +43,33 @@ class StableDiffusion3(Family):
         return Encoded(SD3Conditioning(positive, pooled),
                        SD3Conditioning(negative, negative_pooled) if cfg else None)
 
-    def forward(self, latents, timesteps, cond, guidance, width, height):
-        return self.pipe.transformer(hidden_states=latents, timestep=timesteps,
-                                     encoder_hidden_states=cond.prompt_embeds,
-                                     pooled_projections=cond.pooled_projections,
-                                     return_dict=False)[0]
+    def forward(self, latents, timesteps, cond, guidance, width, height, sizes=None):
+        transformer = self.pipe.transformer
+        with self._rows_in_grid(sizes) if sizes is not None else nullcontext():
+            return transformer(hidden_states=latents, timestep=timesteps,
+                               encoder_hidden_states=cond.prompt_embeds,
+                               pooled_projections=cond.pooled_projections, return_dict=False)[0]
+
+    # -- rows of different sizes in one forward (diffserve.executor.families.patched_rows)
+
+    def mixes_sizes_now(self) -> str | None:
+        return self._mixing_refused(rows.kinds())
+
+    def row_tokens(self, latents) -> int:
+        patch = self.pipe.transformer.config.patch_size
+        return super().row_tokens(latents) // (patch * patch)
+
+    @contextmanager
+    def _rows_in_grid(self, sizes):
+        transformer = self.pipe.transformer
+        scale, patch = self.pipe.vae_scale_factor, transformer.config.patch_size
+        sides = [(h // scale, w // scale) for w, h in sizes.sizes]
+        valid = self._kept(("grid", tuple(sides)), lambda: grid_valid(
+            self.torch, sides, patch, self.device))
+        with (patched_per_row(self.torch, transformer.pos_embed, sides, valid),
+              processors_swapped(transformer, rows.kinds(),
+                                 lambda inner: rows.RowsProcessor(inner, valid))):
+            yield
 
     def vae_latents(self, latents, task):
         vae = self.pipe.vae
