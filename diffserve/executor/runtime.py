@@ -101,7 +101,8 @@ class Runtime:
                           list(self.adapters.current) if self.adapters else [],
                           self.task_modes, self.unavailable, self.group,
                           self.controls.describe() if self.controls else [])
-        return dataclasses.replace(info, speed=dict(self.speed), mixed_sizes=self.mixed_sizes)
+        return dataclasses.replace(info, speed=dict(self.speed), mixed_sizes=self.mixed_sizes,
+                                   mixed_in_grid=bool(self.family and self.family.mixes_in_grid))
 
     @property
     def threaded_stages(self) -> bool:

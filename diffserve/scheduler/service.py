@@ -287,7 +287,8 @@ class SchedulerProc:
         if not self.announced:
             self.core.set_mode(info.batching_mode, info.max_batch_cost, info.max_running_cost,
                                info.task_modes, frozenset(
-                                   key for key in info.mixed_sizes if info.mixes_sizes(key)))
+                                   key for key in info.mixed_sizes if info.mixes_sizes(key)),
+                               info.mixed_in_grid)
             self.metrics.batching_mode.labels(mode=info.batching_mode).set(1)
             self.to_frontend.send_multipart(encode(Kind.READY, info))
             self.announced = True

@@ -12,35 +12,46 @@ from dataclasses import dataclass, field
 from diffserve.wire.request import WorkItem
 
 
+def padded_pixels(sizes, grid: bool) -> int:
+    """The pixels every row of a forward over images of ``sizes`` ((width, height) each) is
+    padded to: the largest image's (tokens padded to the longest row's), or, where the family
+    lays its rows out in one grid (``grid``), the tallest's height times the widest's width."""
+    if not sizes:
+        return 0
+    if grid:
+        return max(w for w, _ in sizes) * max(h for _, h in sizes)
+    return max(w * h for w, h in sizes)
+
+
 @dataclass
 class RunningSet:
     """What an executor holds of one batch key (in request mode: its one batch)."""
 
     samples: int = 0
-    # Pixels an image -> (its images, their cost): a set whose rows' sizes differ (the step
-    # engine mixes them in one forward) pads every row to the largest one's tokens.
-    by_area: dict[int, list] = field(default_factory=dict)
+    # (width, height) -> (its images, their cost): a set whose rows' sizes differ (the step
+    # engine mixes them in one forward) pads every row (``grid``: see padded_pixels).
+    by_size: dict[tuple[int, int], list] = field(default_factory=dict)
+    grid: bool = False
 
     @property
     def cost(self) -> float:
-        """What its forward costs: its images', each priced at the largest image's tokens where
-        their sizes differ (the padding counts)."""
-        return self.density * max(self.by_area, default=0)
+        """What its forward costs: its images', each priced at the padded size where their
+        sizes differ (the padding counts)."""
+        return self.density * padded_pixels(self.by_size, self.grid)
 
     @property
     def density(self) -> float:
-        """Its images' cost per pixel, summed: its cost is this times its largest image's
-        pixels."""
-        return sum(cost / area for area, (_, cost) in self.by_area.items())
+        """Its images' cost per pixel, summed: its cost is this times its padded pixels."""
+        return sum(cost / (w * h) for (w, h), (_, cost) in self.by_size.items())
 
     def change(self, item: WorkItem, sign: int) -> None:
         r = item.request
-        held = self.by_area.setdefault(r.width * r.height, [0, 0.0])
+        held = self.by_size.setdefault((r.width, r.height), [0, 0.0])
         held[0] += sign * item.samples
         held[1] += sign * item.samples * r.cost
         self.samples += sign * item.samples
         if held[0] == 0:
-            del self.by_area[r.width * r.height]
+            del self.by_size[(r.width, r.height)]
 
 
 @dataclass
@@ -63,26 +74,27 @@ class AdapterRoom:
 
 @dataclass
 class PaddedRoom:
-    """The cost room of a running set whose rows' sizes differ (the step engine pads each to
-    the largest one's tokens): ``density`` (its images' cost per pixel, summed) times its
-    largest image's pixels stays within ``limit``, the images that join counted in both."""
+    """The cost room of a running set whose rows' sizes differ (the step engine pads each):
+    ``density`` (its images' cost per pixel, summed) times the padded pixels of ``sizes`` stays
+    within ``limit``, the images that join counted in both."""
 
     density: float
-    largest: int
+    sizes: set[tuple[int, int]]
     limit: float
+    grid: bool = False
 
     def images(self, request) -> int | float:
         """How many images of ``request`` fit (inf where it costs nothing)."""
         area = request.width * request.height
         if request.cost <= 0:
             return math.inf
-        return max(0, math.floor((self.limit / max(self.largest, area) - self.density)
-                                 * area / request.cost + 1e-9))
+        padded = padded_pixels(self.sizes | {(request.width, request.height)}, self.grid)
+        return max(0, math.floor((self.limit / padded - self.density) * area / request.cost
+                                 + 1e-9))
 
     def take(self, request, count: int) -> None:
-        area = request.width * request.height
-        self.density += count * request.cost / area
-        self.largest = max(self.largest, area)
+        self.density += count * request.cost / (request.width * request.height)
+        self.sizes.add((request.width, request.height))
 
 
 @dataclass
@@ -119,6 +131,7 @@ class ExecutorSlot:
     adapters: Counter = field(default_factory=Counter)  # adapter name -> items holding it
     paused: dict[tuple[str, int], tuple[WorkItem, tuple]] = field(default_factory=dict)
     free_since: float = 0.0  # when it last had nothing to do
+    grid_padding: bool = False  # its model pads mixed sizes to one grid (RunningSet.grid)
 
     @property
     def samples(self) -> int:
@@ -156,7 +169,7 @@ class ExecutorSlot:
 
     def without(self, keys) -> "ExecutorSlot":
         """What it would hold with these running items gone (for choosing what to pause)."""
-        other = ExecutorSlot(self.index, self.ready)
+        other = ExecutorSlot(self.index, self.ready, grid_padding=self.grid_padding)
         for key, (item, batch_key) in self.items.items():
             if key not in keys:
                 other.put(item, batch_key)
@@ -164,7 +177,7 @@ class ExecutorSlot:
 
     def put(self, item: WorkItem, batch_key: tuple) -> None:
         self.items[item.key] = (item, batch_key)
-        self.sets.setdefault(batch_key, RunningSet()).change(item, 1)
+        self.sets.setdefault(batch_key, RunningSet(grid=self.grid_padding)).change(item, 1)
         self.adapters.update(name for name, _ in item.request.loras)
 
     def get(self, key: tuple[str, int]) -> WorkItem | None:

@@ -86,6 +86,9 @@ class ModelInfo:
     # Each step-mode task and whether requests of different sizes share one forward: "" where
     # they do, else why not (a UNet family, controls, --step-cache...).
     mixed_sizes: dict[str, str] = field(default_factory=dict)
+    # Where they do: each row padded to the tallest's height by the widest's width (one grid),
+    # else to the longest row's tokens; admission prices the padding by the same rule.
+    mixed_in_grid: bool = False
     unavailable_tasks: dict[str, str] = field(default_factory=dict)
     # Each executor's parallel group ({"ulysses", "ring", "cfg", "tp", "groups"}) and where its
     # components sit (one executor's view).

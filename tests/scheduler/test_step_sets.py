@@ -209,3 +209,16 @@ def test_where_the_engine_mixes_sizes_they_share_one_set_priced_with_its_padding
     run(c, first, now=0.3)
     (edit,) = c.dispatch(0.3)  # the small rows gone, it fits: 2.25 + 2.25 x 1.5
     assert taken([edit]) == [[("edit", 0, 1)]] and c.slots[0].cost == 2.25 + 2.25 * 1.5
+
+
+def test_where_sizes_share_one_grid_the_padding_is_the_tallest_by_the_widest():
+    c = core(max_size=8, delay=0.0, mode=STEP_MODE)
+    c.set_mode(STEP_MODE, 8.0, 12.0, None, frozenset({"generate"}), grid_padding=True)
+    c.add(make_request(request_id="wide", width=128, height=64, cost=2.0), [], 0.0)
+    c.add(make_request(request_id="tall", width=64, height=128, cost=2.0), [], 0.0)
+    (both,) = c.dispatch(0.0)
+    assert taken([both]) == [[("wide", 0, 1), ("tall", 0, 1)]]
+    # Both rows padded to a 128x128 grid: 2 x 2.0 x (128*128 / 128*64).
+    assert c.slots[0].cost == 8.0
+    c.add(make_request(request_id="small", cost=1.0), [], 0.1)
+    assert c.dispatch(0.1) == []  # a third row would take the forward past its 8.0

@@ -95,6 +95,10 @@ class Family(ControlHooks):
     # Whether rows of different sizes share one forward (a transformer's rows are token
     # sequences: diffserve.executor.families.row_sizes); else one running set per size.
     mixes_sizes: ClassVar[bool] = False
+    # Whether it pads them to one grid (the tallest's height by the widest's width: families that
+    # patchify at their first layer, diffserve.executor.families.patched_rows), not to the
+    # longest row's tokens; admission prices the padding by the same rule.
+    mixes_in_grid: ClassVar[bool] = False
 
     def __init__(self, pipe, pipelines: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
         import torch

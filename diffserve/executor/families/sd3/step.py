@@ -34,6 +34,7 @@ class StableDiffusion3(Family):
     block_kinds = {"JointTransformerBlock": JOINT}  # its last block returns no text stream
     max_shift = 1.16  # its pipeline's default, where Flux's is 1.15
     mixes_sizes = True  # each row patchified at its own size, laid out in the union grid
+    mixes_in_grid = True
 
     def encode(self, prompts, negatives, cfg):
         positive, negative, pooled, negative_pooled = self.pipe.encode_prompt(
