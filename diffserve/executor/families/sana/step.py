@@ -14,6 +14,10 @@ from diffserve.executor.families.pixart.step import MaskedTextConditioning, PixA
 
 class Sana(PixArtSigma):
     name = "sana"
+    # Its MLP convolves each token with its neighbours in the grid, so padding cells beside a
+    # row's image would reach it: one size a forward.
+    mixes_sizes = False
+    mixes_in_grid = False
     pipelines = ("SanaPipeline",)
     block_lists = {"SanaTransformer2DModel": ("transformer_blocks",)}
     block_kinds = {"SanaTransformerBlock": CROSS}
