@@ -85,7 +85,8 @@ class Runtime:
         why = why or ("--compile" if self.compiled is not None else
                       "a parallel group" if self.group is not None else "")
         return {key: ("controls" if key.endswith(WITH_CONTROLS) else
-                      "reference images" if TASKS[key].references else why)
+                      "reference images" if TASKS[key].references and not (
+                          family and family.mixes_references) else why)
                 for key, mode in self.task_modes.items() if mode == STEP_MODE}
 
     def _controlled(self, task: str) -> bool:

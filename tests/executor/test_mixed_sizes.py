@@ -135,3 +135,20 @@ def test_without_mixing_each_size_keeps_its_own_set():
     requests = burst("tiny-flux")
     engine.admit([WorkItem(r, 0, r.n) for r in requests], [[] for _ in requests])
     assert len(engine.running_sets()) == 5
+
+
+@pytest.mark.parametrize("model", ["tiny-flux-kontext"])
+def test_instruction_edits_of_different_sizes_share_forwards(model):
+    """Each row's reference tokens after its own image's, padded per row."""
+    loaded, pipelines, engine = engine_for(model, frozenset({"edit"}))
+    requests, frames = [], []
+    for i, (w, h) in enumerate([(64, 64), (96, 64), (48, 48)]):
+        image, _ = sample_image(max(w, h), seed=i)
+        requests.append(make_request(request_id=f"e{i}", model=model, width=w, height=h,
+                                     task="edit", references=1, steps=4, seed=i, guidance=3.5))
+        frames.append([image[:h, :w].copy()])
+    images, per_forward = drain(engine, requests, frames)
+    assert per_forward[0] == 3
+    for r, f in zip(requests, frames):
+        expected = solo(loaded, pipelines, r, references=f)
+        assert max_diff(images[r.request_id], expected) <= 2, r.request_id

@@ -99,6 +99,8 @@ class Family(ControlHooks):
     # patchify at their first layer, diffserve.executor.families.patched_rows), not to the
     # longest row's tokens; admission prices the padding by the same rule.
     mixes_in_grid: ClassVar[bool] = False
+    # Whether its edits (reference images' tokens beside each row's own) mix sizes too.
+    mixes_references: ClassVar[bool] = False
 
     def __init__(self, pipe, pipelines: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
         import torch

@@ -26,11 +26,13 @@ def on_host(default: Any = ()) -> Any:
     return field(default=default, metadata={"rows": HOST})
 
 
-def padded(default: Any = dataclasses.MISSING) -> Any:
+def padded(default: Any = dataclasses.MISSING, rounded: bool = True) -> Any:
     """A field whose rows may differ in length (text tokens): padded with zeros when rows of
     different requests are stacked; a mask field declared the same way gets zeros too, so the
-    padding is masked out."""
-    return field(default=default, metadata={"rows": PADDED})
+    padding is masked out. ``rounded``: to the stack's multiple (text lengths, for static
+    shapes), else to the longest alone (an edit's reference tokens, whose rows of several sizes
+    the family lays out itself)."""
+    return field(default=default, metadata={"rows": PADDED, "rounded": rounded})
 
 
 @dataclass
@@ -74,9 +76,11 @@ class Conditioning:
                   for name in first._fields(BATCHED)}
         joined.update({name: sum((tuple(getattr(p, name)) for p in parts), ())
                        for name in first._fields(HOST)})
+        rounded = {f.name: f.metadata.get("rounded", True) for f in dataclasses.fields(first)}
         for name in first._fields(PADDED):
             tensors = [getattr(p, name) for p in parts]
-            longest = -(-max(t.shape[1] for t in tensors) // multiple) * multiple
+            step = multiple if rounded[name] else 1
+            longest = -(-max(t.shape[1] for t in tensors) // step) * step
             joined[name] = torch.cat([torch.nn.functional.pad(
                 t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1])) for t in tensors])
         return dataclasses.replace(first, **joined)

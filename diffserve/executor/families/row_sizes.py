@@ -94,6 +94,20 @@ def by_row(torch, per_size: dict[tuple[int, int], Any], rows: RowSizes, length: 
     return torch.stack([padded[size] for size in rows.sizes])
 
 
+def joined_rows(parts: Sequence[tuple[Any, Sequence[int]]], length: int):
+    """Each row's own tokens of every part, one part after another, padded with zeros to
+    ``length``: ``parts`` are (tensor (rows, tokens, C), each row's own token count), as an
+    edit's rows carry their image's tokens, then their reference's."""
+    first = parts[0][0]
+    out = first.new_zeros((first.shape[0], length, first.shape[-1]))
+    for row in range(first.shape[0]):
+        at = 0
+        for tensor, counts in parts:
+            out[row, at:at + counts[row]] = tensor[row, :counts[row]]
+            at += counts[row]
+    return out
+
+
 @contextmanager
 def processors_swapped(model, kinds: tuple[type, ...],
                        make: Callable[[Any], Callable]) -> Iterator[None]:

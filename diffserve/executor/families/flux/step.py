@@ -78,11 +78,13 @@ class Flux(PackedFlow):
     def mixes_sizes_now(self) -> str | None:
         return self._mixing_refused(rows.kinds())
 
-    def _rows_attention(self, sizes, cond):
-        transformer = self.pipe.transformer
-        positions = self._kept(("rows", sizes.sizes, sizes.length), lambda: rows.flux_rows(
+    def _rows_attention(self, sizes, cond, image_ids=None, kind: str = ""):
+        """``image_ids(width, height)``: a row's image-part ids (default: its image tokens');
+        ``kind`` names them in the kept positions' key."""
+        transformer, image_ids = self.pipe.transformer, image_ids or self._latent_ids
+        positions = self._kept(("rows", kind, sizes.sizes, sizes.length), lambda: rows.flux_rows(
             self.torch, transformer, sizes, cond.text_ids,
-            {size: self._latent_ids(*size) for size in sizes.distinct()}))
+            {size: image_ids(*size) for size in sizes.distinct()}))
         return processors_swapped(transformer, rows.kinds(),
                                   lambda inner: rows.RowsProcessor(inner, positions))
 

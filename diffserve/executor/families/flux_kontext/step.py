@@ -9,22 +9,27 @@ height`` and ``_auto_resize=False``. Guidance is Flux's embedding (no CFG pass).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from diffserve.executor.families.base import BY_AREA
+from diffserve.executor.families.conditioning import padded
+from diffserve.executor.families.row_sizes import RowSizes, joined_rows
 from diffserve.executor.families.flux.step import Flux, FluxConditioning
 from diffserve.executor.families.reference_batch import TogetherReferences
 
 
 @dataclass
 class KontextConditioning(FluxConditioning):
-    image_latents: Any = None  # an edit's reference image, packed into tokens: one row per image
+    # An edit's reference image, packed into tokens: one row per image (padded to the longest
+    # where rows of several sizes share a forward).
+    image_latents: Any = padded(None, rounded=False)
 
 
 class FluxKontext(TogetherReferences, Flux):
     name = "flux-kontext"
-    mixes_sizes = False  # its own forward takes one size (docs/batching.md)
+    mixes_references = True  # each row's reference tokens after its own, padded per row
     pipelines = ("FluxKontextPipeline",)
     max_references = 1  # the pipeline takes one input image
     reference_call = BY_AREA
@@ -49,23 +54,37 @@ class FluxKontext(TogetherReferences, Flux):
         packed = pipe._pack_latents(latents, 1, self._channels, h, w)
         return {"image_latents": packed.repeat(k, 1, 1)}
 
-    def forward(self, latents, timesteps, cond, guidance, width, height):
+    def forward(self, latents, timesteps, cond, guidance, width, height, sizes=None):
         if cond.image_latents is None:
-            return super().forward(latents, timesteps, cond, guidance, width, height)
+            return super().forward(latents, timesteps, cond, guidance, width, height, sizes=sizes)
         # The reference has the output's size (the server fits it), so its ids are the
         # generated tokens' on the next frame; the answer is the generated tokens' part.
-        ids = self._latent_ids(width, height)
-        reference_ids = ids.clone()
-        reference_ids[..., 0] = 1
+        hidden = self.torch.cat([latents, cond.image_latents], dim=1)
+        rows, mixed = sizes, sizes is not None
+        if mixed:  # each row: its own tokens, its reference's, then padding
+            rows = RowSizes(sizes.sizes, tuple(2 * t for t in sizes.tokens), 2 * sizes.length)
+            hidden = joined_rows([(latents, sizes.tokens), (cond.image_latents, sizes.tokens)],
+                                 rows.length)
         transformer = self.pipe.transformer
-        out = transformer(
-            hidden_states=self.torch.cat([latents, cond.image_latents], dim=1),
-            timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=guidance if transformer.config.guidance_embeds else None,
-            encoder_hidden_states=cond.prompt_embeds, pooled_projections=cond.pooled_projections,
-            txt_ids=cond.text_ids, img_ids=self.torch.cat([ids, reference_ids]),
-            return_dict=False)[0]
+        with self._rows_attention(rows, cond, self._edit_ids, "edit") if mixed else nullcontext():
+            out = transformer(
+                hidden_states=hidden, timestep=timesteps.to(latents.dtype) / 1000,
+                guidance=guidance if transformer.config.guidance_embeds else None,
+                encoder_hidden_states=cond.prompt_embeds,
+                pooled_projections=cond.pooled_projections, txt_ids=cond.text_ids,
+                img_ids=self._edit_ids(*self._longest(sizes) if mixed else (width, height)),
+                return_dict=False)[0]
         return out[:, :latents.shape[1]]
+
+    def _edit_ids(self, width: int, height: int):
+        """An edit row's ids: its image tokens', then its reference's on the next frame."""
+        def make():
+            ids = self._latent_ids(width, height)
+            reference = ids.clone()
+            reference[..., 0] = 1
+            return self.torch.cat([ids, reference])
+
+        return self._kept(("edit-ids", width, height), make)
 
     def request_kwargs(self, task, width, height, references=None):
         kwargs = super().request_kwargs(task, width, height, references)
