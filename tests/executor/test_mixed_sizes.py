@@ -137,7 +137,10 @@ def test_without_mixing_each_size_keeps_its_own_set():
     assert len(engine.running_sets()) == 5
 
 
-@pytest.mark.parametrize("model", ["tiny-flux-kontext"])
+@pytest.mark.parametrize("model", [
+    "tiny-flux-kontext",
+    # Its references go through the VAE at about 1024x1024 (4,096 tokens each): a minute here.
+    pytest.param("tiny-qwen-image-edit", marks=pytest.mark.slow)])
 def test_instruction_edits_of_different_sizes_share_forwards(model):
     """Each row's reference tokens after its own image's, padded per row."""
     loaded, pipelines, engine = engine_for(model, frozenset({"edit"}))

@@ -74,11 +74,14 @@ class QwenImage(PackedFlow):
     def mixes_sizes_now(self) -> str | None:
         return self._mixing_refused(rows.kinds())
 
-    def _rows_attention(self, sizes, cond):
+    def _rows_attention(self, sizes, cond, grids=None, kind: str = ""):
+        """``grids(width, height)``: a row's image-part grids (default: its image's alone);
+        ``kind`` names them in the kept positions' key."""
         transformer, length = self.pipe.transformer, cond.prompt_embeds.shape[1]
-        key = ("rows", sizes.sizes, sizes.length, length)
+        grids = grids or self.grid
+        key = ("rows", kind, sizes.sizes, sizes.length, length)
         positions = self._kept(key, lambda: rows.qwen_rows(
-            self.torch, transformer, sizes, {size: self.grid(*size) for size in sizes.distinct()},
+            self.torch, transformer, sizes, {size: grids(*size) for size in sizes.distinct()},
             length, cond.prompt_embeds.device))
         return processors_swapped(transformer, rows.kinds(),
                                   lambda inner: rows.RowsProcessor(inner, positions))

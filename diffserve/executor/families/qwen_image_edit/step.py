@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffserve.executor.families.base import IMAGE_LIST, ONE_IMAGE
-from diffserve.executor.families.conditioning import Encoded
+from diffserve.executor.families.conditioning import Encoded, padded
+from diffserve.executor.families.row_sizes import RowSizes, joined_rows
 from diffserve.executor.families.qwen_image.step import QwenImage, QwenImageConditioning
 from diffserve.executor.families.reference_batch import TogetherReferences
 
@@ -26,12 +27,14 @@ VAE_AREA = 1024 * 1024  # the pixels the pipelines encode each input image at
 
 @dataclass
 class QwenEditConditioning(QwenImageConditioning):
-    image_latents: Any = None  # the input images' VAE latents, packed: one row per image
+    # The input images' VAE latents, packed: one row per image (padded to the longest where
+    # rows of several sizes share a forward).
+    image_latents: Any = padded(None, rounded=False)
 
 
 class QwenImageEdit(TogetherReferences, QwenImage):
     name = "qwen-image-edit"
-    mixes_sizes = False  # its own forward takes one size (docs/batching.md)
+    mixes_references = True  # each row's reference tokens after its own, padded per row
     pipelines = ("QwenImageEditPipeline",)
     max_references = 1
     reference_call = ONE_IMAGE
@@ -92,12 +95,37 @@ class QwenImageEdit(TogetherReferences, QwenImage):
             packed.append(pipe._pack_latents(latents, 1, self._channels, h, w))
         return {"image_latents": self.torch.cat(packed, dim=1).repeat(k, 1, 1)}
 
-    def forward(self, latents, timesteps, cond, guidance, width, height):
+    def forward(self, latents, timesteps, cond, guidance, width, height, sizes=None):
+        if sizes is not None:
+            return self._forward_rows(latents, timesteps, cond, sizes)
         # The inputs have the output's aspect ratio, so each has the grid of the VAE's size.
         reference = self.grid(*self._size(VAE_AREA, width, height))
         count = cond.image_latents.shape[1] // (reference[1] * reference[2])
         out = self.transform(self.torch.cat([latents, cond.image_latents], dim=1), timesteps,
                              cond, [self.grid(width, height), *[reference] * count])
+        return out[:, :latents.shape[1]]
+
+    def _reference_tokens(self, width: int, height: int) -> int:
+        _, h, w = self.grid(*self._size(VAE_AREA, width, height))
+        return h * w
+
+    def _forward_rows(self, latents, timesteps, cond, sizes):
+        """Rows of several sizes: each row's own tokens, then its references', then padding."""
+        # Every row of a set has as many references (the batch key); the longest row's fill
+        # the padded field.
+        count = cond.image_latents.shape[1] // max(self._reference_tokens(*s) for s in sizes.sizes)
+        references = [count * self._reference_tokens(*size) for size in sizes.sizes]
+        joined = [t + r for t, r in zip(sizes.tokens, references)]
+        rows = RowSizes(sizes.sizes, tuple(joined), max(joined))
+        hidden = joined_rows([(latents, sizes.tokens), (cond.image_latents, references)],
+                             rows.length)
+
+        def grids(width: int, height: int) -> list:
+            return [self.grid(width, height),
+                    *[self.grid(*self._size(VAE_AREA, width, height))] * count]
+
+        with self._rows_attention(rows, cond, grids, f"edit-{count}"):
+            out = self.transform(hidden, timesteps, cond, grids(*self._longest(sizes)))
         return out[:, :latents.shape[1]]
 
     def request_kwargs(self, task, width, height, references=None):
