@@ -67,8 +67,8 @@ class ServerConfig(SpeedOptions):
         "auto", "Step mode: whether requests of different sizes share one denoiser forward. auto: "
         "where the family's transformer takes them (Flux, FLUX.2, Chroma, Qwen-Image and its "
         "edits, FLUX.1 Kontext, Z-Image, SD3, PixArt-Sigma: rows padded, attention masked, each "
-        "row its own positions), for tasks without controls, without --compile or a parallel "
-        "group; else one running set per size (docs/batching.md, \"Sizes in one forward\"). "
+        "row its own positions; with ControlNets on Flux and Qwen-Image), without --compile or a "
+        "parallel group; else one running set per size (docs/batching.md, \"Sizes in one forward\"). "
         "off: one running set per size.", choices=("auto", "off"))
     set_policy: str = option(
         "auto", "Step mode: which running set (one per size) the next denoising step advances. "

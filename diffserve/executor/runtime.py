@@ -84,8 +84,9 @@ class Runtime:
                else None if family is None else family.mixes_sizes_now())
         why = why or ("--compile" if self.compiled is not None else
                       "a parallel group" if self.group is not None else "")
-        return {key: ("controls" if key.endswith(WITH_CONTROLS) else
-                      "reference images" if TASKS[key].references and not (
+        return {key: ("controls" if key.endswith(WITH_CONTROLS) and not (
+                          family and family.mixes_controls) else
+                      "reference images" if TASKS[key.split("+")[0]].references and not (
                           family and family.mixes_references) else why)
                 for key, mode in self.task_modes.items() if mode == STEP_MODE}
 

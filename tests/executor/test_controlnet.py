@@ -185,3 +185,34 @@ def test_with_the_step_cache_forwards_with_controls_compute_every_row():
     for r in (controlled, plain):  # nothing was reused in their forwards: each is exact
         assert max_diff(got[r.request_id].images, reference(rt, r)) <= 2, r.request_id
     assert stepped(rt, {0: [(early, frames_of(early))]})["early"].cached_steps[0] > 0
+
+
+@pytest.mark.parametrize("model, control", [("tiny-flux", "tiny-flux-control"),
+                                            ("tiny-qwen-image", "tiny-qwen-image-control")])
+def test_controls_on_rows_of_different_sizes_share_forwards(model, control):
+    """Where sizes share a forward, the control model's does too: each row's own positions."""
+    rt = runtime(model, edges=control)
+    assert rt.describe().mixed_sizes["generate+controls"] == ""
+    extra = {"negative_prompt": "blurry"} if model == "tiny-qwen-image" else {}  # true CFG
+    sizes = [(64, 64), (96, 64), (48, 48)]
+    rs = [ImageRequest(f"r{w}x{h}", rt.info.name, w, h, num_inference_steps=4, seed=i,
+                       guidance_scale=rt.info.default_guidance_scale, prompt=f"a cat {i}",
+                       controls=(Control("edges", 0.8),) if i != 1 else (), **extra)
+          for i, (w, h) in enumerate(sizes)]
+    pictures = {}
+    for r in rs:
+        picture = np.zeros((r.height, r.width, 3), np.uint8)
+        picture[r.height // 4:3 * r.height // 4, r.width // 4:3 * r.width // 4] = 255
+        pictures[r.request_id] = picture
+    engine = rt.step_engine()
+    assert not engine.admit([WorkItem(r, 0, 1) for r in rs],
+                            [[pictures[r.request_id]] if r.controls else [] for r in rs])
+    assert len(engine.running_sets()) == 1
+    got = {}
+    while engine:
+        got.update({o.item.request.request_id: o for o in engine.step().finished})
+    for r in rs:
+        assert got[r.request_id].error is None, got[r.request_id].error
+        controls = [(rt.controls["edges"].module, pictures[r.request_id])] if r.controls else None
+        expected = solo(rt.loaded, rt.pipelines, r, controls=controls)
+        assert max_diff(got[r.request_id].images, expected) <= 2, r.request_id

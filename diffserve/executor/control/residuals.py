@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from diffserve.executor.families.row_sizes import padded_rows
 from diffserve.executor.rows import on_device, selection, take
 
 
@@ -64,9 +65,10 @@ class ControlPlan:
 
 
 def residuals(family, uses: list[Use], latents, timesteps, cond, guidance, width: int,
-              height: int):
+              height: int, sizes=None):
     """Every control model's residuals for the forward's rows (None where no use acts): each
-    model once over its uses' source rows, scaled per use, summed into its targets."""
+    model once over its uses' source rows, scaled per use, summed into its targets.
+    ``sizes``: the rows' sizes, where they differ (their latents and conditions padded)."""
     if not uses:
         return None
     torch, device = family.torch, latents.device
@@ -81,9 +83,14 @@ def residuals(family, uses: list[Use], latents, timesteps, cond, guidance, width
         modes = None
         if family.controls[name].modes:
             modes = on_device([[u.control.mode] for u in group], device)
+        conditions = [u.condition for u in group]
+        extra = {}
+        if sizes is not None:  # rows of several sizes: their conditions padded like the latents
+            extra["sizes"] = sizes.select(sources)
+            conditions = [padded_rows(torch, conditions)]
         out = family.control_call(module, take(source, latents), take(source, timesteps),
                                   cond.select(source, sources), take(source, guidance),
-                                  torch.cat([u.condition for u in group]), modes, width, height)
+                                  torch.cat(conditions), modes, width, height, **extra)
         scale = on_device([float(u.control.scale) for u in group], device, torch.float32)
         pairs = [(n, row) for n, u in enumerate(group) for row in u.targets]
         into = selection([row for _, row in pairs], device)

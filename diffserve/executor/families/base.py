@@ -101,6 +101,8 @@ class Family(ControlHooks):
     mixes_in_grid: ClassVar[bool] = False
     # Whether its edits (reference images' tokens beside each row's own) mix sizes too.
     mixes_references: ClassVar[bool] = False
+    # Whether requests with ControlNet controls mix sizes too (the control models' forward).
+    mixes_controls: ClassVar[bool] = False
 
     def __init__(self, pipe, pipelines: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
         import torch

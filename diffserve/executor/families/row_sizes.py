@@ -20,6 +20,7 @@ forward swaps them, for its duration only, for the family's per-row processor
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -108,12 +109,23 @@ def joined_rows(parts: Sequence[tuple[Any, Sequence[int]]], length: int):
     return out
 
 
+# Each model's modules that have an attention processor, found once (a walk over a real-size
+# transformer's thousand modules at every forward would cost a millisecond of host time).
+_attention: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
+
+
+def attention_modules(model) -> list:
+    if model not in _attention:
+        _attention[model] = [m for m in model.modules() if hasattr(m, "processor")]
+    return _attention[model]
+
+
 @contextmanager
 def processors_swapped(model, kinds: tuple[type, ...],
                        make: Callable[[Any], Callable]) -> Iterator[None]:
     """For the duration, every attention module of ``model`` whose processor is one of
     ``kinds`` runs ``make(processor)`` instead."""
-    modules = [m for m in model.modules() if isinstance(getattr(m, "processor", None), kinds)]
+    modules = [m for m in attention_modules(model) if isinstance(m.processor, kinds)]
     saved = [m.processor for m in modules]
     try:
         for m, processor in zip(modules, saved):

@@ -336,7 +336,7 @@ class StepEngine:
               self._cached(inputs, force=bool(uses))):
             # Every control model once over the rows that use it, before the denoiser.
             control = residuals(fam, uses, latents, timesteps, inputs.cond, inputs.guidance,
-                                r.width, r.height)
+                                r.width, r.height, inputs.sizes)
             branches = inputs.cfg_branches() if self._cfg_parallel else None
             if branches is None:
                 output = self._forward(inputs, latents, timesteps, slice(None), r, control)

@@ -38,6 +38,7 @@ class Flux(PackedFlow):
     block_kinds = {"FluxTransformerBlock": JOINT, "FluxSingleTransformerBlock": JOINT}
     guidance_rule = NEVER  # guidance is an input of the transformer; negative prompts are not used
     mixes_sizes = True
+    mixes_controls = True  # its ControlNets' attention stood in for per row too
     control_classes = controls.CLASSES
     control_config_keys = ("in_channels", "joint_attention_dim", "pooled_projection_dim")
     control_pipelines = controls.PIPELINES
@@ -78,14 +79,15 @@ class Flux(PackedFlow):
     def mixes_sizes_now(self) -> str | None:
         return self._mixing_refused(rows.kinds())
 
-    def _rows_attention(self, sizes, cond, image_ids=None, kind: str = ""):
+    def _rows_attention(self, sizes, cond, image_ids=None, kind: str = "", model=None):
         """``image_ids(width, height)``: a row's image-part ids (default: its image tokens');
-        ``kind`` names them in the kept positions' key."""
+        ``kind`` names them in the kept positions' key; ``model``: whose processors (default:
+        the transformer's; a control model's share its positions)."""
         transformer, image_ids = self.pipe.transformer, image_ids or self._latent_ids
         positions = self._kept(("rows", kind, sizes.sizes, sizes.length), lambda: rows.flux_rows(
             self.torch, transformer, sizes, cond.text_ids,
             {size: image_ids(*size) for size in sizes.distinct()}))
-        return processors_swapped(transformer, rows.kinds(),
+        return processors_swapped(model or transformer, rows.kinds(),
                                   lambda inner: rows.RowsProcessor(inner, positions))
 
     # -- ControlNet: InstantX's kind, the control image through the VAE as packed latents, one
@@ -108,13 +110,17 @@ class Flux(PackedFlow):
         return pipe._pack_latents(latents, k, latents.shape[1], *latents.shape[2:])
 
     def control_call(self, module, latents, timesteps, cond, guidance, control_cond, modes,
-                     width, height):
-        blocks, singles = module(
-            hidden_states=latents, controlnet_cond=control_cond, controlnet_mode=modes,
-            conditioning_scale=1.0, timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=guidance if module.config.guidance_embeds else None,
-            pooled_projections=cond.pooled_projections, encoder_hidden_states=cond.prompt_embeds,
-            txt_ids=cond.text_ids, img_ids=self._latent_ids(width, height), return_dict=False)
+                     width, height, sizes=None):
+        mixed = sizes is not None  # rows of several sizes: the control model's attention per row
+        with self._rows_attention(sizes, cond, model=module) if mixed else nullcontext():
+            blocks, singles = module(
+                hidden_states=latents, controlnet_cond=control_cond, controlnet_mode=modes,
+                conditioning_scale=1.0, timestep=timesteps.to(latents.dtype) / 1000,
+                guidance=guidance if module.config.guidance_embeds else None,
+                pooled_projections=cond.pooled_projections,
+                encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.text_ids,
+                img_ids=self._latent_ids(*self._longest(sizes) if mixed else (width, height)),
+                return_dict=False)
         return list(blocks or ()), list(singles or ())
 
     def vae_latents(self, latents, task):

@@ -9,6 +9,7 @@ variants only.)
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ class QwenImage(PackedFlow):
     guidance_kwarg = "true_cfg_scale"
     guidance_rule = WITH_NEGATIVE
     mixes_sizes = True
+    mixes_controls = True  # its ControlNets' attention stood in for per row too
     text_bucket = 64  # a 64-token pad is under 2% of a 1024x1024 image's 4,096 tokens
     control_classes = controls.CLASSES
     control_config_keys = ("in_channels", "joint_attention_dim")
@@ -65,7 +67,8 @@ class QwenImage(PackedFlow):
         if sizes is not None:  # rows of several sizes, padded
             with self._rows_attention(sizes, cond):
                 return self.transform(latents, timesteps, cond,
-                                      [self.grid(*self._longest(sizes))])
+                                      [self.grid(*self._longest(sizes))],
+                                      control[0] if control is not None else None)
         return self.transform(latents, timesteps, cond, [self.grid(width, height)],
                               control[0] if control is not None else None)
 
@@ -74,16 +77,17 @@ class QwenImage(PackedFlow):
     def mixes_sizes_now(self) -> str | None:
         return self._mixing_refused(rows.kinds())
 
-    def _rows_attention(self, sizes, cond, grids=None, kind: str = ""):
+    def _rows_attention(self, sizes, cond, grids=None, kind: str = "", model=None):
         """``grids(width, height)``: a row's image-part grids (default: its image's alone);
-        ``kind`` names them in the kept positions' key."""
+        ``kind`` names them in the kept positions' key; ``model``: whose processors (default:
+        the transformer's; a control model's share its positions)."""
         transformer, length = self.pipe.transformer, cond.prompt_embeds.shape[1]
         grids = grids or self.grid
         key = ("rows", kind, sizes.sizes, sizes.length, length)
         positions = self._kept(key, lambda: rows.qwen_rows(
             self.torch, transformer, sizes, {size: grids(*size) for size in sizes.distinct()},
             length, cond.prompt_embeds.device))
-        return processors_swapped(transformer, rows.kinds(),
+        return processors_swapped(model or transformer, rows.kinds(),
                                   lambda inner: rows.RowsProcessor(inner, positions))
 
     _mask_seen: tuple = (None, None)  # the last forward's mask, and what mask_of made of it
@@ -129,12 +133,16 @@ class QwenImage(PackedFlow):
                                   latents.shape[3], latents.shape[4]).to(self.device, dtype)
 
     def control_call(self, module, latents, timesteps, cond, guidance, control_cond, modes,
-                     width, height):
-        samples = module(
-            hidden_states=latents, controlnet_cond=control_cond, conditioning_scale=1.0,
-            timestep=timesteps.to(latents.dtype) / 1000, encoder_hidden_states=cond.prompt_embeds,
-            encoder_hidden_states_mask=self.mask_of(cond),
-            img_shapes=[[self.grid(width, height)]] * latents.shape[0], return_dict=False)
+                     width, height, sizes=None):
+        mixed = sizes is not None  # rows of several sizes: the control model's attention per row
+        with self._rows_attention(sizes, cond, model=module) if mixed else nullcontext():
+            samples = module(
+                hidden_states=latents, controlnet_cond=control_cond, conditioning_scale=1.0,
+                timestep=timesteps.to(latents.dtype) / 1000,
+                encoder_hidden_states=cond.prompt_embeds,
+                encoder_hidden_states_mask=self.mask_of(cond),
+                img_shapes=[[self.grid(*self._longest(sizes) if mixed else (width, height))]]
+                * latents.shape[0], return_dict=False)
         return (list(samples),)
 
     def guide(self, uncond, cond, scale):
