@@ -155,3 +155,17 @@ def test_instruction_edits_of_different_sizes_share_forwards(model):
     for r, f in zip(requests, frames):
         expected = solo(loaded, pipelines, r, references=f)
         assert max_diff(images[r.request_id], expected) <= 2, r.request_id
+
+
+def test_a_kernel_without_masks_gives_way_to_native_in_a_mixed_forward():
+    """A backend chosen for forwards of one size (a flash kernel takes no mask) must not fail
+    a forward of several: it runs on native there."""
+    from diffserve.executor.families.row_sizes import masked_backend
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    class Processor:
+        _attention_backend = AttentionBackendName._NATIVE_FLASH
+
+    assert masked_backend(Processor()) == AttentionBackendName.NATIVE
+    Processor._attention_backend = AttentionBackendName._NATIVE_MATH
+    assert masked_backend(Processor()) == AttentionBackendName._NATIVE_MATH

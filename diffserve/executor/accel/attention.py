@@ -102,6 +102,12 @@ def apply(modules, name: str) -> None:
             module.set_attention_backend(BACKENDS[name])
     finally:
         model_log.setLevel(level)
+    # diffusers also makes it the process's default for every processor that names none (a
+    # later model's, a control model loaded after): each served module names its own, and the
+    # default stays native.
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    _AttentionBackendRegistry.set_active_backend(AttentionBackendName.NATIVE)
 
 
 def served_modules(rt) -> list:
@@ -147,6 +153,7 @@ def choose(rt, requested: str) -> AttentionChoice:
             try:  # a kernel may refuse what serving sends it (a mask, a head size): find out now
                 _timed_step(rt, timed=0)
             except Exception as error:  # noqa: BLE001 - said at start, naming the flag
+                apply(modules, "native")  # the model as it was (a process may load it again)
                 raise ConfigError(f"--attention-backend {name}: a step of two requests with "
                                   f"prompts of different lengths failed: "
                                   f"{type(error).__name__}: {error}") from None

@@ -144,6 +144,23 @@ def foreign_processors(model, kinds: tuple[type, ...]) -> list[str]:
                    and not isinstance(m.processor, kinds)})
 
 
+# The dispatcher's kernels that take a mask: a mixed forward's attention always has one, so a
+# backend chosen for unmasked forwards (a flash kernel) gives way to native there.
+MASKED_BACKENDS = frozenset({"native", "_native_math", "_native_efficient"})
+
+
+def masked_backend(inner):
+    """The attention backend a mixed forward runs where ``inner`` (the model's processor) runs
+    its own: the same where it takes a mask, else native (torch's SDPA picks a kernel that
+    takes one)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    backend = getattr(inner, "_attention_backend", None)
+    if backend is not None and str(getattr(backend, "value", backend)) in MASKED_BACKENDS:
+        return backend
+    return AttentionBackendName.NATIVE
+
+
 def rotate_pairs(x, cos, sin):
     """Rotary positions on ``x`` (rows, tokens, heads, dim), adjacent channel pairs rotated
     (Flux's layout), with each row's own ``cos`` and ``sin`` (rows, tokens, dim)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.executor.families.row_sizes import RowSizes, by_row, rotate_pairs
+from diffserve.executor.families.row_sizes import RowSizes, by_row, masked_backend, rotate_pairs
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class RowsProcessor:
         mask = (rows.mask if attention_mask is None
                 else attention_mask.masked_fill(~rows.mask, float("-inf")))
         out = dispatch_attention_fn(query, key, value, attn_mask=mask,
-                                    backend=getattr(inner, "_attention_backend", None))
+                                    backend=masked_backend(inner))
         out = out.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out

@@ -6,7 +6,7 @@ share one projection). Each row's rotary positions are its text ids' then its ow
 from __future__ import annotations
 
 from diffserve.executor.families.flux.rows import FluxRows, rows_of
-from diffserve.executor.families.row_sizes import RowSizes, rotate_pairs
+from diffserve.executor.families.row_sizes import RowSizes, masked_backend, rotate_pairs
 
 
 def flux2_rows(torch, transformer, rows: RowSizes, text_ids, image_ids: dict) -> FluxRows:
@@ -52,7 +52,7 @@ class DoubleProcessor:
         query = rotate_pairs(query, rows.cos, rows.sin)
         key = rotate_pairs(key, rows.cos, rows.sin)
         out = dispatch_attention_fn(query, key, value, attn_mask=_mask(rows, attention_mask),
-                                    backend=getattr(self.inner, "_attention_backend", None))
+                                    backend=masked_backend(self.inner))
         out = out.flatten(2, 3).to(query.dtype)
         text = None
         if encoder_hidden_states is not None:
@@ -83,7 +83,7 @@ class SingleProcessor:
         query = rotate_pairs(query, rows.cos, rows.sin)
         key = rotate_pairs(key, rows.cos, rows.sin)
         out = dispatch_attention_fn(query, key, value, attn_mask=_mask(rows, attention_mask),
-                                    backend=getattr(self.inner, "_attention_backend", None))
+                                    backend=masked_backend(self.inner))
         out = out.flatten(2, 3).to(query.dtype)
         return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.executor.families.row_sizes import RowSizes, by_row, rotate_complex
+from diffserve.executor.families.row_sizes import RowSizes, by_row, masked_backend, rotate_complex
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class RowsProcessor:
         out = dispatch_attention_fn(
             torch.cat([text_q, image_q], 1), torch.cat([text_k, image_k], 1),
             torch.cat([text_v, image_v], 1), attn_mask=mask, dropout_p=0.0, is_causal=False,
-            backend=getattr(inner, "_attention_backend", None))
+            backend=masked_backend(inner))
         out = out.flatten(2, 3).to(text_q.dtype)
         seq_text = encoder_hidden_states.shape[1]
         image = attn.to_out[0](out[:, seq_text:].contiguous())
