@@ -8,6 +8,7 @@ so there is a single place where a default or a limit can change.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from diffserve.config.fields import option, parse_value  # noqa: F401 - parse_va
 from diffserve.config.rules import ConfigError, named_paths
 from diffserve.config.speed import SpeedOptions
 from diffserve.policies import QUEUE_POLICIES, SET_POLICIES
-from diffserve.config import executors
+from diffserve.config import executors, models
 from diffserve.config.executors import Degrees
 
 DEFAULT_MODEL = "shapes"
@@ -30,8 +31,18 @@ RESERVED_ADAPTER_NAMES = (NO_ADAPTER, OTHER_ADAPTERS)
 class ServerConfig(SpeedOptions):
     model: str = option(DEFAULT_MODEL,
                         "Model to serve: an embedded model name (see `diffserve models`), a local "
-                        "diffusers pipeline directory, or a hub id (needs a network).")
+                        "diffusers pipeline directory, `random:NAME`, or a hub id (needs a "
+                        "network). Repeat it as NAME=PATH to serve several, picked by the "
+                        "request's model field; the first is the default (docs/models.md).",
+                        metavar="[NAME=]PATH", repeat=True)
     served_model_name: str = option("", "Name clients use in the `model` field; defaults to --model.")
+    resident_models: int = option(
+        0, "Several --model: most models awake at once; the others sleep in host memory and are "
+        "swapped in (a measured sleep and wake) when their requests come. 0 = all.", ge=0, le=64)
+    max_swap_wait_ms: float = option(
+        5000.0, "Several --model: longest a request waits for its model to be swapped in while "
+        "every resident model is busy; past it the busiest resident model's queue waits "
+        "instead (its running work finishes first).", ge=0, le=3_600_000)
     host: str = option("127.0.0.1", "Address to bind. The default only accepts local clients.")
     port: int = option(8000, "TCP port for the HTTP API.", ge=0, le=65535)
     dynamic_batch_max_size: int = option(
@@ -271,7 +282,7 @@ class ServerConfig(SpeedOptions):
                 raise ConfigError(f"{flag}={value!r} is above the maximum {meta['le']}")
             if meta.get("choices") and value not in meta["choices"]:
                 raise ConfigError(f"{flag}={value!r} is not one of {', '.join(meta['choices'])}")
-        problem = next(config_rules.problems(self), None)
+        problem = next(itertools.chain(config_rules.problems(self), models.problems(self)), None)
         if problem is not None:
             raise ConfigError(problem)
 
@@ -283,7 +294,17 @@ class ServerConfig(SpeedOptions):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        """The name of the (first, default) model."""
+        return next(iter(self.served_models))
+
+    @property
+    def served_models(self) -> dict[str, str]:
+        """Each model's name -> path, the default first (:mod:`diffserve.config.models`)."""
+        return models.served_models(self)
+
+    def for_model(self, name: str) -> "ServerConfig":
+        """The configuration one model's engine runs with (:func:`diffserve.config.models.for_model`)."""
+        return models.for_model(self, name)
 
     @property
     def lora_adapters(self) -> dict[str, str]:
@@ -366,7 +387,8 @@ class ServerConfig(SpeedOptions):
             env = f.metadata.get("env")
             if values.get(f.name) is not None:
                 value = values[f.name]
-                merged[f.name] = tuple(value) if isinstance(f.default, tuple) else value
+                merged[f.name] = (tuple(value) if isinstance(f.default, tuple) else
+                                  ",".join(value) if f.metadata.get("repeat") else value)
             elif env and os.environ.get(env):
                 merged[f.name] = parse_value(f, os.environ[env])
         return cls(**merged)

@@ -112,11 +112,12 @@ def _serving(config) -> Iterator[str]:
     controls = config.control_models  # checks each NAME=PATH
     if config.model_name in controls:
         yield f"--controlnet names a control model {config.model_name!r}, the served model's own name"
-    if random_weights.is_random(config.model):
-        try:
-            random_weights.parse(config.model)
-        except random_weights.RandomModelError as error:
-            yield str(error)
+    for path in config.served_models.values():
+        if random_weights.is_random(path):
+            try:
+                random_weights.parse(path)
+            except random_weights.RandomModelError as error:
+                yield str(error)
     if config.model_name in config.lora_adapters:  # which also checks each NAME=PATH
         yield (f"--lora-modules names an adapter {config.model_name!r}, the served model's own "
                "name")
