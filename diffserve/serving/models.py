@@ -1,0 +1,204 @@
+"""Several models behind one frontend (``--model NAME=PATH`` repeated): one engine per model
+(:class:`~diffserve.serving.backend.Backend`: its scheduler and executors, as a one-model server
+runs them), routed by the request's ``model``, with the face of the one engine's client that the
+routes talk to. Which models stay awake is :mod:`diffserve.serving.residency`'s business.
+
+Each model's engine is built from :meth:`ServerConfig.for_model` (docs/models.md#several-models):
+its own diffserve.json defaults, start-up checks and batching mode; adapters and control models
+only on the default model. A model that cannot load is listed as failed and answers 503; the
+server starts while any model loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from diffserve import metrics
+from diffserve.config.flags import ServerConfig
+from diffserve.config.models import swaps
+from diffserve.errors import APIError, model_not_found, unavailable
+from diffserve.frontend.scheduler_client import DoneEvent, StartupError
+from diffserve.policies.swaps import SwapPolicy
+from diffserve.serving.backend import Backend
+from diffserve.serving.residency import FAILED, ModelMetrics, ModelRecord, Residency
+
+log = logging.getLogger("diffserve")
+
+
+class ModelSet:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.metrics = metrics.FrontendMetrics()
+        self.metrics_dir = metrics.prepare_directory()
+        self.names = list(config.served_models)
+        self.records = {name: ModelRecord() for name in self.names}
+        self.model_metrics = ModelMetrics(self.metrics.registry, self.names)
+        self.policy = SwapPolicy(self.names, config.resident_models if swaps(config) else 0,
+                                 max_wait_s=config.max_swap_wait_ms / 1000)
+        # Every engine starts at once: the models load side by side.
+        self._all = {name: Backend(config.for_model(name), self.metrics_dir, self.metrics)
+                     for name in self.names}
+        self.engines: dict[str, Backend] = {}  # those that loaded
+        self.default = self.names[0]
+        self.residency: Residency | None = None
+        self.client = self  # what the routes talk to
+        self.shared_dir = None  # no weight updates with several models
+
+    # -- start and stop --------------------------------------------------------------------
+
+    def wait_ready(self):
+        """Wait for every model; the default model's info. Raises StartupError if none loads."""
+        for name, backend in self._all.items():
+            try:
+                info = backend.wait_ready()
+            except StartupError as error:
+                log.error("model %r could not load: %s", name, error)
+                record = self.records[name]
+                record.location, record.error = FAILED, str(error)
+                self.policy.failed(name, str(error))
+                backend.stop()
+                continue
+            self.engines[name] = backend
+            size = sum(c.bytes for c in info.components if c.rank == 0)
+            record = self.records[name]
+            record.size_bytes, record.loaded_at = size, time.time()
+            self.policy.loaded(name, size, time.monotonic())
+        if not self.engines:
+            raise StartupError("no model could load: " + "; ".join(
+                f"{name}: {r.error}" for name, r in self.records.items()))
+        self.default = next(iter(self.engines))
+        self.residency = Residency({n: b.client for n, b in self.engines.items()}, self.policy,
+                                   self.records, self.model_metrics)
+        return self.model_info
+
+    @contextlib.asynccontextmanager
+    async def serving(self, on_failure):
+        async with contextlib.AsyncExitStack() as stack:
+            for backend in self.engines.values():
+                await stack.enter_async_context(backend.serving(on_failure))
+            task = asyncio.get_running_loop().create_task(self.residency.run())
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    def stop(self) -> None:
+        for backend in self.engines.values():
+            backend.stop()
+        if not self.engines:  # stopped as they failed, or never waited for
+            for name, backend in self._all.items():
+                if self.records[name].location != FAILED:
+                    backend.stop()
+        metrics.remove_directory(self.metrics_dir)
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        if self.residency is not None:
+            self.residency.update_gauges()
+        return metrics.render(self.metrics_dir, self.metrics)
+
+    # -- the face of one engine's client ---------------------------------------------------
+
+    @property
+    def _default(self):
+        return self.engines[self.default].client
+
+    @property
+    def model_info(self):
+        return self._default.model_info
+
+    @property
+    def adapters(self) -> dict[str, None]:
+        return self._default.adapters
+
+    @property
+    def status(self):
+        return self._default.status
+
+    @property
+    def ready(self) -> bool:
+        return any(b.client.ready for b in self.engines.values())
+
+    @property
+    def draining(self) -> bool:
+        return self._default.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        for backend in self.engines.values():
+            backend.client.draining = value
+
+    @property
+    def stopped_reason(self) -> str | None:
+        reasons = [b.client.stopped_reason for b in self.engines.values()]
+        return reasons[0] if all(reasons) else None
+
+    @property
+    def in_flight(self) -> int:
+        return sum(b.client.in_flight for b in self.engines.values())
+
+    def route(self, name: str | None):
+        """The info and adapters of the model ``name`` picks: a served model, else the default
+        model (whose adapters a name may pick); a failed or restarting model is a 503, any
+        other name a 404 naming the served models."""
+        if name is None or name not in self.records:
+            if name is None or name in self.adapters:
+                return self._default.route(name)
+            raise model_not_found(name, self.names, self.adapters)
+        record = self.records[name]
+        if record.location == FAILED:
+            raise unavailable(f"The model {name!r} could not load: {record.error}",
+                              "model_unavailable")
+        client = self.engines[name].client
+        if not client.ready:
+            raise unavailable(f"The model {name!r} is not ready (its executor is starting or "
+                              "restarting); retry shortly.", "engine_not_ready")
+        return client.route(name)
+
+    @property
+    def engines_by_name(self):
+        return {name: b.client for name, b in self.engines.items()}
+
+    def model_states(self):
+        states = []
+        for name in self.names:
+            record = self.records[name]
+            more = {k: v for k, v in vars(record).items() if v is not None}
+            info = self.engines[name].client.model_info if name in self.engines else None
+            states.append((name, info, more))
+        return states
+
+    async def submit(self, request, frames=()):
+        self.route(request.model)  # a model that failed or went away since it was checked
+        submission = await self.engines[request.model].client.submit(request, frames)
+        self.residency.arrived()
+        return submission
+
+    async def generate(self, request, frames=()) -> DoneEvent:
+        submission = await self.submit(request, frames)
+        try:
+            while True:
+                event = await submission.next()
+                if isinstance(event, DoneEvent):
+                    return event
+        finally:
+            submission.close()
+
+    async def adapter_command(self, *args, **kwargs):
+        return await self._default.adapter_command(*args, **kwargs)
+
+    async def weights_command(self, command):
+        raise APIError("weight commands are not served with several models", None,
+                       "unsupported", 400, "invalid_request_error")
+
+    def fail_all(self, error: APIError) -> None:
+        for backend in self.engines.values():
+            backend.client.fail_all(error)
+
+    async def drain(self) -> None:
+        for backend in self.engines.values():
+            await backend.client.drain()
