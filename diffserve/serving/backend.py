@@ -34,6 +34,7 @@ class Backend:
         self.metrics = counts or metrics.FrontendMetrics()  # what the frontend hosting it counts
         self.owns_metrics_dir = metrics_dir is None
         self.metrics_dir = metrics_dir or metrics.prepare_directory()
+        self._models = None  # the per-model figures, made once the model's name is known
         self.ipc_dir = tempfile.mkdtemp(prefix="diffserve-")
         self._ctx = zmq.Context()
         self.client = SchedulerClient(self._ctx, self.ipc_dir)
@@ -54,6 +55,13 @@ class Backend:
         return info
 
     def render_metrics(self) -> tuple[bytes, str]:
+        info = self.client.model_info
+        if self.owns_metrics_dir and info is not None:  # one model (several: ModelSet's own)
+            from diffserve.serving.residency import ModelMetrics
+
+            if self._models is None:
+                self._models = ModelMetrics(self.metrics.registry, [info.name])
+            self._models.one_model(info, self.client.in_flight)
         return metrics.render(self.metrics_dir, self.metrics)
 
     @asynccontextmanager

@@ -23,7 +23,13 @@ from diffserve.errors import APIError, model_not_found, unavailable
 from diffserve.frontend.scheduler_client import DoneEvent, StartupError
 from diffserve.policies.swaps import SwapPolicy
 from diffserve.serving.backend import Backend
-from diffserve.serving.residency import FAILED, ModelMetrics, ModelRecord, Residency
+from diffserve.serving.residency import (
+    FAILED,
+    ModelMetrics,
+    ModelRecord,
+    Residency,
+    weight_bytes,
+)
 
 log = logging.getLogger("diffserve")
 
@@ -62,7 +68,7 @@ class ModelSet:
                 backend.stop()
                 continue
             self.engines[name] = backend
-            size = sum(c.bytes for c in info.components if c.rank == 0)
+            size = weight_bytes(info)
             record = self.records[name]
             record.size_bytes, record.loaded_at = size, time.time()
             self.policy.loaded(name, size, time.monotonic())

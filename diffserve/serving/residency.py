@@ -55,8 +55,19 @@ class ModelMetrics:
         for name in names:
             for direction in ("in", "out"):
                 self.swaps_total.labels(model=name, direction=direction)
+                self.swap_seconds.labels(model=name, direction=direction)
             self.resident_bytes.labels(model=name)
             self.queue_depth.labels(model=name)
+
+    def one_model(self, info, in_flight: int) -> None:
+        """A one-model server's figures: its model resident on its device, never swapped."""
+        self.resident_bytes.labels(model=info.name).set(weight_bytes(info))
+        self.queue_depth.labels(model=info.name).set(in_flight)
+
+
+def weight_bytes(info) -> int:
+    """A model's weights, as its executor counted them (one rank's)."""
+    return sum(c.bytes for c in info.components if c.rank == 0)
 
 
 class Residency:
