@@ -208,7 +208,8 @@ class ServerConfig(SpeedOptions):
     lora_modules: tuple[str, ...] = option(
         (), "LoRA adapters to serve, each NAME=PATH: a .safetensors file or a directory as "
         "diffusers' save_lora_weights writes it (kohya/A1111 layouts too, where diffusers converts "
-        "them). Clients pick one with model=NAME, or stack several with the loras field.",
+        "them). Clients pick one with model=NAME, or stack several with the loras field. With "
+        "several --model: the first model's.",
         metavar="NAME=PATH")
     max_loras: int = option(8, "Most LoRA adapters resident in each executor; the least recently "
                             "used one that no running request uses is unloaded for another.",
@@ -219,7 +220,7 @@ class ServerConfig(SpeedOptions):
     controlnet: tuple[str, ...] = option(
         (), "ControlNet models to serve, each NAME=PATH: a diffusers ControlNet directory, a hub "
         "id, or an embedded one (`diffserve models`). Requests stack them by name in their "
-        "controls field (docs/controlnet.md).", metavar="NAME=PATH")
+        "controls field (docs/controlnet.md). With several --model: the first model's.", metavar="NAME=PATH")
     max_controls_per_request: int = option(4, "Most controls one request may stack.",
                                            ge=1, le=16)
     enable_lora_runtime_updates: bool = option(

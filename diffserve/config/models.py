@@ -57,8 +57,9 @@ def for_model(config, name: str):
     keeps its weights' sleep and wake (the online-RL control plane's, without its routes)."""
     models = served_models(config)
     first = name == next(iter(models))
-    if len(models) == 1:
-        return config
+    if len(models) == 1:  # one model, named by --model NAME=PATH or as always
+        return config if models[name] == config.model else dataclasses.replace(
+            config, model=models[name], served_model_name=name)
     sleeps = swaps(config)
     return dataclasses.replace(
         config, model=models[name], served_model_name=name,

@@ -35,7 +35,8 @@ def _serve(config: ServerConfig) -> int:
     from diffserve.serving.models import ModelSet
 
     # First: the model loads in its own process while this one imports (several: side by side).
-    host = ModelSet(config) if len(config.served_models) > 1 else Backend(config)
+    host = (ModelSet(config) if len(config.served_models) > 1
+            else Backend(config.for_model(config.model_name)))
     scheduler = host.client
     exit_code = 0
     try:
