@@ -24,7 +24,7 @@ from dataclasses import dataclass
 class ModelState:
     name: str
     size: int = 0  # its weights' bytes, as the executor counted them
-    resident: bool = True  # awake on its device (False: asleep in host memory)
+    resident: bool = False  # awake on its device (False: asleep in host memory, or not loaded)
     failed: str = ""  # why it could not load: it takes no part
     in_flight: int = 0
     waiting_since: float | None = None  # asleep with requests: since when

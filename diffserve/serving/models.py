@@ -24,6 +24,7 @@ from diffserve.frontend.scheduler_client import DoneEvent, StartupError
 from diffserve.policies.swaps import SwapPolicy
 from diffserve.serving.backend import Backend
 from diffserve.serving.residency import (
+    DEVICE,
     FAILED,
     ModelMetrics,
     ModelRecord,
@@ -42,49 +43,82 @@ class ModelSet:
         self.names = list(config.served_models)
         self.records = {name: ModelRecord() for name in self.names}
         self.model_metrics = ModelMetrics(self.metrics.registry, self.names)
-        self.policy = SwapPolicy(self.names, config.resident_models if swaps(config) else 0,
-                                 max_wait_s=config.max_swap_wait_ms / 1000)
-        # Every engine starts at once: the models load side by side.
-        self._all = {name: Backend(config.for_model(name), self.metrics_dir, self.metrics)
-                     for name in self.names}
+        self.limit = config.resident_models if swaps(config) else 0
+        self.policy = SwapPolicy(self.names, self.limit, max_wait_s=config.max_swap_wait_ms / 1000)
         self.engines: dict[str, Backend] = {}  # those that loaded
+        self.residency = Residency({}, self.policy, self.records, self.model_metrics)
         self.default = self.names[0]
-        self.residency: Residency | None = None
         self.client = self  # what the routes talk to
         self.shared_dir = None  # no weight updates with several models
+        # As many models as may be awake load side by side; each of the others loads once one
+        # of them sleeps (:meth:`serving`), so that a device never holds more than it may.
+        self._all: dict[str, Backend] = {}  # the engines started
+        self._later = list(self.names)  # the models not started yet
+        self._start(self.limit or len(self.names))
+
+    def _start(self, count: int) -> list[str]:
+        names, self._later = self._later[:count], self._later[count:]
+        for name in names:
+            self._all[name] = Backend(self.config.for_model(name), self.metrics_dir, self.metrics)
+        return names
 
     # -- start and stop --------------------------------------------------------------------
 
     def wait_ready(self):
-        """Wait for every model; the default model's info. Raises StartupError if none loads."""
-        for name, backend in self._all.items():
-            try:
-                info = backend.wait_ready()
-            except StartupError as error:
-                log.error("model %r could not load: %s", name, error)
-                record = self.records[name]
-                record.location, record.error = FAILED, str(error)
-                self.policy.failed(name, str(error))
-                backend.stop()
-                continue
-            self.engines[name] = backend
-            size = weight_bytes(info)
-            record = self.records[name]
-            record.size_bytes, record.loaded_at = size, time.time()
-            self.policy.loaded(name, size, time.monotonic())
+        """Wait for the models started (where one fails, the next starts in its place); the
+        default model's info. Raises StartupError if none loads."""
+        started = list(self._all)
+        while started:
+            name = started.pop(0)
+            if not self._settle(name, self._all[name].wait_ready):
+                started += self._start(1)
         if not self.engines:
             raise StartupError("no model could load: " + "; ".join(
                 f"{name}: {r.error}" for name, r in self.records.items()))
         self.default = next(iter(self.engines))
-        self.residency = Residency({n: b.client for n, b in self.engines.items()}, self.policy,
-                                   self.records, self.model_metrics)
         return self.model_info
+
+    def _settle(self, name: str, wait) -> bool:
+        """Wait for ``name``'s engine (``wait``: its wait_ready); whether it loaded."""
+        backend = self._all[name]
+        try:
+            info = wait()
+        except StartupError as error:
+            log.error("model %r could not load: %s", name, error)
+            record = self.records[name]
+            record.location, record.error = FAILED, str(error)
+            self.policy.failed(name, str(error))
+            backend.stop()
+            return False
+        self.engines[name] = backend
+        record = self.records[name]
+        record.size_bytes, record.loaded_at = weight_bytes(info), time.time()
+        self.policy.loaded(name, record.size_bytes, time.monotonic())
+        self.residency.add(name, backend.client)
+        return True
+
+    async def _load_later(self, name: str) -> bool:
+        """Past the bound: the awake model loaded last sleeps, then ``name`` loads (where it
+        cannot, the other wakes again)."""
+        awake = [n for n in self.engines if self.records[n].location == DEVICE]
+        slept = None
+        if self.limit and len(awake) >= self.limit and await self.residency.swap(awake[-1], None):
+            slept = awake[-1]
+        self._start(1)
+        loaded = await asyncio.to_thread(self._settle, name, self._all[name].wait_ready)
+        if not loaded and slept is not None:
+            await self.residency.swap(None, slept)
+        return loaded
 
     @contextlib.asynccontextmanager
     async def serving(self, on_failure):
+        """While the app serves (the server listens once every model has loaded)."""
         async with contextlib.AsyncExitStack() as stack:
             for backend in self.engines.values():
                 await stack.enter_async_context(backend.serving(on_failure))
+            for name in list(self._later):
+                if await self._load_later(name):
+                    await stack.enter_async_context(self.engines[name].serving(on_failure))
             task = asyncio.get_running_loop().create_task(self.residency.run())
             try:
                 yield
@@ -94,12 +128,9 @@ class ModelSet:
                     await task
 
     def stop(self) -> None:
-        for backend in self.engines.values():
-            backend.stop()
-        if not self.engines:  # stopped as they failed, or never waited for
-            for name, backend in self._all.items():
-                if self.records[name].location != FAILED:
-                    backend.stop()
+        for name, backend in self._all.items():
+            if self.records[name].location != FAILED:  # (those were stopped as they failed)
+                backend.stop()
         metrics.remove_directory(self.metrics_dir)
 
     def render_metrics(self) -> tuple[bytes, str]:
@@ -159,6 +190,8 @@ class ModelSet:
         if record.location == FAILED:
             raise unavailable(f"The model {name!r} could not load: {record.error}",
                               "model_unavailable")
+        if name not in self.engines:
+            raise unavailable(f"The model {name!r} has not loaded yet.", "engine_not_ready")
         client = self.engines[name].client
         if not client.ready:
             raise unavailable(f"The model {name!r} is not ready (its executor is starting or "

@@ -76,9 +76,23 @@ class Residency:
         """``clients``: each loaded model's engine client."""
         self.clients, self.policy, self.records, self.counts = clients, policy, records, counts
         self._changed = asyncio.Event()
-        for client in clients.values():
-            client.on_answered = self._changed.set
+        for name, client in list(clients.items()):
+            self.add(name, client)
         self.swaps = 0
+
+    def add(self, name: str, client) -> None:
+        """A model that loaded (awake)."""
+        self.clients[name] = client
+        client.on_answered = self._changed.set
+
+    async def swap(self, out: str | None, into: str | None) -> bool:
+        """Put ``out`` to sleep or wake ``into`` now (at start, around a model's load)."""
+        name, op = (out, SLEEP) if out is not None else (into, WAKE)
+        ok = await self._command(name, op)
+        if ok:
+            self.policy.done(Swap((out,) if out else (), into), time.monotonic(),
+                             (out,) if out else (), bool(into))
+        return ok
 
     def arrived(self) -> None:
         """A request was sent to some model: look again."""
