@@ -166,6 +166,8 @@ def test_several_models_parse_from_repeated_flags_and_each_engine_gets_its_own()
         ({"model": "a=tiny-sd,b=tiny-sdxl", "enable_weight_updates": True, "weights_dir": "/w"},
          "which model"),
         ({"model": "a=tiny-sd,b=tiny-sdxl", "resident_models": 1, "compile": True}, "--compile"),
+        ({"model": "a=tiny-sd,b=tiny-sdxl", "resident_model_bytes": 1 << 30,
+          "quantization": "int8-weight-only"}, "--quantization"),
         ({"model": "a=tiny-sd,b=random:nope"}, "no random architecture"),
     ]:
         with pytest.raises(ConfigError, match=message):

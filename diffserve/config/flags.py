@@ -39,6 +39,9 @@ class ServerConfig(SpeedOptions):
     resident_models: int = option(
         0, "Several --model: most models awake at once; the others sleep in host memory and are "
         "swapped in (a measured sleep and wake) when their requests come. 0 = all.", ge=0, le=64)
+    resident_model_bytes: int = option(
+        0, "Several --model: most weight bytes the awake models hold together. 0 = no bound.",
+        ge=0, le=1 << 50)
     max_swap_wait_ms: float = option(
         5000.0, "Several --model: longest a request waits for its model to be swapped in while "
         "every resident model is busy; past it the busiest resident model's queue waits "

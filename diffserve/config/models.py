@@ -46,9 +46,10 @@ def served_models(config) -> dict[str, str]:
 
 
 def swaps(config) -> bool:
-    """Whether some models must sleep while others serve (--resident-models below their count)."""
+    """Whether some models may sleep while others serve (--resident-models below their count, or
+    a --resident-model-bytes bound)."""
     count = len(served_models(config))
-    return count > 1 and 0 < config.resident_models < count
+    return count > 1 and (0 < config.resident_models < count or config.resident_model_bytes > 0)
 
 
 def for_model(config, name: str):
@@ -79,10 +80,11 @@ def problems(config):
         yield ("--enable-weight-updates with several --model: an update would not say which "
                "model it is for; serve the trained model alone")
     if swaps(config):
-        why = "a swap sleeps a model's weights into new storage, and wakes them back"
+        why = ("with --resident-models below the models' count or --resident-model-bytes: a swap "
+               "sleeps a model's weights into new storage, and wakes them back")
         if config.compile:
-            yield f"--compile with --resident-models below the models' count: {why}"
+            yield f"--compile {why}"
         if config.quantization != "none":
-            yield f"--quantization with --resident-models below the models' count: {why}"
+            yield f"--quantization {why}"
         if config.degrees.tp > 1:
-            yield f"--tensor-parallel-size with --resident-models below the models' count: {why}"
+            yield f"--tensor-parallel-size {why}"

@@ -44,7 +44,8 @@ class ModelSet:
         self.records = {name: ModelRecord() for name in self.names}
         self.model_metrics = ModelMetrics(self.metrics.registry, self.names)
         self.limit = config.resident_models if swaps(config) else 0
-        self.policy = SwapPolicy(self.names, self.limit, max_wait_s=config.max_swap_wait_ms / 1000)
+        self.policy = SwapPolicy(self.names, self.limit, config.resident_model_bytes,
+                                 config.max_swap_wait_ms / 1000)
         self.engines: dict[str, Backend] = {}  # those that loaded
         self.residency = Residency({}, self.policy, self.records, self.model_metrics)
         self.default = self.names[0]
