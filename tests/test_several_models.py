@@ -37,12 +37,16 @@ STEPS, GUIDANCE = 3, 5.0
 @pytest.fixture(scope="module")
 @serves(spec(*(arg for name, path in MODELS.items() for arg in ("--model", f"{name}={path}")),
              "--model", f"broken={BROKEN}", "--resident-models", "2",
-             # Long enough that a busy model always finishes its queue before a swap.
-             "--max-swap-wait-ms", "60000", "--dynamic-batch-max-size", "8",
+             # A busy model always finishes its queue before a swap, and an idle one gives way
+             # after 3 s (a tenth of the bound): the rest of a burst finds it awake.
+             "--max-swap-wait-ms", "30000", "--dynamic-batch-max-size", "8",
              "--dynamic-batch-delay-ms", "100", model=None, timeout_s=300))
 def server(request):
     srv = LAUNCHES.take(request).start()
-    yield srv
+    # One client for every thread: a client per request would build a TLS context each, and
+    # spread a burst's arrivals over a second of the test process's CPU.
+    with srv.client(timeout=300, limits=httpx.Limits(max_connections=64)) as srv.http:
+        yield srv
     assert srv.stop() == 0, srv.log
 
 
@@ -65,7 +69,7 @@ def body(model: str, i: int) -> dict:
 
 
 def generate(server, payload: dict) -> httpx.Response:
-    return httpx.post(server.url + "/v1/images/generations", json=payload, timeout=scaled(300))
+    return server.http.post("/v1/images/generations", json=payload)
 
 
 def swaps(server) -> dict[str, float]:
@@ -149,3 +153,28 @@ def test_an_executor_killed_mid_burst_leaves_nothing_unanswered_and_every_model_
     for name in MODELS:  # every model serves afterwards, each its own images
         payload = body(name, 40)
         assert_own_image(generate(server, payload), reference, payload)
+
+
+def test_an_executor_killed_while_its_model_is_swapped_in_comes_back_and_serves(server, reference):
+    cards = {c["id"]: c for c in httpx.get(server.url + "/v1/models").json()["data"]}
+    (asleep,) = [name for name in MODELS if cards[name]["location"] == "host"]
+    victim = executors(server)[asleep][0]["pid"]
+    payloads = [body(asleep, 60 + i) for i in range(3)]
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        futures = [pool.submit(generate, server, p) for p in payloads]
+        wait_for_metric(server, "diffserve_model_queue_depth", lambda v: v >= 1, model=asleep)
+        os.kill(victim, signal.SIGKILL)  # its model is asleep, or being woken, for these
+        responses = [f.result() for f in futures]
+    for response, payload in zip(responses, payloads):
+        if response.status_code == 200:
+            assert_own_image(response, reference, payload)
+        else:
+            assert_openai_error(response, 503)
+    deadline = time.monotonic() + scaled(120)
+    while not all(e["state"] == "ready" for ex in executors(server).values() for e in ex):
+        assert time.monotonic() < deadline, executors(server)
+        time.sleep(0.1)  # the restart has no event a client can wait on; /health is the probe
+    payload = body(asleep, 70)
+    assert_own_image(generate(server, payload), reference, payload)
+    cards = {c["id"]: c for c in httpx.get(server.url + "/v1/models").json()["data"]}
+    assert cards[asleep]["location"] == "device"

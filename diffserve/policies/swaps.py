@@ -5,11 +5,13 @@ model's count of requests in flight (accepted, not yet answered: queued or runni
 Rules, in order:
 
 - a model with requests and asleep is woken at once where there is room;
-- else an idle resident model (nothing in flight) makes room, the least recently used first;
-  a resident model with work is never put to sleep while an idle one could be;
+- else an idle resident model (nothing in flight for ``idle_grace_s``, a tenth of the bound by
+  default: the rest of a burst finds it awake) makes room, the least recently used first; a
+  resident model with work is never put to sleep while an idle one could be;
 - else the sleeping model waits while the resident ones serve their queues, but no longer than
-  ``max_wait_s`` from when its first waiting request was seen; then the model resident longest
-  makes room (its running work finishes first; its queue waits for its turn back);
+  ``max_wait_s`` from when its first waiting request was seen; then a model idle within its
+  grace makes room, else the model resident longest (its running work finishes first; its queue
+  waits for its turn back);
 - one swap at a time: the caller reports its end (:meth:`SwapPolicy.done`).
 
 The oldest waiting model is served first, so no model starves another.
@@ -42,11 +44,13 @@ class Swap:
 
 class SwapPolicy:
     def __init__(self, names: list[str], limit: int = 0, budget_bytes: int = 0,
-                 max_wait_s: float = 5.0) -> None:
+                 max_wait_s: float = 5.0, idle_grace_s: float | None = None) -> None:
         """``limit``: most models awake (0: no limit); ``budget_bytes``: most weight bytes awake
-        (0: none)."""
+        (0: none); ``idle_grace_s``: how long a model must have been idle to give way before the
+        bound (default: a tenth of ``max_wait_s``)."""
         self.models = {name: ModelState(name) for name in names}
         self.limit, self.budget_bytes, self.max_wait_s = limit, budget_bytes, max_wait_s
+        self.idle_grace_s = max_wait_s / 10 if idle_grace_s is None else idle_grace_s
         self.swapping: Swap | None = None
 
     # -- what the caller reports -----------------------------------------------------------
@@ -62,9 +66,9 @@ class SwapPolicy:
     def observe(self, name: str, in_flight: int, now: float) -> None:
         """A model's requests in flight now."""
         state = self.models[name]
-        state.in_flight = in_flight
-        if in_flight:
+        if in_flight or state.in_flight:  # busy, or busy until now
             state.last_used = now
+        state.in_flight = in_flight
         if in_flight and not state.resident and state.waiting_since is None:
             state.waiting_since = now
         elif not in_flight or state.resident:
@@ -99,9 +103,12 @@ class SwapPolicy:
         if wanted is None:
             return None
         awake = self._awake()
-        idle = sorted((m for m in awake if not m.in_flight), key=lambda m: m.last_used)
+        idle = sorted((m for m in awake if self._idle(m, now)), key=lambda m: m.last_used)
+        resting = sorted((m for m in awake if not m.in_flight and m not in idle),
+                         key=lambda m: m.last_used)  # idle within its grace
         busy = sorted((m for m in awake if m.in_flight), key=lambda m: m.resident_since)
-        order = idle + (busy if now - wanted.waiting_since >= self.max_wait_s else [])
+        past_bound = now - wanted.waiting_since >= self.max_wait_s
+        order = idle + (resting + busy if past_bound else [])
         out: list[ModelState] = []
         while not self._fits([m for m in awake if m not in out] + [wanted]):
             if len(out) == len(order):
@@ -111,11 +118,13 @@ class SwapPolicy:
         return self.swapping
 
     def time_until_decision(self, now: float) -> float | None:
-        """Seconds until a waiting model's bound passes (a decision that no report triggers)."""
+        """Seconds until a waiting model's bound, or an idle model's grace, passes (a decision
+        that no report triggers)."""
         wanted = self._wanted()
         if wanted is None or self.swapping is not None:
             return None
-        return max(0.0, wanted.waiting_since + self.max_wait_s - now)
+        graces = [m.last_used + self.idle_grace_s for m in self._awake() if not m.in_flight]
+        return max(0.0, min([wanted.waiting_since + self.max_wait_s, *graces]) - now)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -124,6 +133,9 @@ class SwapPolicy:
         asleep = [m for m in self.models.values() if not m.resident and not m.failed
                   and m.in_flight and m.waiting_since is not None]
         return min(asleep, key=lambda m: m.waiting_since, default=None)
+
+    def _idle(self, model: ModelState, now: float) -> bool:
+        return not model.in_flight and now - model.last_used >= self.idle_grace_s
 
     def _awake(self) -> list[ModelState]:
         return [m for m in self.models.values() if m.resident and not m.failed]

@@ -104,19 +104,29 @@ class Residency:
             self.policy.swapping = initial
             await self._apply(initial)
         while True:
-            self._changed.clear()
-            now = time.monotonic()
-            for name, client in self.clients.items():
-                self.policy.observe(name, client.in_flight, now)
-            swap = self.policy.next_swap(now)
-            if swap is not None:
-                await self._apply(swap)
-                continue
-            wait = self.policy.time_until_decision(now)
             try:
-                await asyncio.wait_for(self._changed.wait(), wait)
-            except TimeoutError:
-                pass
+                await self._decide()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not stop every later swap
+                log.exception("the residency of the models failed to decide; deciding again")
+                self.policy.swapping = None
+                await asyncio.sleep(RETRY_S)
+
+    async def _decide(self) -> None:
+        """One decision: a swap carried out, or a wait for a change or a wait's bound."""
+        self._changed.clear()
+        now = time.monotonic()
+        for name, client in self.clients.items():
+            self.policy.observe(name, client.in_flight, now)
+        swap = self.policy.next_swap(now)
+        if swap is not None:
+            await self._apply(swap)
+            return
+        try:
+            await asyncio.wait_for(self._changed.wait(), self.policy.time_until_decision(now))
+        except TimeoutError:
+            pass
 
     async def _apply(self, swap: Swap) -> None:
         slept: list[str] = []

@@ -1,5 +1,7 @@
 """The swap policy, driven with a fake clock and request counts."""
 
+import pytest
+
 from diffserve.policies.swaps import Swap, SwapPolicy
 
 
@@ -87,3 +89,26 @@ def test_a_failed_wake_leaves_the_model_asleep_and_asks_again():
     p.done(swap, 1.5, (), False)  # the executor died during the swap: nothing changed
     assert not p.models["c"].resident
     assert p.next_swap(2.0) == swap
+
+
+def test_a_model_idle_only_briefly_stays_for_the_rest_of_its_burst():
+    p = asleep_c(wait=5.0)  # grace: 0.5 s
+    p.observe("a", 2, 1.0)
+    p.observe("b", 2, 1.0)
+    p.observe("c", 1, 1.0)
+    p.observe("a", 0, 2.0)  # a's burst may not be over
+    assert p.next_swap(2.2) is None
+    assert p.time_until_decision(2.2) == pytest.approx(0.3)
+    p.observe("a", 1, 2.3)  # it was not: a stays
+    p.observe("a", 0, 3.0)
+    assert p.next_swap(3.4) is None
+    assert p.next_swap(3.5) == Swap(("a",), "c")
+
+
+def test_the_grace_can_be_set():
+    p = SwapPolicy(["a", "b"], 1, max_wait_s=5.0, idle_grace_s=0.0)
+    p.loaded("a", 1, 0.0)
+    p.observe("a", 1, 1.0)
+    p.observe("a", 0, 1.5)
+    p.observe("b", 1, 1.5)
+    assert p.next_swap(1.5) == Swap(("a",), "b")
