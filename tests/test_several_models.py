@@ -155,6 +155,7 @@ def test_an_executor_killed_mid_burst_leaves_nothing_unanswered_and_every_model_
         assert_own_image(generate(server, payload), reference, payload)
 
 
+@pytest.mark.slow  # a second executor restart (the mid-burst kill above runs by default)
 def test_an_executor_killed_while_its_model_is_swapped_in_comes_back_and_serves(server, reference):
     cards = {c["id"]: c for c in httpx.get(server.url + "/v1/models").json()["data"]}
     (asleep,) = [name for name in MODELS if cards[name]["location"] == "host"]
