@@ -76,6 +76,10 @@ def problems(config):
     models = served_models(config)
     if len(models) == 1:
         return
+    for flag, names in (("--lora-modules", config.lora_adapters), ("--controlnet",
+                                                                   config.control_models)):
+        for name in set(names) & set(models):
+            yield f"{flag} names {name!r}, which --model names too"
     if config.enable_weight_updates:
         yield ("--enable-weight-updates with several --model: an update would not say which "
                "model it is for; serve the trained model alone")
