@@ -135,8 +135,7 @@ class ModelSet:
         metrics.remove_directory(self.metrics_dir)
 
     def render_metrics(self) -> tuple[bytes, str]:
-        if self.residency is not None:
-            self.residency.update_gauges()
+        self.residency.update_gauges()
         return metrics.render(self.metrics_dir, self.metrics)
 
     # -- the face of one engine's client ---------------------------------------------------

@@ -78,7 +78,6 @@ class Residency:
         self._changed = asyncio.Event()
         for name, client in list(clients.items()):
             self.add(name, client)
-        self.swaps = 0
 
     def add(self, name: str, client) -> None:
         """A model that loaded (awake)."""
@@ -158,7 +157,6 @@ class Residency:
         record.swapped_at, record.last_swap_s = time.time(), seconds
         self.counts.swaps_total.labels(model=name, direction=direction).inc()
         self.counts.swap_seconds.labels(model=name, direction=direction).observe(seconds)
-        self.swaps += 1
         log.info("model %r swapped %s in %.3f s", name, direction, seconds)
         return True
 
