@@ -306,7 +306,7 @@ class ServerConfig(SpeedOptions):
         """Each model's name -> path, the default first (:mod:`diffserve.config.models`)."""
         return models.served_models(self)
 
-    def for_model(self, name: str) -> "ServerConfig":
+    def for_model(self, name: str) -> ServerConfig:
         """The configuration one model's engine runs with (:func:`diffserve.config.models.for_model`)."""
         return models.for_model(self, name)
 
