@@ -78,6 +78,32 @@ def baseline(b: Bench) -> dict[str, float | None]:
     return f
 
 
+def models(b: Bench) -> dict[str, float | None]:
+    """Two models (--model as a, --second-model as b), requests alternating, at --concurrency: one
+    server holding both (both resident; one resident, so that changes of model are swaps) against
+    two servers of one model each; and the swaps' count and mean time."""
+    a, f = b.args, {}
+    pair = f"a={a.model},b={a.second_model}"
+    systems = [("one server, both resident", [{"--model": pair}]),
+               ("one server, one resident", [{"--model": pair, "--resident-models": 1,
+                                              "--max-swap-wait-ms": a.swap_wait_ms}]),
+               ("two servers", [{"--model": f"a={a.model}"}, {"--model": f"b={a.second_model}"}])]
+    for name, configs in systems:  # request i goes to urls[i % 2] as model i % 2: a, then b
+        with b.servers(name, *configs) as served:
+            before = server_metrics.metrics(*served.urls)
+            result = b.load(served, name, max_concurrency=a.concurrency, models=["a", "b"])
+            after = server_metrics.metrics(*served.urls)
+        f[f"img/s, {name}"], f[f"p99 ms, {name}"] = result["images_per_s"], ms(result["latency_s"]["p99"])
+        if "--resident-models" in configs[0]:
+            for way in ("in", "out"):
+                count = server_metrics.change(before, after, "diffserve_model_swaps_total", direction=way)
+                took = server_metrics.change(before, after, "diffserve_model_swap_seconds_sum", direction=way)
+                f[f"swaps {way}"], f[f"mean swap {way} ms"] = count, ms(took / count) if count else None
+    for name in ("one server, both resident", "one server, one resident"):
+        f[f"img/s, {name} / two servers"] = ratio(f[f"img/s, {name}"], f["img/s, two servers"])
+    return f
+
+
 def plot(summary: dict, args, out_dir: Path, title: str) -> None:
     """modes.png: each mode's p50 and p99 against the offered load (where matplotlib is)."""
     try:
@@ -176,10 +202,8 @@ def sizes(b: Bench) -> dict[str, float | None]:
 
 
 def mixing(b: Bench) -> dict[str, float | None]:
-    """Sizes in one forward: the first of ``--sizes`` alone, then the two mixed, at one rate
-    (``--sizes-load`` percent of step mode's saturation on the first size alone), step mode with
-    --size-mixing auto (one running set, rows padded) and off (a set per size): each size's p50
-    and the images a forward carried, against the uniform traffic's."""
+    """Sizes in one forward: the first of ``--sizes`` alone, then both mixed, at one rate (step
+    mode, --size-mixing auto and off): each size's p50 and images per forward against uniform's."""
     a, f, rate = b.args, {}, None
     if len(a.sizes or []) != 2:
         raise SystemExit("compare.py mixing: needs --sizes with two sizes, e.g. 64x64,48x48")
@@ -197,11 +221,10 @@ def mixing(b: Bench) -> dict[str, float | None]:
             for i, size in enumerate(a.sizes, 1):
                 f[f"p50 ms size {i} ({size}), {name}"] = ms(mixed["latency_by_size_s"][size]["p50"])
             f[f"images per forward, {name}"] = per_image(mixed)
-    for i, size in enumerate(a.sizes, 1):
-        for name in ("auto", "off"):
+    for name in ("auto", "off"):
+        for i, size in enumerate(a.sizes, 1):
             f[f"p50 size {i}, {name} / uniform"] = ratio(f[f"p50 ms size {i} ({size}), {name}"],
                                                          f["p50 ms uniform"])
-    for name in ("auto", "off"):
         f[f"images per forward, {name} / uniform"] = ratio(f[f"images per forward, {name}"],
                                                           f["images per forward, uniform"])
     return f
@@ -334,6 +357,8 @@ def arguments(p) -> None:
     p.add_argument("--rollout-repeats", type=int, default=3, help="rollout: timed repeats per layout.")
     p.add_argument("--cache-thresholds", type=cli.floats, default=[0.1, 0.3], help="cache: the thresholds besides 0.")
     p.add_argument("--cache-images", type=int, default=16, help="cache: images compared with their uncached twins.")
+    p.add_argument("--second-model", default="tiny-sdxl", help="models: the second model (b; a is --model).")
+    p.add_argument("--swap-wait-ms", type=float, default=1000, help="models: --max-swap-wait-ms, one resident.")
 
 
 SCENARIOS = {
@@ -360,6 +385,7 @@ SCENARIOS = {
     "rollout": Scenario(rollout, [("samples/s, groups / singles, step", ">=", 1.3),
                                   ("samples/s, groups, step / request", ">=", 1.0)]),
     "cache": Scenario(cache, [(BEST, ">=", 1.4)]),
+    "models": Scenario(models, [("img/s, one server, both resident / two servers", ">=", 0.9)]),
 }
 
 

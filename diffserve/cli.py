@@ -32,6 +32,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         if kind is bool:  # a switch; unset stays None so the environment or default applies
             target.add_argument(flag, dest=f.name, action="store_const", const=True, default=None,
                                 help=help_text)
+        elif meta.get("repeat"):  # a text flag given once or more (--model a=X --model b=Y)
+            target.add_argument(flag, dest=f.name, action="append", default=None,
+                                metavar=meta.get("metavar") or kind.__name__.upper(),
+                                help=help_text)
         elif kind is tuple:  # several values after one flag, or the flag repeated
             target.add_argument(flag, dest=f.name, nargs="+", action="extend", default=None,
                                 metavar=meta.get("metavar") or "VALUE", help=help_text)

@@ -41,9 +41,12 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return APIError(message, param, code, 400, "invalid_request_error")
 
 
-def model_not_found(name: str, served: str, adapters=(), param: str = "model") -> APIError:
+def model_not_found(name: str, served: str | list[str], adapters=(),
+                    param: str = "model") -> APIError:
+    """``served``: the model's name, or the names of the several models served."""
     also = f" and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}" if adapters else ""
-    return APIError(f"The model {name!r} does not exist; this server serves {served!r}{also} "
+    served = ", ".join(map(repr, served)) if isinstance(served, list) else repr(served)
+    return APIError(f"The model {name!r} does not exist; this server serves {served}{also} "
                     "(GET /v1/models lists them).", param, "model_not_found", 404,
                     "invalid_request_error")
 

@@ -50,6 +50,7 @@ RUNS = {
     "compare modes": (12, compare("modes", "--loads", "50,80", "--mixed-steps", "1,2", "--idle-requests", "2",
                                  "--tree", str(ROOT))),
     "compare cache": (9, compare("cache", "--cache-thresholds", "0.5", "--cache-images", "2")),
+    "compare models": (14, compare("models", "--second-model", "tiny-sd", "--swap-wait-ms", "0")),
 }
 for _name, (_weight, _run) in RUNS.items():
     early(f"bench:{_name}", weight=_weight, run=_run)
@@ -153,3 +154,14 @@ def test_compare_cache():
     assert medians["rows that hit, threshold 0"] == 0  # threshold 0 never reuses
     assert medians["PSNR min dB, threshold 0.5"] > 20 and medians["img/s, threshold 0.5 / uncached"] > 0
     assert "best img/s / uncached at PSNR >= 30 dB" in medians
+
+
+@pytest.mark.early("bench:compare models")
+def test_compare_models():
+    result = ran("compare models")
+    medians = result["summary"]["medians"]
+    for name in ("one server, both resident", "one server, one resident", "two servers"):
+        assert medians[f"img/s, {name}"] > 0
+    for run in result["rounds"][0]["runs"]:
+        assert run["failed"] == 0, run["label"]
+    assert medians["swaps in"] >= 1 and medians["mean swap in ms"] > 0  # the one-resident server swapped

@@ -142,3 +142,34 @@ def test_a_quantization_that_cannot_run_here_stops_the_start_with_one_line(tmp_p
     log = server.log
     assert log.count("fp8-weight-only needs a CUDA GPU") == 2, log
     assert "Traceback" not in log and "_C_mxfp8" not in log and "Unable to import" not in log
+
+
+def test_several_models_parse_from_repeated_flags_and_each_engine_gets_its_own():
+    args = build_parser().parse_args(["serve", "--model", "a=tiny-sd", "--model",
+                                      "b=random:flux.1-dev:tiny", "--resident-models", "1",
+                                      "--lora-modules", "l=/x", "--controlnet", "c=tiny-sd-control"])
+    config = ServerConfig.from_mapping(vars(args))
+    assert config.served_models == {"a": "tiny-sd", "b": "random:flux.1-dev:tiny"}
+    assert config.model_name == "a"
+    first, second = config.for_model("a"), config.for_model("b")
+    assert (first.model, first.model_name, first.lora_modules, first.controlnet) == (
+        "tiny-sd", "a", ("l=/x",), ("c=tiny-sd-control",))
+    assert (second.model, second.model_name, second.lora_modules, second.controlnet) == (
+        "random:flux.1-dev:tiny", "b", (), ())
+    assert first.enable_weight_updates and second.enable_weight_updates  # they sleep for swaps
+    one = ServerConfig(model="x=tiny-sd")  # one model named by NAME=PATH
+    assert one.model_name == "x" and one.for_model("x").model == "tiny-sd"
+    assert ServerConfig(model="tiny-sd").for_model("tiny-sd").model == "tiny-sd"
+    for values, message in [
+        ({"model": "a=tiny-sd,a=tiny-sdxl"}, "names 'a' twice"),
+        ({"model": "a=tiny-sd,b=tiny-sdxl", "served_model_name": "x"}, "--served-model-name"),
+        ({"model": "a=tiny-sd,b=tiny-sdxl", "enable_weight_updates": True, "weights_dir": "/w"},
+         "which model"),
+        ({"model": "a=tiny-sd,b=tiny-sdxl", "resident_models": 1, "compile": True}, "--compile"),
+        ({"model": "a=tiny-sd,b=tiny-sdxl", "resident_model_bytes": 1 << 30,
+          "quantization": "int8-weight-only"}, "--quantization"),
+        ({"model": "a=tiny-sd,b=random:nope"}, "no random architecture"),
+        ({"model": "a=tiny-sd,b=tiny-sdxl", "lora_modules": ("b=/x",)}, "which --model names"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            ServerConfig(**values)

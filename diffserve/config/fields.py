@@ -14,11 +14,13 @@ from diffserve.config.rules import ConfigError
 
 def option(default: Any, help: str, *, ge: float | None = None, le: float | None = None,
            choices: tuple[str, ...] | None = None, env: str | None = None,
-           metavar: str | None = None) -> Any:
+           metavar: str | None = None, repeat: bool = False) -> Any:
     """A config field with its help text and bounds kept beside the default. A tuple default
-    makes a flag that takes several values; a bool default, a switch."""
+    makes a flag that takes several values; a bool default, a switch; ``repeat``: a text flag
+    that may be given several times (its values are kept comma-separated)."""
     return field(default=default, metadata={"help": help, "ge": ge, "le": le,
-                                            "choices": choices, "env": env, "metavar": metavar})
+                                            "choices": choices, "env": env, "metavar": metavar,
+                                            "repeat": repeat})
 
 
 def parse_value(f: dataclasses.Field, text: str) -> Any:

@@ -8,6 +8,7 @@ so there is a single place where a default or a limit can change.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from diffserve.config.fields import option, parse_value  # noqa: F401 - parse_va
 from diffserve.config.rules import ConfigError, named_paths
 from diffserve.config.speed import SpeedOptions
 from diffserve.policies import QUEUE_POLICIES, SET_POLICIES
-from diffserve.config import executors
+from diffserve.config import executors, models
 from diffserve.config.executors import Degrees
 
 DEFAULT_MODEL = "shapes"
@@ -30,8 +31,21 @@ RESERVED_ADAPTER_NAMES = (NO_ADAPTER, OTHER_ADAPTERS)
 class ServerConfig(SpeedOptions):
     model: str = option(DEFAULT_MODEL,
                         "Model to serve: an embedded model name (see `diffserve models`), a local "
-                        "diffusers pipeline directory, or a hub id (needs a network).")
+                        "diffusers pipeline directory, `random:NAME`, or a hub id (needs a "
+                        "network). Repeat it as NAME=PATH to serve several, picked by the "
+                        "request's model field; the first is the default (docs/models.md).",
+                        metavar="[NAME=]PATH", repeat=True)
     served_model_name: str = option("", "Name clients use in the `model` field; defaults to --model.")
+    resident_models: int = option(
+        0, "Several --model: most models awake at once; the others sleep in host memory and are "
+        "swapped in (a measured sleep and wake) when their requests come. 0 = all.", ge=0, le=64)
+    resident_model_bytes: int = option(
+        0, "Several --model: most weight bytes the awake models hold together. 0 = no bound.",
+        ge=0, le=1 << 50)
+    max_swap_wait_ms: float = option(
+        5000.0, "Several --model: longest a request waits for its model to be swapped in while "
+        "every resident model is busy; past it the busiest resident model's queue waits "
+        "instead (its running work finishes first).", ge=0, le=3_600_000)
     host: str = option("127.0.0.1", "Address to bind. The default only accepts local clients.")
     port: int = option(8000, "TCP port for the HTTP API.", ge=0, le=65535)
     dynamic_batch_max_size: int = option(
@@ -64,12 +78,10 @@ class ServerConfig(SpeedOptions):
         "requests of class q that arrive within (p - q) x this after it). 0 = strict priority.",
         ge=0, le=86_400)
     size_mixing: str = option(
-        "auto", "Step mode: whether requests of different sizes share one denoiser forward. auto: "
-        "where the family's transformer takes them (Flux, FLUX.2, Chroma, Qwen-Image and its "
-        "edits, FLUX.1 Kontext, Z-Image, SD3, PixArt-Sigma: rows padded, attention masked, each "
-        "row its own positions; with ControlNets on Flux and Qwen-Image), without --compile or a "
-        "parallel group; else one running set per size (docs/batching.md, \"Sizes in one forward\"). "
-        "off: one running set per size.", choices=("auto", "off"))
+        "auto", "Step mode: whether requests of different sizes share one denoiser forward, "
+        "their rows padded and masked, where the family's transformer takes them (auto; "
+        "docs/batching.md, \"Sizes in one forward\"); off: one running set per size.",
+        choices=("auto", "off"))
     set_policy: str = option(
         "auto", "Step mode: which running set (one per size) the next denoising step advances. "
         "oldest: the set holding the request that arrived first (request mode's order, with "
@@ -204,7 +216,8 @@ class ServerConfig(SpeedOptions):
     lora_modules: tuple[str, ...] = option(
         (), "LoRA adapters to serve, each NAME=PATH: a .safetensors file or a directory as "
         "diffusers' save_lora_weights writes it (kohya/A1111 layouts too, where diffusers converts "
-        "them). Clients pick one with model=NAME, or stack several with the loras field.",
+        "them). Clients pick one with model=NAME, or stack several with the loras field. With "
+        "several --model: the first model's.",
         metavar="NAME=PATH")
     max_loras: int = option(8, "Most LoRA adapters resident in each executor; the least recently "
                             "used one that no running request uses is unloaded for another.",
@@ -215,7 +228,7 @@ class ServerConfig(SpeedOptions):
     controlnet: tuple[str, ...] = option(
         (), "ControlNet models to serve, each NAME=PATH: a diffusers ControlNet directory, a hub "
         "id, or an embedded one (`diffserve models`). Requests stack them by name in their "
-        "controls field (docs/controlnet.md).", metavar="NAME=PATH")
+        "controls field (docs/controlnet.md). With several --model: the first model's.", metavar="NAME=PATH")
     max_controls_per_request: int = option(4, "Most controls one request may stack.",
                                            ge=1, le=16)
     enable_lora_runtime_updates: bool = option(
@@ -278,7 +291,7 @@ class ServerConfig(SpeedOptions):
                 raise ConfigError(f"{flag}={value!r} is above the maximum {meta['le']}")
             if meta.get("choices") and value not in meta["choices"]:
                 raise ConfigError(f"{flag}={value!r} is not one of {', '.join(meta['choices'])}")
-        problem = next(config_rules.problems(self), None)
+        problem = next(itertools.chain(config_rules.problems(self), models.problems(self)), None)
         if problem is not None:
             raise ConfigError(problem)
 
@@ -290,7 +303,17 @@ class ServerConfig(SpeedOptions):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        """The name of the (first, default) model."""
+        return next(iter(self.served_models))
+
+    @property
+    def served_models(self) -> dict[str, str]:
+        """Each model's name -> path, the default first (:mod:`diffserve.config.models`)."""
+        return models.served_models(self)
+
+    def for_model(self, name: str) -> ServerConfig:
+        """The configuration one model's engine runs with (:func:`diffserve.config.models.for_model`)."""
+        return models.for_model(self, name)
 
     @property
     def lora_adapters(self) -> dict[str, str]:
@@ -306,20 +329,8 @@ class ServerConfig(SpeedOptions):
 
     @property
     def api_keys(self) -> dict[str, int | None]:
-        """--api-key as key -> its priority class (None: the request's own, default 0). A key
-        whose last ':'-separated part is an integer gives that priority."""
-        keys: dict[str, int | None] = {}
-        for entry in self.api_key:
-            key, sep, tail = entry.rpartition(":")
-            priority = None
-            if sep and key and tail.lstrip("-").isdigit():
-                priority = int(tail)
-            else:
-                key = entry
-            if not key or any(c.isspace() for c in key):
-                raise ConfigError(f"--api-key entry {entry!r} is not KEY or KEY:PRIORITY")
-            keys[key] = priority
-        return keys
+        """--api-key as key -> its priority class (:func:`diffserve.config.rules.api_keys`)."""
+        return config_rules.api_keys(self.api_key)
 
     @property
     def offloaded(self) -> tuple[str, ...]:
@@ -373,7 +384,8 @@ class ServerConfig(SpeedOptions):
             env = f.metadata.get("env")
             if values.get(f.name) is not None:
                 value = values[f.name]
-                merged[f.name] = tuple(value) if isinstance(f.default, tuple) else value
+                merged[f.name] = (tuple(value) if isinstance(f.default, tuple) else
+                                  ",".join(value) if f.metadata.get("repeat") else value)
             elif env and os.environ.get(env):
                 merged[f.name] = parse_value(f, os.environ[env])
         return cls(**merged)

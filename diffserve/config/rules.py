@@ -112,11 +112,12 @@ def _serving(config) -> Iterator[str]:
     controls = config.control_models  # checks each NAME=PATH
     if config.model_name in controls:
         yield f"--controlnet names a control model {config.model_name!r}, the served model's own name"
-    if random_weights.is_random(config.model):
-        try:
-            random_weights.parse(config.model)
-        except random_weights.RandomModelError as error:
-            yield str(error)
+    for path in config.served_models.values():
+        if random_weights.is_random(path):
+            try:
+                random_weights.parse(path)
+            except random_weights.RandomModelError as error:
+                yield str(error)
     if config.model_name in config.lora_adapters:  # which also checks each NAME=PATH
         yield (f"--lora-modules names an adapter {config.model_name!r}, the served model's own "
                "name")
@@ -160,3 +161,20 @@ def _speed(config) -> Iterator[str]:
             yield f"{flag} shapes what --compile compiles; it needs --compile"
     if config.quantization_scope != "auto" and config.quantization == "none":
         yield f"--quantization-scope {config.quantization_scope} needs --quantization"
+
+
+def api_keys(entries) -> dict[str, int | None]:
+    """--api-key entries as key -> its priority class (None: the request's own, default 0). A
+    key whose last ':'-separated part is an integer gives that priority."""
+    keys: dict[str, int | None] = {}
+    for entry in entries:
+        key, sep, tail = entry.rpartition(":")
+        priority = None
+        if sep and key and tail.lstrip("-").isdigit():
+            priority = int(tail)
+        else:
+            key = entry
+        if not key or any(c.isspace() for c in key):
+            raise ConfigError(f"--api-key entry {entry!r} is not KEY or KEY:PRIORITY")
+        keys[key] = priority
+    return keys

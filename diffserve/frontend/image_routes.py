@@ -109,8 +109,9 @@ def image_routes(serving: Serving, jobs: ImageJobs | None = None) -> tuple[APIRo
     async def generation(body: ImageGenerationRequest, priority: int | None) -> Accepted:
         check_served(body)
         spec = generation_spec(body)
-        request = to_engine_request(spec, f"img-{uuid.uuid4().hex}", scheduler.model_info,
-                                    config, GENERATE, scheduler.adapters, key_priority=priority)
+        info, adapters = scheduler.route(body.model)
+        request = to_engine_request(spec, f"img-{uuid.uuid4().hex}", info,
+                                    config, GENERATE, adapters, key_priority=priority)
         frames = await asyncio.get_running_loop().run_in_executor(
             serving.pool, input_frames, request, spec, config.max_input_pixels
         ) if request.manifest else []
@@ -119,7 +120,7 @@ def image_routes(serving: Serving, jobs: ImageJobs | None = None) -> tuple[APIRo
     async def edit(body: ImageEditForm, form: EditForm, priority: int | None) -> Accepted:
         check_served(body)
         spec = edit_spec(body)
-        info = scheduler.model_info
+        info, adapters = scheduler.route(body.model)
         task, size = edit_task(info, form), None
         if task.references:  # without a size, the first input's, fitted to the model
             size = fitted_size(*image_size(form.images[0], config.max_input_pixels), info,
@@ -128,7 +129,7 @@ def image_routes(serving: Serving, jobs: ImageJobs | None = None) -> tuple[APIRo
             raise invalid_request(f"{len(form.images)} input images; model {info.name!r} "
                                   "takes one per edit", "image", "invalid_value")
         request = to_engine_request(spec, f"edit-{uuid.uuid4().hex}", info, config, task,
-                                    scheduler.adapters, len(form.images), size, priority)
+                                    adapters, len(form.images), size, priority)
         frames = await asyncio.get_running_loop().run_in_executor(
             serving.pool, lambda: input_frames(
                 request, spec, config.max_input_pixels,
@@ -197,8 +198,9 @@ def image_routes(serving: Serving, jobs: ImageJobs | None = None) -> tuple[APIRo
                                       "stream, no url", "stream" if body.stream else
                                       "response_format", "unsupported_value")
             spec = rollout_spec(body)
-            request = to_engine_request(spec, f"roll-{uuid.uuid4().hex}", scheduler.model_info,
-                                        config, ROLLOUT, scheduler.adapters,
+            info, adapters = scheduler.route(body.model)
+            request = to_engine_request(spec, f"roll-{uuid.uuid4().hex}", info,
+                                        config, ROLLOUT, adapters,
                                         key_priority=key_priority(http_request))
             frames = await asyncio.get_running_loop().run_in_executor(
                 serving.pool, input_frames, request, spec, config.max_input_pixels
@@ -207,7 +209,7 @@ def image_routes(serving: Serving, jobs: ImageJobs | None = None) -> tuple[APIRo
 
         def respond(request: ImageRequest, done) -> Response:
             metadata = {"request": rollout_fields(request), "seeds": done.done.seeds,
-                        "model": scheduler.model_info.name, "latents_layout": LATENTS_LAYOUT,
+                        "model": request.model, "latents_layout": LATENTS_LAYOUT,
                         "weight_version": done.done.weight_version}
             return Response(safetensors_body(done.tensors, metadata),
                             media_type="application/octet-stream")

@@ -26,8 +26,6 @@ import zmq
 import zmq.asyncio
 
 from diffserve.errors import APIError, engine_error, internal_error, unavailable
-from diffserve.wire.weight_commands import WeightCommand, WeightResult
-from diffserve.wire.rollouts import join_parts
 from diffserve.wire.protocol import (
     LOAD,
     Abort,
@@ -43,8 +41,10 @@ from diffserve.wire.protocol import (
     decode,
     encode,
 )
-from diffserve.wire.request import ImageRequest
+from diffserve.wire.rollouts import join_parts
+from diffserve.wire.weight_commands import WeightCommand, WeightResult
 from diffserve.wire.model_info import ModelInfo
+from diffserve.wire.request import ImageRequest
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +147,21 @@ class SchedulerClient:
         self.adapters: dict[str, None] = {}  # LoRA adapters served now, in the order they came
         self._reader: asyncio.Task | None = None
         self._on_failure: Callable[[str], None] = lambda reason: None
+        self.on_answered: Callable[[], None] = lambda: None  # a request left (several models)
 
     @property
     def ready(self) -> bool:
         """At least one executor serves, and the engine has not stopped."""
         return self.status.ready and not self.stopped_reason
+
+    in_flight = property(lambda self: len(self._pending))  # sent, not answered: queued or running
+
+    def route(self, name: str | None) -> tuple[ModelInfo, dict[str, None]]:
+        """What a request naming ``name`` is checked against (several models: ModelSet's)."""
+        return self.model_info, self.adapters
+
+    def model_states(self) -> list[tuple[str, ModelInfo | None, dict]]:
+        return [(self.model_info.name, self.model_info, {})]  # name, info, more for /v1/models
 
     def wait_ready(self, scheduler_sentinel: int, timeout_s: float) -> ModelInfo:
         """Block until the scheduler reports a loaded model (before the event loop starts)."""
@@ -246,8 +256,10 @@ class SchedulerClient:
 
     def _forget(self, request_id: str) -> bool:
         pending = self._pending.pop(request_id, None)
-        if pending is not None and pending.grace is not None:
-            pending.grace.cancel()
+        if pending is not None:
+            self.on_answered()
+            if pending.grace is not None:
+                pending.grace.cancel()
         return pending is not None
 
     def _abort(self, request_id: str) -> None:

@@ -249,6 +249,15 @@ class ModelCard(BaseModel):
                         "candidate's step in ms and those left out, with why), quantization "
                         "(scheme, scope, PSNR against the unquantized model), flops (the "
                         "model's FLOPs a step of one native-size image, the device's peak).")
+    # A server of several models (--model NAME=PATH ...; docs/models.md#several-models).
+    location: str | None = Field(None, description="Several models: device (awake), host "
+                                 "(asleep in host memory), or failed (it could not load).")
+    size_bytes: int | None = Field(None, description="Several models: its weights' bytes.")
+    loaded_at: float | None = Field(None, description="Several models: when it loaded (Unix s).")
+    swapped_at: float | None = Field(None, description="Several models: its last swap in or "
+                                     "out (Unix s).")
+    last_swap_s: float | None = Field(None, description="Several models: how long that swap took.")
+    error: str | None = Field(None, description="A model that could not load: why.")
 
 
 class LoadLoraAdapter(BaseModel):

@@ -71,7 +71,7 @@ class Serving:
             request, frames, body = await accept()
             self.counts.adapters_used(name for name, _ in request.loras)
             answer = ImageAnswer(request, body, events, arrival,
-                                 self.scheduler.model_info.spatial_stride, self.pool,
+                                 self.scheduler.route(request.model)[0].spatial_stride, self.pool,
                                  self.url_keeper(str(http_request.base_url), body))
             if body.stream:
                 response = await self._stream(http_request, answer, request, frames, finished)

@@ -21,15 +21,20 @@ log = logging.getLogger("diffserve")
 
 
 class Backend:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, metrics_dir: str | None = None,
+                 counts: metrics.FrontendMetrics | None = None) -> None:
+        """``metrics_dir``, ``counts``: shared with other engines of the same frontend (several
+        models); it then leaves the directory to its owner."""
         import zmq
 
         from diffserve.frontend.scheduler_client import SchedulerClient
         from diffserve.scheduler.service import SchedulerSpec, run_scheduler
 
         self.config = config
-        self.metrics = metrics.FrontendMetrics()  # what the frontend hosting it counts
-        self.metrics_dir = metrics.prepare_directory()
+        self.metrics = counts or metrics.FrontendMetrics()  # what the frontend hosting it counts
+        self.owns_metrics_dir = metrics_dir is None
+        self.metrics_dir = metrics_dir or metrics.prepare_directory()
+        self._models = None  # the per-model figures, made once the model's name is known
         self.ipc_dir = tempfile.mkdtemp(prefix="diffserve-")
         self._ctx = zmq.Context()
         self.client = SchedulerClient(self._ctx, self.ipc_dir)
@@ -50,6 +55,13 @@ class Backend:
         return info
 
     def render_metrics(self) -> tuple[bytes, str]:
+        info = self.client.model_info
+        if self.owns_metrics_dir and info is not None:  # one model (several: ModelSet's own)
+            from diffserve.serving.residency import ModelMetrics
+
+            if self._models is None:
+                self._models = ModelMetrics(self.metrics.registry, [info.name])
+            self._models.one_model(info, self.client.in_flight)
         return metrics.render(self.metrics_dir, self.metrics)
 
     @asynccontextmanager
@@ -84,4 +96,5 @@ class Backend:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
         if self.shared_dir:
             shutil.rmtree(self.shared_dir, ignore_errors=True)
-        metrics.remove_directory(self.metrics_dir)
+        if self.owns_metrics_dir:
+            metrics.remove_directory(self.metrics_dir)

@@ -30,10 +30,13 @@ def serve(config: ServerConfig) -> int:
 
 
 def _serve(config: ServerConfig) -> int:
-    from diffserve.serving.backend import Backend
     from diffserve.frontend.scheduler_client import StartupError
+    from diffserve.serving.backend import Backend
+    from diffserve.serving.models import ModelSet
 
-    host = Backend(config)  # first: the model loads in its own process while this one imports
+    # First: the model loads in its own process while this one imports (several: side by side).
+    host = (ModelSet(config) if len(config.served_models) > 1
+            else Backend(config.for_model(config.model_name)))
     scheduler = host.client
     exit_code = 0
     try:
@@ -66,8 +69,9 @@ def _serve(config: ServerConfig) -> int:
             timeout_graceful_shutdown=config.shutdown_timeout_s + 5,
             access_log=config.log_level == "debug"))
         server.scheduler, server.drain_s = scheduler, config.shutdown_timeout_s
+        names = ", ".join(repr(name) for name, *_ in scheduler.model_states())
         server.ready_message = (
-            f"diffserve ready: serving {info.name!r} on http://{config.host}:{config.port} "
+            f"diffserve ready: serving {names} on http://{config.host}:{config.port} "
             f"({info.batching_mode} batching, max batch {config.dynamic_batch_max_size}, delay "
             f"{config.dynamic_batch_delay_ms:g} ms)")
         server.run()

@@ -69,7 +69,7 @@ class ImageJobs:
     async def _run(self, job: ImageJob, request, frames: list, body) -> None:
         serving = self.serving
         answer = ImageAnswer(request, body, job.body["events"], job.created_at,
-                             serving.scheduler.model_info.spatial_stride, serving.pool,
+                             serving.scheduler.route(request.model)[0].spatial_stride, serving.pool,
                              serving.url_keeper(job.body["base_url"], body))
         if body.webhook and body.partial_images and "output" in (body.webhook_events_filter
                                                                   or EVENTS):
