@@ -22,8 +22,11 @@ SIZES = ["64x64", "96x64", "64x96", "48x48", "80x80", "64x64"]
 
 
 @pytest.fixture(scope="module")
-@serves(spec("--batching-mode", "step", "--dynamic-batch-max-size", "8",
-             "--dynamic-batch-delay-ms", "200", "--skip-startup-check", model=MODEL))
+# Six images make a full batch, dispatched as soon as all six are in; the cost bound leaves room
+# for all six rows padded to the largest (80x80: 1.56 native rows each).
+@serves(spec("--batching-mode", "step", "--dynamic-batch-max-size", "6",
+             "--dynamic-batch-delay-ms", "3000", "--max-batch-cost", "16",
+             "--skip-startup-check", model=MODEL))
 def server(request):
     with LAUNCHES.take(request) as srv:
         yield srv

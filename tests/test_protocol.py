@@ -33,17 +33,18 @@ def test_every_request_field_declares_its_batching_role():
 
 
 def test_the_batch_key_follows_the_mode():
-    shape = {"model", "references", "num_frames"}
+    shape = {"model", "references"}
     assert shape == set(fields_with_role(ImageRequest, SHAPE))
-    assert {"width", "height"} == set(fields_with_role(ImageRequest, SIZE))
+    sizes = {"width", "height", "num_frames"}
+    assert sizes == set(fields_with_role(ImageRequest, SIZE))
     call = {"num_inference_steps", "guidance_scale", "strength", "task", "loras", "noise_level",
             "scheduler", "guidance_scale_2", "cache_threshold", "controls"}
     assert call == set(fields_with_role(ImageRequest, CALL))
     assert {"prompt", "negative_prompt", "seed", "n", "returns"} <= set(
         fields_with_role(ImageRequest, SAMPLE))
-    assert set(batch_key_fields(ImageRequest, STEP_MODE)) == shape | {"width", "height"}
+    assert set(batch_key_fields(ImageRequest, STEP_MODE)) == shape | sizes
     assert set(batch_key_fields(ImageRequest, MIXED_STEP_MODE)) == shape
-    assert set(batch_key_fields(ImageRequest, REQUEST_MODE)) == shape | {"width", "height"} | call
+    assert set(batch_key_fields(ImageRequest, REQUEST_MODE)) == shape | sizes | call
     a = make_request(prompt="x", seed=1, n=1)
     b = make_request(prompt="y", seed=2, n=4, negative_prompt="z", partial_images=2)
     assert a.batch_key(REQUEST_MODE) == b.batch_key(REQUEST_MODE)
@@ -54,10 +55,11 @@ def test_the_batch_key_follows_the_mode():
         assert changed.batch_key(STEP_MODE) == a.batch_key(STEP_MODE)
     for change in ({"width": 128}, {"model": "m"}, {"num_frames": 9}):
         assert dataclasses.replace(a, **change).batch_key(STEP_MODE) != a.batch_key(STEP_MODE)
-    # Where the step engine mixes sizes, the size leaves the key; the model and frames stay.
+    # Where the step engine mixes sizes, the size and frame count leave the key; the model stays.
     mixed = a.batch_key(MIXED_STEP_MODE)
-    assert dataclasses.replace(a, width=128, height=48).batch_key(MIXED_STEP_MODE) == mixed
-    for change in ({"model": "m"}, {"num_frames": 9}, {"references": 1}):
+    assert dataclasses.replace(a, width=128, height=48, num_frames=9).batch_key(
+        MIXED_STEP_MODE) == mixed
+    for change in ({"model": "m"}, {"references": 1}):
         assert dataclasses.replace(a, **change).batch_key(MIXED_STEP_MODE) != mixed
 
 

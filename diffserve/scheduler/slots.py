@@ -13,14 +13,20 @@ from diffserve.wire.request import WorkItem
 
 
 def padded_pixels(sizes, grid: bool) -> int:
-    """The pixels every row of a forward over images of ``sizes`` ((width, height) each) is
-    padded to: the largest image's (tokens padded to the longest row's), or, where the family
-    lays its rows out in one grid (``grid``), the tallest's height times the widest's width."""
+    """The pixels every row of a forward over images of ``sizes`` ((width, height, frames) each;
+    an image's frames 0) is padded to: the largest image's (tokens padded to the longest
+    row's), or, where the family lays its rows out in one grid (``grid``), the tallest's height
+    times the widest's width (times the most frames)."""
     if not sizes:
         return 0
     if grid:
-        return max(w for w, _ in sizes) * max(h for _, h in sizes)
-    return max(w * h for w, h in sizes)
+        return (max(w for w, _, _ in sizes) * max(h for _, h, _ in sizes)
+                * max(max(f, 1) for _, _, f in sizes))
+    return max(w * h * max(f, 1) for w, h, f in sizes)
+
+
+def size_of(request) -> tuple[int, int, int]:
+    return (request.width, request.height, request.num_frames)
 
 
 @dataclass
@@ -28,9 +34,9 @@ class RunningSet:
     """What an executor holds of one batch key (in request mode: its one batch)."""
 
     samples: int = 0
-    # (width, height) -> (its images, their cost): a set whose rows' sizes differ (the step
-    # engine mixes them in one forward) pads every row (``grid``: see padded_pixels).
-    by_size: dict[tuple[int, int], list] = field(default_factory=dict)
+    # (width, height, frames) -> (its images, their cost): a set whose rows' sizes differ (the
+    # step engine mixes them in one forward) pads every row (``grid``: see padded_pixels).
+    by_size: dict[tuple[int, int, int], list] = field(default_factory=dict)
     grid: bool = False
 
     @property
@@ -42,16 +48,16 @@ class RunningSet:
     @property
     def density(self) -> float:
         """Its images' cost per pixel, summed: its cost is this times its padded pixels."""
-        return sum(cost / (w * h) for (w, h), (_, cost) in self.by_size.items())
+        return sum(cost / padded_pixels([size], False) for size, (_, cost) in self.by_size.items())
 
     def change(self, item: WorkItem, sign: int) -> None:
         r = item.request
-        held = self.by_size.setdefault((r.width, r.height), [0, 0.0])
+        held = self.by_size.setdefault(size_of(r), [0, 0.0])
         held[0] += sign * item.samples
         held[1] += sign * item.samples * r.cost
         self.samples += sign * item.samples
         if held[0] == 0:
-            del self.by_size[(r.width, r.height)]
+            del self.by_size[size_of(r)]
 
 
 @dataclass
@@ -79,22 +85,22 @@ class PaddedRoom:
     within ``limit``, the images that join counted in both."""
 
     density: float
-    sizes: set[tuple[int, int]]
+    sizes: set[tuple[int, int, int]]
     limit: float
     grid: bool = False
 
     def images(self, request) -> int | float:
         """How many images of ``request`` fit (inf where it costs nothing)."""
-        area = request.width * request.height
+        area = padded_pixels([size_of(request)], False)
         if request.cost <= 0:
             return math.inf
-        padded = padded_pixels(self.sizes | {(request.width, request.height)}, self.grid)
+        padded = padded_pixels(self.sizes | {size_of(request)}, self.grid)
         return max(0, math.floor((self.limit / padded - self.density) * area / request.cost
                                  + 1e-9))
 
     def take(self, request, count: int) -> None:
-        self.density += count * request.cost / (request.width * request.height)
-        self.sizes.add((request.width, request.height))
+        self.density += count * request.cost / padded_pixels([size_of(request)], False)
+        self.sizes.add(size_of(request))
 
 
 @dataclass

@@ -128,9 +128,9 @@ class ImageRequest:
     # tensors come back (diffserve.wire.rollouts.RETURNABLE).
     noise_level: float = call(0.0)
     returns: tuple[str, ...] = sample(())
-    # Videos: the frame count (0: an image), and the low-noise expert's guidance scale of a
-    # two-expert model (None: guidance_scale).
-    num_frames: int = shape(0)
+    # Videos: the frame count (0: an image; a size: Wan mixes frame counts in one forward), and
+    # the low-noise expert's guidance scale of a two-expert model (None: guidance_scale).
+    num_frames: int = size(0)
     guidance_scale_2: float | None = call(None)
     progress: bool = sample(False)  # the executor reports its steps done (Kind.PROGRESS)
     # The step cache's threshold (diffserve.executor.accel.step_cache): 0 never reuses; None takes

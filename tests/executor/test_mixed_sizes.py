@@ -169,3 +169,20 @@ def test_a_kernel_without_masks_gives_way_to_native_in_a_mixed_forward():
     assert masked_backend(Processor()) == AttentionBackendName.NATIVE
     Processor._attention_backend = AttentionBackendName._NATIVE_MATH
     assert masked_backend(Processor()) == AttentionBackendName._NATIVE_MATH
+
+
+@pytest.mark.parametrize("model", ["tiny-wan", "tiny-wan22"])
+def test_videos_of_different_sizes_and_frame_counts_share_forwards(model):
+    """Wan (2.2: both experts): rows padded along frames, height and width, self-attention
+    masked to each row's own cells; each video equals its pipeline alone."""
+    loaded, pipelines, engine = engine_for(model)
+    shapes = [(32, 32, 9), (48, 32, 5), (32, 48, 9), (32, 32, 13)]
+    requests = [dataclasses.replace(
+        make_request(request_id=f"v{i}", model=model, width=w, height=h, seed=i, steps=4,
+                     guidance=4.0 if i % 2 else 1.0), num_frames=frames)
+        for i, (w, h, frames) in enumerate(shapes)]
+    videos, per_forward = drain(engine, requests)
+    assert per_forward[0] == len(requests)
+    for r in requests:
+        assert videos[r.request_id].shape[1:4] == (r.num_frames, r.height, r.width)
+        assert max_diff(videos[r.request_id], solo(loaded, pipelines, r)) <= 2, r.request_id

@@ -15,14 +15,17 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
-def grid_valid(torch, sides: list[tuple[int, int]], patch: int, device):
-    """(rows, grid cells) bool: True at each row's own tokens, its (h, w) latent cells laid out
-    top-left in the grid of the tallest and the widest."""
-    rows = max(h for h, _ in sides) // patch
-    cols = max(w for _, w in sides) // patch
-    r = torch.arange(rows, device=device)[:, None]
-    c = torch.arange(cols, device=device)[None, :]
-    return torch.stack([((r < h // patch) & (c < w // patch)).flatten() for h, w in sides])
+def grid_valid(torch, sides: list[tuple[int, ...]], patch, device):
+    """(rows, grid cells) bool: True at each row's own tokens, its latent cells (h, w), or
+    (frames, h, w), laid out from the grid's first corner in the grid of the largest along every
+    axis; ``patch``: cells a token along each axis (one number: every axis)."""
+    axes = len(sides[0])
+    patch = (patch,) * axes if isinstance(patch, int) else tuple(patch)
+    grid = [max(s[a] for s in sides) // patch[a] for a in range(axes)]
+    at = torch.meshgrid(*(torch.arange(g, device=device) for g in grid), indexing="ij")
+    return torch.stack([
+        torch.stack([at[a] < s[a] // patch[a] for a in range(axes)]).all(0).flatten()
+        for s in sides])
 
 
 @contextmanager

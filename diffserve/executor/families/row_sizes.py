@@ -35,6 +35,7 @@ class RowSizes:
     sizes: tuple[tuple[int, int], ...]
     tokens: tuple[int, ...]
     length: int = 0
+    shapes: tuple[tuple[int, ...], ...] = ()  # each row's latents' shape past the rows
 
     def __post_init__(self) -> None:
         if not self.length:
@@ -57,7 +58,7 @@ class RowSizes:
 
     def select(self, rows: Sequence[int]) -> "RowSizes":
         return RowSizes(tuple(self.sizes[r] for r in rows), tuple(self.tokens[r] for r in rows),
-                        self.length)
+                        self.length, tuple(self.shapes[r] for r in rows) if self.shapes else ())
 
     def distinct(self) -> list[tuple[int, int]]:
         """The sizes in first-seen order."""

@@ -48,8 +48,11 @@ class SetInputs:
         sizes = RowSizes(tuple((u.request.width, u.request.height) for u in units
                                for _ in range(u.rows)),
                          tuple(row_tokens(u.prepared.latents) for u in units
+                               for _ in range(u.rows)), 0,
+                         tuple(tuple(u.prepared.latents.shape[1:]) for u in units
                                for _ in range(u.rows)))
-        self.sizes = sizes if len(set(sizes.sizes)) > 1 else None  # None: one size
+        # None: one size (and, for videos, one frame count)
+        self.sizes = sizes if len(set(zip(sizes.sizes, sizes.shapes))) > 1 else None
         self.tokens = sum(sizes.tokens) if self.sizes else None
         self._torch = torch
         self._device = device

@@ -209,7 +209,8 @@ class StageWork:
         gets a NonFiniteOutput, which fails it alone."""
         by_unit: dict[int, Any] = {}
         for group in group_by(pairs, lambda pair: (pair[0].request.task, pair[0].request.width,
-                                                   pair[0].request.height)).values():
+                                                   pair[0].request.height,
+                                                   pair[0].request.num_frames)).values():
             r = group[0][0].request
             latents = self.family.torch.cat([x for _, x in group])
             parts = split_finite(lambda: self.family.decode(latents, r.width, r.height,

@@ -13,6 +13,7 @@ Wan image-to-video; a video is one sample whose rows carry its own frames.
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,9 @@ import numpy as np
 from diffserve.executor.families.blocks import BlockKind
 from diffserve.executor.families.base import Family
 from diffserve.executor.families.outputs import to_uint8
+from diffserve.executor.families.patched_rows import grid_valid
+from diffserve.executor.families.row_sizes import processors_swapped
+from diffserve.executor.families.wan import rows
 from diffserve.executor.families.conditioning import Conditioning, Encoded, Prepared
 
 # Latent frames the decode stage decodes before it lets another job run (4 video frames each).
@@ -41,6 +45,9 @@ class Wan(Family):
     block_kinds = {"WanTransformerBlock": BlockKind(shared=frozenset({"rotary_emb"}))}
     begins_at_index_zero = True
     splits_by_timestep = True  # Wan 2.2: each row to the expert of its noise level
+    # Videos of several sizes and frame counts in one forward (rows.py), in one grid.
+    mixes_sizes = True
+    mixes_in_grid = True
 
     def __init__(self, pipe, pipelines, call_kwargs) -> None:
         super().__init__(pipe, pipelines, call_kwargs)
@@ -98,9 +105,15 @@ class Wan(Family):
         negative = None if negative is None else dataclasses.replace(negative, **extra)
         return Prepared(timesteps, latents, positive, negative)
 
-    def forward(self, latents, timesteps, cond, guidance, width, height, host_timesteps=None):
+    def forward(self, latents, timesteps, cond, guidance, width, height, host_timesteps=None,
+                sizes=None):
         """Each row through its expert: one call per expert present among the rows, decided on
-        the host from ``host_timesteps`` (a read of the device's would wait for it)."""
+        the host from ``host_timesteps`` (a read of the device's would wait for it).
+        ``sizes``: rows of several sizes or frame counts (:mod:`.rows`)."""
+        if sizes is not None:
+            with self._rows_masked(sizes):
+                return self.forward(latents, timesteps, cond, guidance, width, height,
+                                    host_timesteps)
         if self.boundary is None:
             return self._call(self.pipe.transformer, latents, timesteps, cond)
         if host_timesteps is None:
@@ -119,6 +132,32 @@ class Wan(Family):
                 out = part.new_empty((latents.shape[0], *part.shape[1:]))
             out[index] = part
         return out
+
+    def mixes_sizes_now(self) -> str | None:
+        if not self.mixes_sizes:
+            return super().mixes_sizes_now()
+        if self.pipe.config.get("expand_timesteps"):
+            return "its timesteps per token"
+        return self._mixing_refused(rows.kinds())
+
+    def _mixing_refused(self, kinds):
+        from diffserve.executor.families.row_sizes import foreign_processors
+
+        foreign = sorted({p for d in self.denoisers for p in foreign_processors(d, kinds)})
+        return (f"its attention runs {', '.join(foreign)}, which a forward of several sizes "
+                "cannot stand in for" if foreign else None)
+
+    @contextmanager
+    def _rows_masked(self, sizes):
+        """Every expert's self-attention masked to each row's own cells of the padded grid."""
+        patch = self.pipe.transformer.config.patch_size
+        mask = self._kept(("grid", sizes.shapes), lambda: grid_valid(
+            self.torch, [shape[1:] for shape in sizes.shapes], patch, self.device)[:, None, None])
+        with ExitStack() as stack:
+            for denoiser in self.denoisers:
+                stack.enter_context(processors_swapped(
+                    denoiser, rows.kinds(), lambda inner: rows.SelfMasked(inner, mask)))
+            yield
 
     def _call(self, transformer, latents, timesteps, cond):
         x = latents if cond.condition is None else self.torch.cat([latents, cond.condition], dim=1)
@@ -178,6 +217,7 @@ class Wan(Family):
 
 class WanImageToVideo(Wan):
     name = "wan-i2v"
+    mixes_sizes = False  # its first frame's conditioning rides in channels of its own size
     pipelines = ("WanImageToVideoPipeline",)
     generates = False  # its pipeline needs the first frame
     begins_at_index_zero = False  # its pipeline leaves the begin index to the scheduler
