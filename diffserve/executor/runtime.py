@@ -83,7 +83,10 @@ class Runtime:
         why = ("--size-mixing off" if self.config.size_mixing == "off"
                else None if family is None else family.mixes_sizes_now())
         why = why or ("--compile" if self.compiled is not None else
-                      "a parallel group" if self.group is not None else "")
+                      "a parallel group" if self.group is not None else
+                      # a row's cells in the union grid are not its leading tokens
+                      "--step-cache over rows laid out in one grid" if self.step_cache is not None
+                      and family.mixes_in_grid else "")
         return {key: ("controls" if key.endswith(WITH_CONTROLS) and not (
                           family and family.mixes_controls) else
                       "reference images" if TASKS[key.split("+")[0]].references and not (
