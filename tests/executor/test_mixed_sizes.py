@@ -186,3 +186,18 @@ def test_videos_of_different_sizes_and_frame_counts_share_forwards(model):
     for r in requests:
         assert videos[r.request_id].shape[1:4] == (r.num_frames, r.height, r.width)
         assert max_diff(videos[r.request_id], solo(loaded, pipelines, r)) <= 2, r.request_id
+
+
+def test_the_padding_is_counted_as_each_family_pads():
+    """Tokens padded to the longest row's (Flux), or to the union grid (SD3): what the
+    forward's padding metric reads."""
+    flux, sd3 = (engine_for(model)[2] for model in ("tiny-flux", "tiny-sd3"))
+    for engine, wide_tall in ((flux, 0), (sd3, 1)):
+        requests = [make_request(request_id=f"{w}x{h}", model="tiny-flux" if engine is flux
+                                 else "tiny-sd3", width=w, height=h, steps=2, guidance=1.0)
+                    for w, h in ((96, 64), (64, 96))]
+        engine.admit([WorkItem(r, 0, 1) for r in requests], [[], []])
+        out = engine.step()
+        # 96x64: 24 tokens of 2x2 latent cells either way; one grid of 96x96 holds 36 each.
+        assert (out.size, out.tokens, out.padding) == ("mixed", 48, 24 * wide_tall), engine.family
+        drain(engine, [])

@@ -317,6 +317,17 @@ class Family(ControlHooks):
             cells *= side
         return cells
 
+    def padded_tokens(self, latents: list) -> int:
+        """The tokens each row of a forward over ``latents`` (each unit's) computes: the most
+        any has, or, where rows are laid out in one grid, the grid's (in row_tokens' unit)."""
+        if not self.mixes_in_grid:
+            return max(self.row_tokens(x) for x in latents)
+        cells = own = 1
+        for axis in range(2, latents[0].dim()):
+            cells *= max(x.shape[axis] for x in latents)
+            own *= latents[0].shape[axis]
+        return cells * self.row_tokens(latents[0]) // own
+
     def mixes_sizes_now(self) -> str | None:
         """Why rows of different sizes cannot share a forward of the model as loaded (None:
         they can)."""

@@ -291,11 +291,12 @@ class StepEngine:
         """The forward's image tokens, its padding (rows of several sizes pad to the longest)
         and its size ("WxH", or "mixed")."""
         tokens = [(u.rows, self.family.row_tokens(u.prepared.latents)) for u in units]
-        longest = max(t for _, t in tokens)
         out.tokens = sum(rows * t for rows, t in tokens)
-        out.padding = sum(rows * (longest - t) for rows, t in tokens)
-        sizes = {(u.request.width, u.request.height) for u in units}
-        out.size = "mixed" if len(sizes) > 1 else "{}x{}".format(*sizes.pop())
+        sizes = {(u.request.width, u.request.height, u.request.num_frames) for u in units}
+        if len(sizes) > 1:  # its rows padded to the longest, or laid out in one grid
+            padded = self.family.padded_tokens([u.prepared.latents for u in units])
+            out.padding = sum(rows * (padded - t) for rows, t in tokens)
+        out.size = "mixed" if len(sizes) > 1 else "{}x{}".format(*sizes.pop()[:2])
 
     def _timed_step(self, members, samples: int, cost: float, batch_key, seconds: float,
                     inner: float) -> None:
