@@ -20,13 +20,15 @@ from diffserve.wire.request import ImageRequest
 
 
 def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None, mask=None,
-         start: int = 0, stop: int | None = None, references=None, controls=None) -> np.ndarray:
+         start: int = 0, stop: int | None = None, references=None, controls=None,
+         sound: bool = False):
     """Images ``start``..``stop-1`` of ``request`` from one call of the plain pipeline for its task
     (``pipelines``: task name -> pipeline, the loaded one where the task is missing), with the
     seeds the server uses (image i: seed + i) and nothing else shared. ``references``: an
     instruction edit's images (fitted to the request's size), each row gets them; ``controls``:
     with the request's controls, their (control model, image) pairs: the call is then of
-    diffusers' ControlNet pipeline for the task, every row with those images."""
+    diffusers' ControlNet pipeline for the task, every row with those images. ``sound``: a
+    video model's sound tracks too, as (images, waveforms (k, channels, samples) float32)."""
     stop = request.n if stop is None else stop
     pipe = pipelines.get(request.task, loaded.pipe)
     family = family_for(type(loaded.pipe).__name__)
@@ -75,7 +77,10 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
     kwargs.update(controlled)
     with torch.inference_mode():
         output = pipe(**kwargs)
-    return to_uint8(output.frames if request.num_frames else output.images)
+    pixels = to_uint8(output.frames if request.num_frames else output.images)
+    if sound:
+        return pixels, output.audio.float().cpu().numpy()
+    return pixels
 
 
 def controlnet_call(family, pipe, request: ImageRequest, controls) -> tuple:

@@ -52,6 +52,7 @@ FOLDERS: tuple[str, ...] = (
     "z_image",
     "chroma",
     "wan",
+    "ltx2",
 )
 
 
