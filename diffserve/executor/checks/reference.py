@@ -15,7 +15,7 @@ from diffserve.executor.families.control_hooks import control_kwargs
 from diffserve.executor.families.known import family_for
 from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.model.loading import FORCED_KWARGS, LoadedModel
-from diffserve.executor.pipeline import built_from
+from diffserve.executor.pipeline import built_from, guidance_on_guider
 from diffserve.wire.request import ImageRequest
 
 
@@ -45,8 +45,10 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
     kwargs.update(prompt=[request.prompt] * count, output_type="np",
                   generator=[torch.Generator("cpu").manual_seed(request.seed_of(i))
                              for i in range(start, stop)],
-                  num_inference_steps=request.num_inference_steps,
-                  **{family.guidance_kwarg if family else "guidance_scale": request.guidance_scale})
+                  num_inference_steps=request.num_inference_steps)
+    guidance = family.guidance_kwarg if family else "guidance_scale"
+    if guidance in accepts:  # else its guider holds it (guidance_on_guider)
+        kwargs[guidance] = request.guidance_scale
     if "height" in accepts:
         kwargs.update(height=request.height, width=request.width)
     if request.negative_prompt:
@@ -75,7 +77,7 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
         (picture,) = pictures  # one image a row
         kwargs["image"] = [picture] * count
     kwargs.update(controlled)
-    with torch.inference_mode():
+    with torch.inference_mode(), guidance_on_guider(pipe, request.guidance_scale):
         output = pipe(**kwargs)
     pixels = to_uint8(output.frames if request.num_frames else output.images)
     if sound:

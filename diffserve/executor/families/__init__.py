@@ -53,6 +53,7 @@ FOLDERS: tuple[str, ...] = (
     "chroma",
     "wan",
     "ltx2",
+    "hunyuan_video15",
 )
 
 

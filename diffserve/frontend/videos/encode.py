@@ -104,7 +104,7 @@ def write_files(frames: np.ndarray, fps: int, stem: Path, sound: Sound | None = 
             partial = final.with_name(final.name + ".part")
             written.append(partial)
             if variant == VIDEO:
-                encode_mp4(frames, fps, partial, sound)
+                encode_mp4(frames, fps, partial, *([sound] if sound is not None else []))
             elif variant == THUMBNAIL:
                 Image.fromarray(frames[0]).save(partial, format="WEBP", quality=90)
             else:

@@ -94,6 +94,7 @@ class VideoJobs:
             track = event.sounds[0] if event.sounds else None
             sound = (Sound(track.array(), track.sample_rate)
                      if track is not None and job.params.get("audio") else None)
+            job.params["audio"] = sound is not None  # request mode answers frames alone
             await asyncio.get_running_loop().run_in_executor(
                 self.pool, write_files, frames, job.params["fps"], self.store.stem(job.id), sound)
         except asyncio.CancelledError:
