@@ -18,23 +18,32 @@ QWEN_CHAT_TEMPLATE = (
 )
 
 
-def text_encoders() -> dict:
-    """Qwen2.5-VL's text model (16 wide, two layers) with a tokenizer that learned the system
-    message's words (the prompt's template is then about as many tokens as with Qwen's
-    vocabulary), and a ByT5 encoder for quoted text."""
+def tokenizers() -> dict:
+    """A Qwen2 tokenizer that learned the system message's words (the prompt's template is then
+    about as many tokens as with Qwen's vocabulary), and ByT5's (bytes: no files)."""
     from diffusers import HunyuanVideo15Pipeline
-    from transformers import (ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel,
-                              T5Config, T5EncoderModel)
+    from transformers import ByT5Tokenizer
 
     system = HunyuanVideo15Pipeline.__init__.__code__.co_consts  # the message is a constant
     message = next(c for c in system if isinstance(c, str) and c.startswith("You are a helpful"))
     tokenizer = qwen2_tokenizer([f"<|im_start|>system\n{message}<|im_end|>\n<|im_start|>user\n"])
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return {"tokenizer": tokenizer, "tokenizer_2": ByT5Tokenizer()}
+
+
+def text_encoders() -> dict:
+    """Qwen2.5-VL's text model (16 wide, two layers) and a ByT5 encoder for quoted text, with
+    their tokenizers."""
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    made = tokenizers()
+    tokenizer, glyphs = made["tokenizer"], made["tokenizer_2"]
+    ids = tokenizer.convert_tokens_to_ids
     encoder = seeded(0, Qwen2_5_VLTextModel, Qwen2_5_VLTextConfig(
         vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2,
+        num_attention_heads=2, num_key_value_heads=2, bos_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|im_end|>"),
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]}))
-    glyphs = ByT5Tokenizer()
     encoder_2 = seeded(0, T5EncoderModel, T5Config(
         vocab_size=len(glyphs), d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
         relative_attention_num_buckets=8))

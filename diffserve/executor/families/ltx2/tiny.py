@@ -43,13 +43,12 @@ def components() -> dict:
     from diffusers import (
         AutoencoderKLLTX2Audio,
         AutoencoderKLLTX2Video,
-        FlowMatchEulerDiscreteScheduler,
         LTX2VideoTransformer3DModel,
     )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
-    tokenizer = gemma_tokenizer(["a start-up check of the step engine"])
+    words = tokenizer()
     transformer = seeded(
         0, LTX2VideoTransformer3DModel, in_channels=4, out_channels=4, patch_size=1,
         patch_size_t=1, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
@@ -80,13 +79,22 @@ def components() -> dict:
         0, LTX2Vocoder, in_channels=2 * 8, hidden_channels=32, out_channels=2,
         upsample_kernel_sizes=[10, 8, 8], upsample_factors=[5, 4, 4], resnet_kernel_sizes=[3],
         resnet_dilations=[[1, 3, 5]], output_sampling_rate=SAMPLE_RATE)
-    # LTX-2's sampler: Euler over flow sigmas, shifted by the video's token count.
-    scheduler = FlowMatchEulerDiscreteScheduler(
+    return dict(tokenizer=words, text_encoder=text_encoder(words), connectors=connectors,
+                transformer=transformer, vae=vae, audio_vae=audio_vae, vocoder=vocoder,
+                scheduler=scheduler())
+
+
+def tokenizer():
+    return gemma_tokenizer(["a start-up check of the step engine"])
+
+
+def scheduler():
+    """LTX-2's sampler: Euler over flow sigmas, shifted by the video's token count."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
         max_image_seq_len=4096, shift_terminal=0.1)
-    return dict(tokenizer=tokenizer, text_encoder=text_encoder(tokenizer), connectors=connectors,
-                transformer=transformer, vae=vae, audio_vae=audio_vae, vocoder=vocoder,
-                scheduler=scheduler)
 
 
 def build(directory: Path) -> None:
