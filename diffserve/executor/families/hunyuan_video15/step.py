@@ -75,10 +75,21 @@ class HunyuanVideo15(Family):
             encoder_attention_mask_2=cond.glyph_mask, return_dict=False)[0]
 
     def decode(self, latents, width, height, task) -> np.ndarray:
-        """Videos (k, frames, height, width, 3), as the pipeline decodes them."""
-        vae = self.pipe.vae
-        video = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
-        return to_uint8(self.pipe.video_processor.postprocess_video(video, output_type="np"))
+        """Videos (k, frames, height, width, 3), as the pipeline decodes them: one at a time
+        (diffusers 0.42's VAE fails on a batch of several videos: its attention mask is one
+        video's)."""
+        vae, torch = self.pipe.vae, self.torch
+        videos = [vae.decode(x.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+                  for x in latents.split(1)]
+        return to_uint8(self.pipe.video_processor.postprocess_video(torch.cat(videos),
+                                                                    output_type="np"))
+
+    decodes_in_parts = True
+
+    def decode_parts(self, latents, width, height, task):
+        """:meth:`decode`, a video at a time (the decode stage runs them one by one)."""
+        return self.decode(latents, width, height, task)
+        yield  # a generator of one part (never reached)
 
 
 FAMILIES = (HunyuanVideo15,)
