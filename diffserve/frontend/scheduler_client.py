@@ -75,26 +75,13 @@ class ProgressEvent:
 
 
 @dataclass
-class SoundTrack:
-    """A video's sound track as it came: float32 samples, channel after channel."""
-
-    samples: Any  # a buffer
-    channels: int
-    sample_rate: int
-
-    def array(self):
-        """(channels, samples) float32."""
-        import numpy as np
-
-        return np.frombuffer(self.samples, np.float32).reshape(self.channels, -1)
-
-
-@dataclass
 class DoneEvent:
     done: RequestDone
     frames: list[Any]  # the request's images, in index order
     tensors: dict[str, Any] | None = None  # rollouts: the answer's tensors (diffserve.wire.rollouts)
-    sounds: list[SoundTrack | None] = field(default_factory=list)  # videos: each one's sound
+    # Videos with sound: each one's track as it came, (float32 samples channel after channel,
+    # channels, sample rate), or None.
+    sounds: list[tuple | None] = field(default_factory=list)
 
 
 @dataclass
@@ -106,7 +93,7 @@ class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     images: dict[int, Any] = field(default_factory=dict)
     tensors: dict[int, tuple[int, dict[str, Any]]] = field(default_factory=dict)  # start -> part
-    sounds: dict[int, SoundTrack] = field(default_factory=dict)  # videos with sound: index -> it
+    sounds: dict[int, tuple] = field(default_factory=dict)  # videos with sound: index -> track
     done: RequestDone | None = None
     grace: asyncio.TimerHandle | None = None
 
@@ -353,7 +340,7 @@ class SchedulerClient:
         indices = range(msg.start, msg.stop)
         pending.images.update(zip(indices, buffers[::per_image]))
         if msg.audio_channels:
-            pending.sounds.update((i, SoundTrack(b, msg.audio_channels, msg.sample_rate))
+            pending.sounds.update((i, (b, msg.audio_channels, msg.sample_rate))
                                   for i, b in zip(indices, buffers[1::2]))
         self._complete(msg.request_id, pending)
 

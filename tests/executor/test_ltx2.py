@@ -97,3 +97,38 @@ def test_videos_with_sound_equal_the_pipeline_alone(model, tmp_path):
         encode_mp4(got.images[0], 24, served)
         encode_mp4(frames[0], 24, alone)
         assert psnr(decode_mp4(served), decode_mp4(alone)) >= MIN_PSNR
+
+
+def test_image_to_video_shares_forwards_with_text_to_video(model):
+    """LTX2ImageToVideoPipeline over the same components: the first latent frame is the image's
+    and stays clean; image-to-video and text-to-video rows share a forward."""
+    from diffserve.executor.checks.reference import sample_image
+
+    loaded, pipelines, family = model
+    assert "image-to-video" in pipelines and "generate" in pipelines
+    first, _ = sample_image(32, seed=1)
+    a = video(steps=4, guidance=4.0, seed=5, task="image-to-video")
+    b = video(steps=4, guidance=3.0, seed=6)
+    c = video(steps=3, guidance=1.0, seed=7, task="image-to-video")
+    from diffserve.wire.request import WorkItem
+
+    engine, outcomes, rows = StepEngine(family), {}, []
+    real = family.forward
+    family.forward = lambda latents, *rest, **host: rows.append(latents.shape[0]) or real(
+        latents, *rest, **host)
+    try:
+        failed = engine.admit([WorkItem(r, 0, 1) for r in (a, b, c)],
+                              [[first], [], [first]])
+        assert not failed, [f.error for f in failed]
+        while engine:
+            for o in engine.step().finished:
+                assert o.error is None, o.error
+                outcomes[o.item.request.request_id] = o
+    finally:
+        family.forward = real
+    assert max(rows) == 5  # a's and b's guided rows and c's one, in one forward
+    for request, image in ((a, first), (b, None), (c, first)):
+        got = outcomes[request.request_id]
+        frames, wave = solo(loaded, pipelines, request, image=image, sound=True)
+        assert max_diff(got.images, frames) <= TOLERANCE, request.request_id
+        assert np.abs(got.audio - wave).max() <= WAVE_TOLERANCE, request.request_id

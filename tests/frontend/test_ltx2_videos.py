@@ -68,6 +68,8 @@ def test_the_model_card_says_it_makes_sound(ltx2):
     (card,) = sdk(ltx2).models.list().data
     assert card.model_extra["audio_sample_rate"] == RATE
     assert card.model_extra["num_frames"] == 9 and card.model_extra["frame_stride"] == 2
+    assert card.model_extra["task_modes"] == {"generate": "step", "rollout": "step",
+                                              "image-to-video": "step"}
 
 
 def test_four_jobs_at_once_share_forwards_each_with_video_and_sound(ltx2, tmp_path):
@@ -98,6 +100,32 @@ def test_four_jobs_at_once_share_forwards_each_with_video_and_sound(ltx2, tmp_pa
         encode_mp4(expected, 24, alone)  # the pipeline's frames through the same encoder
         assert frames.shape == expected.shape == (9, 32, 32, 3)
         assert psnr(frames, decode_mp4(alone)) >= MIN_PSNR
+
+
+def test_image_to_video_through_the_sdk_is_the_pipeline_alone(ltx2, tmp_path):
+    from PIL import Image
+
+    from diffserve.executor.checks.reference import sample_image
+
+    image, _ = sample_image(32, seed=3)
+    data = io.BytesIO()
+    Image.fromarray(image).save(data, format="PNG")
+    client = sdk(ltx2)
+    video = client.videos.create_and_poll(
+        prompt="it starts here", size="32x32", poll_interval_ms=50,
+        input_reference=("first.png", data.getvalue(), "image/png"),
+        extra_body={"seed": 8, "num_frames": 9, "num_inference_steps": 3})
+    assert video.status == "completed" and video.model_extra["audio"] is True, video
+    frames, sound = mp4(client, video.id, tmp_path)
+    assert sound is not None and sound.sample_rate == RATE
+    loaded = load_model(MODEL, torch_threads=1)
+    pipelines = task_pipelines(loaded.pipe, family_for(loaded.pipeline_class))
+    request = ImageRequest("ref", MODEL, 32, 32, task="image-to-video", num_inference_steps=3,
+                           guidance_scale=4.0, prompt="it starts here", seed=8, num_frames=9)
+    expected = solo(loaded, pipelines, request, image=image)[0]
+    alone = tmp_path / "alone.mp4"
+    encode_mp4(expected, 24, alone)
+    assert psnr(frames, decode_mp4(alone)) >= MIN_PSNR
 
 
 def test_audio_false_makes_a_silent_mp4(ltx2, tmp_path):

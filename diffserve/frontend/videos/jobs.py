@@ -92,8 +92,10 @@ class VideoJobs:
             frames = np.frombuffer(event.frames[0], np.uint8).reshape(
                 request.num_frames, request.height, request.width, 3)
             track = event.sounds[0] if event.sounds else None
-            sound = (Sound(track.array(), track.sample_rate)
-                     if track is not None and job.params.get("audio") else None)
+            sound = None
+            if track is not None and job.params.get("audio"):
+                samples, channels, rate = track
+                sound = Sound(np.frombuffer(samples, np.float32).reshape(channels, -1), rate)
             job.params["audio"] = sound is not None  # request mode answers frames alone
             await asyncio.get_running_loop().run_in_executor(
                 self.pool, write_files, frames, job.params["fps"], self.store.stem(job.id), sound)

@@ -48,7 +48,8 @@ class HunyuanVideo15(Family):
 
     def schedule(self, scheduler, steps, width, height):
         from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import (
-            retrieve_timesteps)
+            retrieve_timesteps,
+        )
 
         sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]
         return retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas)[0]

@@ -34,7 +34,12 @@ def tokenizers() -> dict:
 def text_encoders() -> dict:
     """Qwen2.5-VL's text model (16 wide, two layers) and a ByT5 encoder for quoted text, with
     their tokenizers."""
-    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+    from transformers import (
+        Qwen2_5_VLTextConfig,
+        Qwen2_5_VLTextModel,
+        T5Config,
+        T5EncoderModel,
+    )
 
     made = tokenizers()
     tokenizer, glyphs = made["tokenizer"], made["tokenizer_2"]
@@ -54,9 +59,13 @@ def text_encoders() -> dict:
 def build(directory: Path) -> None:
     """HunyuanVideo15Pipeline: a one-block 3D DiT (and one refiner block), a VAE 8x spatial and
     2x temporal, 32x32 native, 9 frames, 4 steps."""
-    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance,
-                           FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline,
-                           HunyuanVideo15Transformer3DModel)
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        ClassifierFreeGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
 
     transformer = seeded(
         0, HunyuanVideo15Transformer3DModel, in_channels=9, out_channels=4,

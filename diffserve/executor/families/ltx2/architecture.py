@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from diffserve.builders.random.parts import FULL, Architecture, Module
-from diffserve.executor.families.ltx2.tiny import FPS, PIPELINE_KWARGS, TEXT_DIM, TEXT_LAYERS
+from diffserve.executor.families.ltx2.tiny import (
+    FPS,
+    PIPELINE_KWARGS,
+    TEXT_DIM,
+    TEXT_LAYERS,
+)
 
 
 def _others(scale: str, scratch: Path) -> dict[str, Any]:

@@ -16,6 +16,11 @@ the waveform.
   in request mode).
 - **Sizes**: the rows of one forward share a size and frame count (both are request shapes), so
   each size and length is a running set of its own, as for Wan.
+- **Image-to-video** (``LTX2ImageToVideoPipeline``, built over the same components): the first
+  latent frame is the input image's (re-compressed as the pipeline does, then through the VAE)
+  and stays clean: its tokens take timestep 0 while the rest take the row's, and each step
+  leaves them as they are. Rows of both tasks share forwards (every row carries its tokens'
+  mask; a text-to-video row's is zeros).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class LTX2Conditioning(Conditioning):
     audio_embeds: Any  # ... and for the audio stream
     mask: Any  # the connectors' attention mask over the text tokens
     frames: tuple = on_host()  # each row's video frame count (set per request)
+    clean: Any = None  # per video token: 1 where it is the input image's (image-to-video)
+    first_frame: tuple = on_host()  # whether each row starts from an input image
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class LTX2(Family):
     name = "ltx2"
     pipelines = ("LTX2Pipeline",)
     begins_at_index_zero = True
+    first_frame_pipeline = "LTX2ImageToVideoPipeline"
 
     def __init__(self, pipe, pipelines, call_kwargs) -> None:
         super().__init__(pipe, pipelines, call_kwargs)
@@ -125,17 +133,50 @@ class LTX2(Family):
         timesteps = self.schedule(scheduler, steps, width, height, frames)
         scheduler.set_begin_index(0)
         layout = self.layout(width, height, frames)
-        video = pipe.prepare_latents(k, layout.video_channels, height, width, frames, 0.0,
-                                     torch.float32, self.device, generators)
+        if task.first_frame:
+            video, clean = self._first_frame_latents(inputs["image"], k, width, height, frames,
+                                                     encoded.positive.dtype, generators)
+        else:
+            video = pipe.prepare_latents(k, layout.video_channels, height, width, frames, 0.0,
+                                         torch.float32, self.device, generators)
+            clean = video.new_zeros(video.shape[:2])
         audio = pipe.prepare_audio_latents(
             k, pipe.audio_vae.config.latent_channels, layout.audio_frames,
             pipe.audio_vae.config.mel_bins, 0.0, torch.float32, self.device, generators)
         latents = torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
-        rows = {"frames": (frames,) * k}
+        rows = {"frames": (frames,) * k, "clean": clean, "first_frame": (task.first_frame,) * k}
         positive = dataclasses.replace(encoded.positive, **rows)
         negative = (None if encoded.negative is None
                     else dataclasses.replace(encoded.negative, **rows))
-        return Prepared(timesteps, latents, positive, negative)
+        # Each step leaves the clean tokens (the input image's) as they are.
+        keep = (torch.cat([clean.repeat_interleave(layout.video_channels, dim=1),
+                           clean.new_zeros(k, audio[0].numel())], dim=1) > 0.5
+                if task.first_frame else None)
+        return Prepared(timesteps, latents, positive, negative, {"keep": keep})
+
+    def _first_frame_latents(self, image, k, width, height, frames, dtype, generators):
+        """The video's first latents and their clean tokens, by the image-to-video pipeline's
+        own helpers: the input re-compressed at its CRF, preprocessed, encoded."""
+        from diffusers.pipelines.ltx2.utils import (
+            apply_image_conditioning_crf,
+            resolve_default_image_crf,
+        )
+        from PIL import Image
+
+        pipe = self.pipelines["image-to-video"]
+        crf = resolve_default_image_crf(pipe.text_encoder)
+        picture = image if crf == 0 else apply_image_conditioning_crf(image, crf)
+        tensor = pipe.video_processor.preprocess(Image.fromarray(picture), height=height,
+                                                 width=width).to(self.device, dtype=dtype)
+        return pipe.prepare_latents(tensor.repeat(k, 1, 1, 1), k, pipe.transformer.config.in_channels,
+                                    height, width, frames, 0.0, self.torch.float32, self.device,
+                                    generators)
+
+    def denoise_step(self, scheduler, prediction, timestep, latents, step_kwargs):
+        """The scheduler's step, the image-to-video rows' clean tokens left as they were."""
+        keep = step_kwargs.get("keep")
+        stepped = scheduler.step(prediction, timestep, latents, return_dict=False)[0]
+        return stepped if keep is None else self.torch.where(keep, latents, stepped)
 
     def parts(self, latents, layout: Layout):
         """A row block's video tokens and audio tokens."""
@@ -152,10 +193,15 @@ class LTX2(Family):
             k, layout.frames, layout.height, layout.width, latents.device, fps=self.fps)
         audio_coords = transformer.audio_rope.prepare_audio_coords(
             k, layout.audio_frames, latents.device)
+        # Image-to-video rows: timestep 0 for the clean tokens (a text-to-video row among them
+        # has none, and the same timestep for every token).
+        per_token = any(cond.first_frame)
+        video_timesteps = timesteps[:, None] * (1 - cond.clean) if per_token else timesteps
         video_out, audio_out = transformer(
             hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype),
             encoder_hidden_states=cond.video_embeds, audio_encoder_hidden_states=cond.audio_embeds,
-            timestep=timesteps, sigma=timesteps, encoder_attention_mask=cond.mask,
+            timestep=video_timesteps, audio_timestep=timesteps if per_token else None,
+            sigma=timesteps, encoder_attention_mask=cond.mask,
             audio_encoder_attention_mask=cond.mask, num_frames=layout.frames,
             height=layout.height, width=layout.width, fps=self.fps,
             audio_num_frames=layout.audio_frames, video_coords=video_coords,
