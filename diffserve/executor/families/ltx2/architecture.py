@@ -52,7 +52,7 @@ LTX_2 = Architecture(
         cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
         audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8,
         num_layers=2, caption_channels=TEXT_DIM, rope_double_precision=False, rope_type="split",
-        vae_scale_factors=(2, 8, 8))),
+        vae_scale_factors=(2, 16, 16))),
      "connectors": Module("ltx2", "LTX2TextConnectors", {}, dict(
          caption_channels=TEXT_DIM, text_proj_in_factor=TEXT_LAYERS + 1,
          video_connector_num_attention_heads=2, video_connector_attention_head_dim=8,
@@ -65,7 +65,7 @@ LTX_2 = Architecture(
          layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
          decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False),
          downsample_type=("spatial",), upsample_residual=(False,), upsample_factor=(1,),
-         patch_size=4, decoder_causal=False)),
+         patch_size=8, decoder_causal=False)),
      "audio_vae": Module("diffusers", "AutoencoderKLLTX2Audio", {}, dict(
          base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, latent_channels=2,
          resolution=32, mid_block_add_attention=False, mel_bins=8)),

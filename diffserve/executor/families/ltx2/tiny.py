@@ -38,7 +38,7 @@ def text_encoder(tokenizer):
 
 
 def components() -> dict:
-    """Every module of a tiny LTX-2: 8x spatial and 2x temporal video compression, 4 latent
+    """Every module of a tiny LTX-2: 16x spatial and 2x temporal video compression, 4 latent
     channels; sound as 8 mel bins at 100 frames a second, 4x compressed, two channels out."""
     from diffusers import (
         AutoencoderKLLTX2Audio,
@@ -55,7 +55,7 @@ def components() -> dict:
         audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
         audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
         qk_norm="rms_norm_across_heads", caption_channels=TEXT_DIM, rope_double_precision=False,
-        rope_type="split", vae_scale_factors=(2, 8, 8))
+        rope_type="split", vae_scale_factors=(2, 16, 16))
     connectors = seeded(
         0, LTX2TextConnectors, caption_channels=TEXT_DIM, text_proj_in_factor=TEXT_LAYERS + 1,
         video_connector_num_attention_heads=2, video_connector_attention_head_dim=8,
@@ -69,7 +69,7 @@ def components() -> dict:
         spatio_temporal_scaling=(True,), decoder_spatio_temporal_scaling=(True,),
         decoder_inject_noise=(False, False), downsample_type=("spatial",),
         upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False,
-        patch_size=4, patch_size_t=1, encoder_causal=True, decoder_causal=False)
+        patch_size=8, patch_size_t=1, encoder_causal=True, decoder_causal=False)
     audio_vae = seeded(
         0, AutoencoderKLLTX2Audio, base_channels=4, output_channels=2, ch_mult=(1,),
         num_res_blocks=1, attn_resolutions=None, in_channels=2, resolution=32, latent_channels=2,
