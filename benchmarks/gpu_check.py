@@ -84,10 +84,11 @@ def oom_split(ctx, rt, family: str) -> dict:
     return fig
 
 
-@section("exactness", families=(*CORE, "flux-fill"))
+@section("exactness", families=(*CORE, "flux-fill", "ltx-2", "hunyuan-video15"), cost=(240, 30))
 def exactness(ctx, family: str) -> dict:
     """4 requests in step mode, two joining the running set after its first step, each against the
-    plain pipeline alone; FLUX.1 Fill's are two inpaintings and two outpaintings (a border to fill)."""
+    plain pipeline alone; FLUX.1 Fill's are two inpaintings and two outpaintings (a border to fill);
+    LTX-2's sound tracks against the pipeline's waveforms too."""
     from diffserve.executor.checks.reference import solo
 
     rt = ctx.runtime(family, dtype="bfloat16", skip_startup_check=True)
@@ -101,13 +102,20 @@ def exactness(ctx, family: str) -> dict:
                                      inputs=lambda item: frames[item.request.request_id])
     finally:
         rt.family.forward = forward
-    served = {o.item.request.request_id: o.images for o in stepped if not o.error}
-    pairs = [(served[i.request.request_id].astype(int),
-              solo(rt.loaded, rt.pipelines, i.request, *frames[i.request.request_id])) for i in its]
-    return {"dtype": rt.loaded.dtype, "failed": failures(stepped), "most rows a forward": max(rows),
-            "worst pixel diff": max(int(abs(a - b).max()) for a, b in pairs),
-            "mean pixel diff": statistics.mean(float(abs(a - b).mean()) for a, b in pairs),
-            "worst PSNR dB": min(stats.psnr(a, b) for a, b in pairs)}
+    served = {o.item.request.request_id: o for o in stepped if not o.error}
+    sound = rt.info.audio_sample_rate > 0
+    alone = [solo(rt.loaded, rt.pipelines, i.request, *frames[i.request.request_id], sound=sound)
+             for i in its]
+    pairs = [(served[i.request.request_id].images.astype(int), a[0] if sound else a)
+             for i, a in zip(its, alone)]
+    fig = {"dtype": rt.loaded.dtype, "failed": failures(stepped), "most rows a forward": max(rows),
+           "worst pixel diff": max(int(abs(a - b).max()) for a, b in pairs),
+           "mean pixel diff": statistics.mean(float(abs(a - b).mean()) for a, b in pairs),
+           "worst PSNR dB": min(stats.psnr(a, b) for a, b in pairs)}
+    if sound:  # before encoding
+        fig["worst waveform diff"] = max(float(abs(served[i.request.request_id].audio - a[1]).max())
+                                         for i, a in zip(its, alone))
+    return fig
 
 
 def fill_frames(width: int, height: int, its) -> dict:

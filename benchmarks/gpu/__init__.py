@@ -13,8 +13,10 @@ from kit import in_process, stats
 
 # Each family's model: a released architecture with random weights (with --tiny, at its tiny scale).
 FAMILIES = {"flux": "random:flux.1-dev", "qwen-image": "random:qwen-image", "wan": "random:wan2.1-14b",
-            "z-image": "random:z-image-turbo", "flux-fill": "random:flux.1-fill-dev"}
+            "z-image": "random:z-image-turbo", "flux-fill": "random:flux.1-fill-dev",
+            "ltx-2": "random:ltx-2", "hunyuan-video15": "random:hunyuan-video-1.5"}
 IMAGES = ("flux", "qwen-image")
+VIDEOS = ("wan", "ltx-2", "hunyuan-video15")  # sized by --video
 CORE = ("flux", "qwen-image", "wan")  # a section's families unless it names its own
 SECTIONS: dict[str, SimpleNamespace] = {}
 
@@ -49,7 +51,7 @@ class Context:
         self.gpus, self.device = (torch.cuda.device_count(), "cuda:0") if self.cuda else (0, "cpu")
         self.device_name = torch.cuda.get_device_name(0) if self.cuda else "cpu"
         image, video = (tuple(int(v) for v in text.split("x")) for text in (args.size + "x0", args.video))
-        self.sizes = {f: video if f == "wan" else image for f in FAMILIES}  # (width, height, frames)
+        self.sizes = {f: video if f in VIDEOS else image for f in FAMILIES}  # (width, height, frames)
         # What each family's requests set over the model's defaults: the size, and a video's frames.
         self.fields = {f: {"width": w, "height": h, **({"num_frames": frames} if frames else {})}
                        for f, (w, h, frames) in self.sizes.items()}

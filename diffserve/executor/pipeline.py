@@ -6,6 +6,7 @@ over its components."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +72,18 @@ def declared_components(path: str) -> dict[str, str] | None:
         return None
     return {name: entry[1] for name, entry in index.items()
             if isinstance(entry, list) and len(entry) == 2 and entry[1] is not None}
+
+
+@contextmanager
+def guidance_on_guider(pipe, scale: float):
+    """For the duration of a call, ``scale`` as the guidance scale of a pipeline whose guider
+    holds it rather than its call (HunyuanVideo 1.5); nothing for the others."""
+    guider = getattr(pipe, "guider", None)
+    if guider is None or not hasattr(guider, "guidance_scale"):
+        yield
+        return
+    kept, guider.guidance_scale = guider.guidance_scale, scale
+    try:
+        yield
+    finally:
+        guider.guidance_scale = kept

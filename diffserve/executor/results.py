@@ -29,12 +29,16 @@ class Outcome:
     tensors: dict | None = None  # rollouts: the answer's tensors (diffserve.wire.rollouts)
     cached_steps: list[int] | None = None  # per image, steps that reused its step cache
     code: str | None = None  # a failure's error code for the client (e.g. non_finite_output)
+    # Videos with sound: each video's track (k, channels, samples, float32) at ``sample_rate``.
+    audio: np.ndarray | None = None
+    sample_rate: int = 0
 
     @classmethod
     def made(cls, item: WorkItem, images, execution_s: float, prompt_tokens: int = 0,
-             tensors: dict | None = None, cached_steps: list[int] | None = None) -> "Outcome":
+             tensors: dict | None = None, cached_steps: list[int] | None = None,
+             audio=None, sample_rate: int = 0) -> "Outcome":
         return cls(item, FINISHED, images, None, execution_s, prompt_tokens, tensors,
-                   cached_steps)
+                   cached_steps, audio=audio, sample_rate=sample_rate)
 
     @classmethod
     def failed(cls, item: WorkItem, error: str | BaseException, execution_s: float) -> "Outcome":

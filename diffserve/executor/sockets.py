@@ -86,10 +86,18 @@ class ExecutorSockets:
                 self._send_tensors(o)
             elif o.images is not None:
                 r = o.item.request
-                # Rows of a contiguous array: sent without a copy.
+                # Rows of a contiguous array: sent without a copy. A video's sound track
+                # follows its frames.
+                buffers, channels = list(o.images), 0
+                if o.audio is not None:
+                    import numpy as np
+
+                    channels = o.audio.shape[1]
+                    tracks = [np.ascontiguousarray(a, dtype=np.float32) for a in o.audio]
+                    buffers = [b for pair in zip(buffers, tracks) for b in pair]
                 self.pixels.send_multipart(encode(Kind.IMAGES, ItemImages(
-                    r.request_id, o.item.start, o.item.stop, r.width, r.height, r.num_frames),
-                    list(o.images)), copy=False)
+                    r.request_id, o.item.start, o.item.stop, r.width, r.height, r.num_frames,
+                    channels, o.sample_rate if channels else 0), buffers), copy=False)
                 self.metrics.images_generated_total.labels(executor=self.label).inc(len(o.images))
         self.sock.send_multipart(encode(Kind.ITEMS_DONE, ItemsDone([o.result() for o in outcomes])))
 

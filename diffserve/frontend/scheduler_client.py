@@ -79,6 +79,9 @@ class DoneEvent:
     done: RequestDone
     frames: list[Any]  # the request's images, in index order
     tensors: dict[str, Any] | None = None  # rollouts: the answer's tensors (diffserve.wire.rollouts)
+    # Videos with sound: each one's track as it came, (float32 samples channel after channel,
+    # channels, sample rate), or None.
+    sounds: list[tuple | None] = field(default_factory=list)
 
 
 @dataclass
@@ -90,6 +93,7 @@ class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     images: dict[int, Any] = field(default_factory=dict)
     tensors: dict[int, tuple[int, dict[str, Any]]] = field(default_factory=dict)  # start -> part
+    sounds: dict[int, tuple] = field(default_factory=dict)  # videos with sound: index -> track
     done: RequestDone | None = None
     grace: asyncio.TimerHandle | None = None
 
@@ -339,11 +343,17 @@ class SchedulerClient:
         pending = self._pending.get(msg.request_id)
         if pending is None:
             return  # answered or abandoned meanwhile
-        if len(buffers) != msg.stop - msg.start or not 0 <= msg.start < msg.stop <= pending.n:
+        per_image = 2 if msg.audio_channels else 1  # a video's frames, then its sound track
+        if (len(buffers) != (msg.stop - msg.start) * per_image
+                or not 0 <= msg.start < msg.stop <= pending.n):
             log.error("dropped malformed images %d..%d (%d frames) of %s", msg.start, msg.stop,
                       len(buffers), msg.request_id)
             return
-        pending.images.update(zip(range(msg.start, msg.stop), buffers))
+        indices = range(msg.start, msg.stop)
+        pending.images.update(zip(indices, buffers[::per_image]))
+        if msg.audio_channels:
+            pending.sounds.update((i, (b, msg.audio_channels, msg.sample_rate))
+                                  for i, b in zip(indices, buffers[1::2]))
         self._complete(msg.request_id, pending)
 
     def _tensors(self, msg: ItemTensors, buffers: list[Any]) -> None:
@@ -372,7 +382,7 @@ class SchedulerClient:
                    if pending.wants_tensors else None)
         self._finish(request_id, DoneEvent(
             pending.done, [] if pending.wants_tensors else [pending.images[i] for i in range(pending.n)],
-            tensors))
+            tensors, [pending.sounds.get(i) for i in range(pending.n)] if pending.sounds else []))
         return True
 
     def _images_lost(self, request_id: str) -> None:

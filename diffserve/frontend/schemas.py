@@ -230,6 +230,8 @@ class ModelCard(BaseModel):
                             "model; videos are made through /v1/videos).")
     frame_stride: int = Field(1, description="A video's frame count is frame_stride x k + 1.")
     fps: int = Field(0, description="A video model's default frame rate.")
+    audio_sample_rate: int = Field(0, description="A video model that makes sound (LTX-2): its "
+                                   "sound track's sample rate (0: silent videos).")
     parallel: dict[str, int] = Field(default_factory=dict, description="Each executor's parallel "
                                      "group (ulysses, ring, cfg, tp degrees) and how many groups.")
     components: list[dict] = Field(default_factory=list, description="Where each pipeline "

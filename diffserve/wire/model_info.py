@@ -79,6 +79,7 @@ class ModelInfo:
     frame_stride: int = 1
     fps: int = 0
     guidance_scale_2: bool = False  # a two-expert model takes guidance_scale_2
+    audio_sample_rate: int = 0  # a video model that makes sound (LTX-2): its track's rate
     step_cache: bool = False  # the engine runs a step cache (requests may set cache_threshold)
     # Each task's batching mode (a task the step engine gets wrong runs in request mode), and the
     # tasks the model has but cannot serve, with why (their plain pipeline fails on it).

@@ -91,6 +91,10 @@ class ItemImages:
     width: int
     height: int
     frames: int = 0  # videos: each frame holds this many images, frame after frame (0: one image)
+    # Videos with sound: each image's frame is followed by its sound track's, float32 samples
+    # of this many channels, channel after channel, at ``sample_rate`` (0: no sound).
+    audio_channels: int = 0
+    sample_rate: int = 0
 
 
 @dataclass(frozen=True)

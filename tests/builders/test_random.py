@@ -23,12 +23,13 @@ PUBLISHED = {
     "z-image-turbo": {"transformer": 6.15, "text_encoder": 4.02},
     "sdxl": {"unet": 2.57, "text_encoder_2": 0.695, "text_encoder": 0.123},
     "wan2.1-14b": {"transformer": 14.29, "text_encoder": 5.68},
+    "ltx-2": {"transformer": 19.0, "text_encoder": 12.20},  # LTX-2 19B, Gemma 3 12B
+    "hunyuan-video-1.5": {"transformer": 8.3, "text_encoder": 7.07},  # Qwen2.5-VL-7B's text model
 }
 
 
 def billions(path: str, name: str) -> float:
     """The parameters of skeleton ``path``'s module ``name``, built on the meta device."""
-    import diffusers
     import torch
     import transformers
 
@@ -38,7 +39,7 @@ def billions(path: str, name: str) -> float:
             config = getattr(transformers, entry["config_class"]).from_pretrained(Path(path) / name)
             module = getattr(transformers, entry["class"])(config)
         else:
-            cls = getattr(diffusers, entry["class"])
+            cls = random_weights.diffusers_class(entry["library"], entry["class"])
             module = cls.from_config(cls.load_config(Path(path) / name))
     return sum(p.numel() for p in module.parameters()) / 1e9
 

@@ -105,12 +105,23 @@ def _write_config(module, config: dict[str, Any], directory: Path) -> None:
 
         getattr(transformers, module.config_class)(**config).save_pretrained(directory)
         return
-    import diffusers
     import torch
 
     with torch.device("meta"):
-        model = getattr(diffusers, module.cls)(**config)
+        model = diffusers_class(module.library, module.cls)(**config)
     model.save_config(directory)
+
+
+def diffusers_class(library: str, name: str):
+    """A diffusers class by the name a model index gives it: from the library itself, or from
+    the pipeline's own package (LTX-2's connectors and vocoder: library ``ltx2``)."""
+    from importlib import import_module
+
+    import diffusers
+
+    if library == "diffusers":
+        return getattr(diffusers, name)
+    return getattr(import_module(f"diffusers.pipelines.{library}"), name)
 
 
 def marker(path: str) -> dict | None:
@@ -141,7 +152,7 @@ def build(path: str, device: str, dtype) -> dict[str, Any]:
                     config = getattr(transformers, entry["config_class"]).from_pretrained(folder)
                     module = getattr(transformers, entry["class"])(config)
                 else:
-                    cls = getattr(diffusers, entry["class"])
+                    cls = diffusers_class(entry["library"], entry["class"])
                     module = cls.from_config(cls.load_config(folder))
         finally:
             torch.set_default_dtype(default)

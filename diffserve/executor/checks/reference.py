@@ -15,18 +15,20 @@ from diffserve.executor.families.control_hooks import control_kwargs
 from diffserve.executor.families.known import family_for
 from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.model.loading import FORCED_KWARGS, LoadedModel
-from diffserve.executor.pipeline import built_from
+from diffserve.executor.pipeline import built_from, guidance_on_guider
 from diffserve.wire.request import ImageRequest
 
 
 def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None, mask=None,
-         start: int = 0, stop: int | None = None, references=None, controls=None) -> np.ndarray:
+         start: int = 0, stop: int | None = None, references=None, controls=None,
+         sound: bool = False):
     """Images ``start``..``stop-1`` of ``request`` from one call of the plain pipeline for its task
     (``pipelines``: task name -> pipeline, the loaded one where the task is missing), with the
     seeds the server uses (image i: seed + i) and nothing else shared. ``references``: an
     instruction edit's images (fitted to the request's size), each row gets them; ``controls``:
     with the request's controls, their (control model, image) pairs: the call is then of
-    diffusers' ControlNet pipeline for the task, every row with those images."""
+    diffusers' ControlNet pipeline for the task, every row with those images. ``sound``: a
+    video model's sound tracks too, as (images, waveforms (k, channels, samples) float32)."""
     stop = request.n if stop is None else stop
     pipe = pipelines.get(request.task, loaded.pipe)
     family = family_for(type(loaded.pipe).__name__)
@@ -43,8 +45,10 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
     kwargs.update(prompt=[request.prompt] * count, output_type="np",
                   generator=[torch.Generator("cpu").manual_seed(request.seed_of(i))
                              for i in range(start, stop)],
-                  num_inference_steps=request.num_inference_steps,
-                  **{family.guidance_kwarg if family else "guidance_scale": request.guidance_scale})
+                  num_inference_steps=request.num_inference_steps)
+    guidance = family.guidance_kwarg if family else "guidance_scale"
+    if guidance in accepts:  # else its guider holds it (guidance_on_guider)
+        kwargs[guidance] = request.guidance_scale
     if "height" in accepts:
         kwargs.update(height=request.height, width=request.width)
     if request.negative_prompt:
@@ -73,9 +77,12 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
         (picture,) = pictures  # one image a row
         kwargs["image"] = [picture] * count
     kwargs.update(controlled)
-    with torch.inference_mode():
+    with torch.inference_mode(), guidance_on_guider(pipe, request.guidance_scale):
         output = pipe(**kwargs)
-    return to_uint8(output.frames if request.num_frames else output.images)
+    pixels = to_uint8(output.frames if request.num_frames else output.images)
+    if sound:
+        return pixels, output.audio.float().cpu().numpy()
+    return pixels
 
 
 def controlnet_call(family, pipe, request: ImageRequest, controls) -> tuple:

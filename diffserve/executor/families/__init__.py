@@ -52,6 +52,8 @@ FOLDERS: tuple[str, ...] = (
     "z_image",
     "chroma",
     "wan",
+    "ltx2",
+    "hunyuan_video15",
 )
 
 

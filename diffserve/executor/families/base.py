@@ -88,6 +88,9 @@ class Family(ControlHooks):
     # then share a call in request mode); else one list of references for the whole call.
     references_per_row: ClassVar[bool] = True
     generates: ClassVar[bool] = True
+    # The pipeline (built over the loaded one's components) that serves image-to-video for a
+    # family whose loaded pipeline makes videos from text (LTX-2); None: the loaded one's own.
+    first_frame_pipeline: ClassVar[str | None] = None
     # The schedule's shift from the image's token count, where the scheduler shifts dynamically:
     # the default of ``max_shift`` the family's own pipeline passes when the scheduler's config
     # has none (SD3's differs from Flux's).

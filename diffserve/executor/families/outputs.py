@@ -3,6 +3,8 @@ finite reported (it would turn black) rather than answered."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from diffserve.executor.results import NON_FINITE
@@ -20,6 +22,17 @@ class NonFiniteOutput(RuntimeError):
                          "precision, usually a model that overflows its dtype: try --dtype "
                          "bfloat16 or float32)")
         self.rows, self.pixels = rows, pixels
+
+
+@dataclass
+class Sounded:
+    """Videos with their sound tracks, as a family that makes sound decodes them: ``pixels``
+    (k, frames, H, W, 3) uint8, ``audio`` (k, channels, samples) float32 in [-1, 1] at
+    ``sample_rate`` (None: the sound was not decoded)."""
+
+    pixels: np.ndarray
+    audio: np.ndarray | None
+    sample_rate: int
 
 
 def to_uint8(pixels) -> np.ndarray:

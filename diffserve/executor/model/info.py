@@ -85,10 +85,13 @@ def video_defaults(pipe, defaults: dict[str, Any], call_defaults: dict[str, Any]
     if "num_frames" not in call_defaults:
         return {"num_frames": 0}
     frames = defaults.get("num_frames", call_defaults["num_frames"])
+    vocoder = getattr(pipe, "vocoder", None)  # a model that makes the video's sound too
     return {"num_frames": int(frames if isinstance(frames, int) else 49),
-            "frame_stride": int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1),
+            "frame_stride": int(getattr(pipe, "vae_scale_factor_temporal", None)
+                                or getattr(pipe, "vae_temporal_compression_ratio", 1) or 1),
             "fps": int(defaults.get("fps", DEFAULT_FPS)),
-            "guidance_scale_2": getattr(pipe, "transformer_2", None) is not None}
+            "guidance_scale_2": getattr(pipe, "transformer_2", None) is not None,
+            "audio_sample_rate": int(vocoder.config.output_sampling_rate) if vocoder else 0}
 
 
 def token_counter(pipe):

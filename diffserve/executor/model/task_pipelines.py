@@ -37,6 +37,9 @@ def task_pipelines(pipe, family: type | None = None) -> dict[str, Any]:
         if task.first_frame:
             if takes_first_frame(pipe):
                 found[task.name] = pipe
+            elif family is not None and family.first_frame_pipeline:
+                found[task.name] = built_from(pipe, family.first_frame_pipeline)
+                found[task.name].set_progress_bar_config(disable=True)
             continue
         if task.trajectory:
             if family is not None and family.generates and samples_with(pipe.scheduler):

@@ -19,7 +19,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from diffserve.executor.families.outputs import split_finite
+from diffserve.executor.families.outputs import Sounded, split_finite
 from diffserve.executor.memory import oom
 from diffserve.executor.results import Outcome, PartialImage
 from diffserve.executor.step.stages import StageJob, Stage, Wakeup
@@ -177,6 +177,9 @@ class StageWork:
         if isinstance(pixels, Exception):
             log.warning("decoding failed for %s: %s: %s", _rid(u), type(pixels).__name__, pixels)
             return Outcome.failed(u.item, pixels, now - u.admitted_at)
+        audio, rate = None, 0
+        if isinstance(pixels, Sounded):  # a video with its sound track
+            pixels, audio, rate = pixels.pixels, pixels.audio, pixels.sample_rate
         tensors = None
         if u.trajectory is not None:
             r = u.request
@@ -187,7 +190,7 @@ class StageWork:
             except Exception as error:  # noqa: BLE001 - only this request fails
                 return Outcome.failed(u.item, error, now - u.admitted_at)
         return Outcome.made(u.item, pixels, now - u.admitted_at, u.prompt_tokens, tensors,
-                            u.cached_steps)
+                            u.cached_steps, audio, rate)
 
     def _previews(self, due: list) -> list:
         """(unit, its previews, or the error that failed them)."""

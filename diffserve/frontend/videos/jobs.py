@@ -20,7 +20,7 @@ import numpy as np
 
 from diffserve.errors import APIError, engine_error
 from diffserve.frontend.scheduler_client import DoneEvent, SchedulerClient, ProgressEvent
-from diffserve.frontend.videos.encode import remove_files, write_files
+from diffserve.frontend.videos.encode import Sound, remove_files, write_files
 from diffserve.frontend.videos.store import COMPLETED, FAILED, IN_PROGRESS, QUEUED, VideoJob, VideoStore
 from diffserve.metrics import VIDEO_STATUSES, VideoMetrics
 from diffserve.wire.request import ImageRequest
@@ -91,8 +91,14 @@ class VideoJobs:
             self.store.update(job.id, status=IN_PROGRESS, progress=DECODED)
             frames = np.frombuffer(event.frames[0], np.uint8).reshape(
                 request.num_frames, request.height, request.width, 3)
+            track = event.sounds[0] if event.sounds else None
+            sound = None
+            if track is not None and job.params.get("audio"):
+                samples, channels, rate = track
+                sound = Sound(np.frombuffer(samples, np.float32).reshape(channels, -1), rate)
+            job.params["audio"] = sound is not None  # request mode answers frames alone
             await asyncio.get_running_loop().run_in_executor(
-                self.pool, write_files, frames, job.params["fps"], self.store.stem(job.id))
+                self.pool, write_files, frames, job.params["fps"], self.store.stem(job.id), sound)
         except asyncio.CancelledError:
             raise
         except APIError as error:

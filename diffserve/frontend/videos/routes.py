@@ -43,7 +43,8 @@ def video_object(job: VideoJob) -> Video:
     return Video(id=job.id, status=job.status, progress=job.progress, created_at=job.created_at,
                  completed_at=job.completed_at, expires_at=job.expires_at, model=job.model,
                  prompt=job.prompt, seconds=job.seconds, size=job.size, error=error,
-                 weight_version=job.params.get("weight_version"))
+                 weight_version=job.params.get("weight_version"),
+                 audio=bool(job.params.get("audio")))
 
 
 def frame_count(body: VideoCreate, info: ModelInfo, fps: int, limit: int) -> int:
@@ -65,6 +66,20 @@ def frame_count(body: VideoCreate, info: ModelInfo, fps: int, limit: int) -> int
         raise invalid_request(f"{frames} frames is above this server's limit of {limit} "
                               "(--max-video-frames)", param, "invalid_value")
     return frames
+
+
+def with_sound(body: VideoCreate, info: ModelInfo) -> bool:
+    """Whether the MP4 gets the model's sound track. A model that makes sound makes it for its
+    own frame rate: another ``fps`` would play the frames against a track of another length."""
+    if not info.audio_sample_rate:
+        if body.audio:
+            raise invalid_request(f"model {info.name!r} ({info.pipeline_class}) makes no sound",
+                                  "audio", "unsupported_parameter")
+        return False
+    if body.fps is not None and body.fps != info.fps and body.audio is not False:
+        raise invalid_request(f"model {info.name!r} makes its sound for {info.fps} fps: ask for "
+                              f"fps={info.fps}, or for audio=false", "fps", "invalid_value")
+    return body.audio is not False
 
 
 def seconds_text(frames: int, fps: int) -> str:
@@ -136,6 +151,7 @@ def video_routes(serving: Serving, jobs: VideoJobs, peers: Peers | None = None) 
         if body.guidance_scale_2 is not None and not info.guidance_scale_2:
             raise invalid_request(f"model {info.name!r} has one expert and takes no "
                                   "guidance_scale_2", "guidance_scale_2", "unsupported_parameter")
+        sound = with_sound(body, info)
         fps = body.fps or info.fps
         frames = frame_count(body, info, fps, config.max_video_frames)
         request = to_engine_request(video_spec(body, frames), new_id(peers.tag if peers else ""),
@@ -149,7 +165,7 @@ def video_routes(serving: Serving, jobs: VideoJobs, peers: Peers | None = None) 
             inputs = in_manifest_order(request.manifest, {FIRST_FRAME.name: [first]})
         params = {"seed": request.seed, "num_frames": frames, "fps": fps,
                   "num_inference_steps": request.num_inference_steps,
-                  "guidance_scale": request.guidance_scale, "task": task.name}
+                  "guidance_scale": request.guidance_scale, "task": task.name, "audio": sound}
         seconds = body.seconds if body.seconds is not None and body.num_frames is None \
             else seconds_text(frames, fps)
         return video_object(jobs.create(request, inputs, params, seconds))

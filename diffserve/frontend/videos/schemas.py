@@ -34,6 +34,9 @@ class VideoCreate(BaseModel):
     guidance_scale_2: Guidance | None = Field(None, description="Two-expert models (Wan 2.2): "
                                               "the low-noise expert's guidance scale.")
     negative_prompt: str | None = None
+    audio: bool | None = Field(None, description="Models that make sound (LTX-2): whether the "
+                               "MP4 has the sound track (default: it has). A silent model takes "
+                               "no true.")
     priority: Priority | None = Field(None, description="Its priority class, as the images "
                                       "API's.")
     user: User | None = None
@@ -65,6 +68,7 @@ class Video(BaseModel):
     error: VideoError | None = None
     remixed_from_video_id: str | None = None
     weight_version: str | None = None  # an extension: the weights that made it, once completed
+    audio: bool | None = None  # an extension: whether its MP4 has a sound track
 
 
 class VideoList(BaseModel):
