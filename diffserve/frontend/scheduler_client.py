@@ -19,7 +19,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
@@ -35,11 +34,16 @@ from diffserve.wire.protocol import (
     ItemImages,
     ItemTensors,
     Kind,
-    Partial,
     ProtocolError,
-    RequestDone,
     decode,
     encode,
+)
+from diffserve.frontend.client_events import (  # noqa: F401 - the events' home for callers
+    DoneEvent,
+    PartialEvent,
+    ProgressEvent,
+    StartupError,
+    _Pending,
 )
 from diffserve.wire.rollouts import join_parts
 from diffserve.wire.weight_commands import WeightCommand, WeightResult
@@ -52,57 +56,6 @@ log = logging.getLogger(__name__)
 # travel on different sockets. Only a process killed between the two sends loses images whose
 # header still arrives; this bounds the wait for them.
 IMAGES_GRACE_S = 10.0
-
-
-class StartupError(RuntimeError):
-    pass
-
-
-@dataclass
-class PartialEvent:
-    """A partial image of one of the request's images."""
-
-    partial: Partial
-    frame: Any
-
-
-@dataclass
-class ProgressEvent:
-    """The request's denoising steps done of its total (requests that asked for progress)."""
-
-    done: int
-    total: int
-
-
-@dataclass
-class DoneEvent:
-    done: RequestDone
-    frames: list[Any]  # the request's images, in index order
-    tensors: dict[str, Any] | None = None  # rollouts: the answer's tensors (diffserve.wire.rollouts)
-    # Videos with sound: each one's track as it came, (float32 samples channel after channel,
-    # channels, sample rate), or None.
-    sounds: list[tuple | None] = field(default_factory=list)
-
-
-@dataclass
-class _Pending:
-    """A request in flight: its event queue and the images that came for it so far."""
-
-    n: int
-    wants_tensors: bool = False  # a rollout: its parts come as tensors, not images
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    images: dict[int, Any] = field(default_factory=dict)
-    tensors: dict[int, tuple[int, dict[str, Any]]] = field(default_factory=dict)  # start -> part
-    sounds: dict[int, tuple] = field(default_factory=dict)  # videos with sound: index -> track
-    done: RequestDone | None = None
-    grace: asyncio.TimerHandle | None = None
-
-    def complete(self) -> bool:
-        if self.done is None:
-            return False
-        if self.wants_tensors:
-            return sum(stop - start for start, (stop, _) in self.tensors.items()) == self.n
-        return len(self.images) == self.n
 
 
 class Submission:

@@ -28,6 +28,7 @@ from diffserve.wire.costs import ABOVE_ONE, uses_cfg
 from diffserve.executor.families.blocks import BlockKind
 from diffserve.executor.families.conditioning import Blend, Conditioning, Encoded, Prepared
 from diffserve.executor.families.control_hooks import ControlHooks
+from diffserve.executor.families.size_hooks import SizeHooks
 from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.families.schedulers import scheduler_swapped
 from diffserve.executor.model.samplers import build as build_sampler
@@ -46,7 +47,7 @@ KEPT = 16
 BY_AREA, ONE_IMAGE, IMAGE_LIST = "by-area", "one-image", "image-list"
 
 
-class Family(ControlHooks):
+class Family(ControlHooks, SizeHooks):
     name: ClassVar[str]
     pipelines: ClassVar[tuple[str, ...]]  # text-to-image pipeline classes this family drives
     # The dtype its weights are published in: --dtype auto's choice on a GPU
@@ -95,18 +96,6 @@ class Family(ControlHooks):
     # the default of ``max_shift`` the family's own pipeline passes when the scheduler's config
     # has none (SD3's differs from Flux's).
     max_shift: ClassVar[float] = 1.15
-    # Whether rows of different sizes share one forward (a transformer's rows are token
-    # sequences: diffserve.executor.families.row_sizes); else one running set per size.
-    mixes_sizes: ClassVar[bool] = False
-    # Whether it pads them to one grid (the tallest's height by the widest's width: families that
-    # patchify at their first layer, diffserve.executor.families.patched_rows), not to the
-    # longest row's tokens; admission prices the padding by the same rule.
-    mixes_in_grid: ClassVar[bool] = False
-    # Whether its edits (reference images' tokens beside each row's own) mix sizes too.
-    mixes_references: ClassVar[bool] = False
-    # Whether requests with ControlNet controls mix sizes too (the control models' forward).
-    mixes_controls: ClassVar[bool] = False
-
     def __init__(self, pipe, pipelines: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
         import torch
 
@@ -312,41 +301,6 @@ class Family(ControlHooks):
         sizes differ: ``latents`` are then padded to the longest row's tokens, and so is the
         output."""
         raise NotImplementedError
-
-    def row_tokens(self, latents) -> int:
-        """A row's image tokens in its latents (a UNet's: its latent cells)."""
-        cells = 1
-        for side in latents.shape[2:]:
-            cells *= side
-        return cells
-
-    def padded_tokens(self, latents: list) -> int:
-        """The tokens each row of a forward over ``latents`` (each unit's) computes: the most
-        any has, or, where rows are laid out in one grid, the grid's (in row_tokens' unit)."""
-        if not self.mixes_in_grid:
-            return max(self.row_tokens(x) for x in latents)
-        cells = own = 1
-        for axis in range(2, latents[0].dim()):
-            cells *= max(x.shape[axis] for x in latents)
-            own *= latents[0].shape[axis]
-        return cells * self.row_tokens(latents[0]) // own
-
-    def mixes_sizes_now(self) -> str | None:
-        """Why rows of different sizes cannot share a forward of the model as loaded (None:
-        they can)."""
-        return None if self.mixes_sizes else f"{self.name} runs one size a forward"
-
-    def _mixing_refused(self, kinds: tuple[type, ...]) -> str | None:
-        from diffserve.executor.families.row_sizes import foreign_processors
-
-        foreign = foreign_processors(self.denoiser, kinds)
-        return (f"its attention runs {', '.join(foreign)}, which a forward of several sizes "
-                "cannot stand in for" if foreign else None)
-
-    @staticmethod
-    def _longest(sizes) -> tuple[int, int]:
-        """The size of a mixed forward's row with the most tokens."""
-        return sizes.sizes[sizes.tokens.index(max(sizes.tokens))]
 
     def guide(self, uncond, cond, scale: float):
         """Classifier-free guidance of one request's rows."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from functools import partial
 from typing import Any, Callable
 
@@ -48,7 +47,8 @@ from diffserve.executor.step.planner import Planner, StepPlan
 from diffserve.executor.step.set_inputs import SetInputs
 from diffserve.executor.step.stage_work import StageWork, TakenBack
 from diffserve.executor.step.timer import StepTimer
-from diffserve.executor.step.units import StepOutput, StepTime, Unit, Waiting, batch_key_of
+from diffserve.executor.step.units import (StepOutput, StepTime, Unit, Waiting, batch_key_of,
+                                           count_tokens)
 from diffserve.policies import SetPolicy
 from diffserve.policies.base import Member
 from diffserve.policies.fair import TimeFair
@@ -264,7 +264,7 @@ class StepEngine:
             units = [u for u in self.units if u.batch_key == self.units[0].batch_key]
         out.batch_key = units[0].batch_key
         out.samples, out.cost = sum(u.samples for u in units), sum(u.cost for u in units)
-        self._count_tokens(units, out)
+        count_tokens(self.family, units, out)
         self.timer.begin(partial(self._timed_step, [u.member for u in units], out.samples,
                                  out.cost, out.batch_key))
         with self.family.torch.inference_mode():
@@ -286,17 +286,6 @@ class StepEngine:
         out.host_seconds = sum(t.host_seconds for t in out.timed)
         if self.step_cache is not None:
             out.cache_hits, out.cache_misses = self.step_cache.take_counts()
-
-    def _count_tokens(self, units: list[Unit], out: StepOutput) -> None:
-        """The forward's image tokens, its padding (rows of several sizes pad to the longest)
-        and its size ("WxH", or "mixed")."""
-        tokens = [(u.rows, self.family.row_tokens(u.prepared.latents)) for u in units]
-        out.tokens = sum(rows * t for rows, t in tokens)
-        sizes = {(u.request.width, u.request.height, u.request.num_frames) for u in units}
-        if len(sizes) > 1:  # its rows padded to the longest, or laid out in one grid
-            padded = self.family.padded_tokens([u.prepared.latents for u in units])
-            out.padding = sum(rows * (padded - t) for rows, t in tokens)
-        out.size = "mixed" if len(sizes) > 1 else "{}x{}".format(*sizes.pop()[:2])
 
     def _timed_step(self, members, samples: int, cost: float, batch_key, seconds: float,
                     inner: float) -> None:
@@ -334,7 +323,7 @@ class StepEngine:
         r = units[0].request  # its size, where every unit of the forward has the same
         uses = inputs.control.active(units) if inputs.control else []
         with (self.timer.span(), self.members.rows(inputs.stacks),
-              self._cached(inputs, force=bool(uses))):
+              inputs.cached(self.step_cache, fam, force=bool(uses))):
             # Every control model once over the rows that use it, before the denoiser.
             control = residuals(fam, uses, latents, timesteps, inputs.cond, inputs.guidance,
                                 r.width, r.height, inputs.sizes)
@@ -368,22 +357,6 @@ class StepEngine:
         if inputs.sizes is not None:  # rows of several sizes, padded to the longest
             extra["sizes"] = inputs.sizes if isinstance(rows, slice) else inputs.sizes.select(rows)
         return fam.forward(latents, timesteps, cond, guidance, r.width, r.height, **extra)
-
-    def _cached(self, inputs: SetInputs, force: bool = False):
-        """The step cache's context for one forward: each unit's images, threshold and step
-        (``force``: every row computes every block)."""
-        if self.step_cache is None:
-            return nullcontext()
-        fam, r = self.family, inputs.units[0].request
-        # Rows of several sizes: each unit's signal and cache cover its own image tokens.
-        own = ((lambda u: fam.cache_tokens(u.request.width, u.request.height)
-                or fam.row_tokens(u.prepared.latents))
-               if inputs.sizes is not None else lambda u: None)
-        return self.step_cache.forward(
-            [self.step_cache.rows(u.cache, offset, u.rows, u.samples, u.threshold, u.step,
-                                  len(u.prepared.timesteps), force, own(u))
-             for u, offset in zip(inputs.units, inputs.offsets)],
-            inputs.rows, None if inputs.sizes is not None else fam.cache_tokens(r.width, r.height))
 
     # -- after the forward -----------------------------------------------------------------
 

@@ -16,6 +16,7 @@ tokens are padded to the longest row's, and each prediction is cut back to its o
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 from diffserve.executor.control.residuals import ControlPlan
@@ -57,6 +58,22 @@ class SetInputs:
         self._torch = torch
         self._device = device
         self._guided: dict[tuple[int, ...], tuple[Any, Any]] = {}  # units -> their (neg, pos) rows
+
+    def cached(self, step_cache, family, force: bool = False):
+        """The step cache's context for one forward of these rows: each unit's images,
+        threshold and step (``force``: every row computes every block); where the rows' sizes
+        differ, each unit's signal and cache cover its own image tokens."""
+        if step_cache is None:
+            return nullcontext()
+        r = self.units[0].request
+        own = ((lambda u: family.cache_tokens(u.request.width, u.request.height)
+                or family.row_tokens(u.prepared.latents))
+               if self.sizes is not None else lambda u: None)
+        return step_cache.forward(
+            [step_cache.rows(u.cache, offset, u.rows, u.samples, u.threshold, u.step,
+                             len(u.prepared.timesteps), force, own(u))
+             for u, offset in zip(self.units, self.offsets)],
+            self.rows, None if self.sizes is not None else family.cache_tokens(r.width, r.height))
 
     def host_timesteps(self) -> list[float]:
         """This step's timestep of each row, on the host."""

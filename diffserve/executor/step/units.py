@@ -126,3 +126,15 @@ def batch_key_of(item: WorkItem, mixed: frozenset[str] = frozenset()) -> tuple:
     share a forward."""
     return item.batch_key or item.request.batch_key(
         key_mode(STEP_MODE, item.request.mode_key in mixed))
+
+
+def count_tokens(family, units: list[Unit], out: StepOutput) -> None:
+    """A forward's image tokens, its padding (rows of several sizes pad to the longest, or to
+    one grid) and its size ("WxH", or "mixed"), into ``out``."""
+    tokens = [(u.rows, family.row_tokens(u.prepared.latents)) for u in units]
+    out.tokens = sum(rows * t for rows, t in tokens)
+    sizes = {(u.request.width, u.request.height, u.request.num_frames) for u in units}
+    if len(sizes) > 1:
+        padded = family.padded_tokens([u.prepared.latents for u in units])
+        out.padding = sum(rows * (padded - t) for rows, t in tokens)
+    out.size = "mixed" if len(sizes) > 1 else "{}x{}".format(*sizes.pop()[:2])
