@@ -20,11 +20,12 @@ def runtime(args, **config):
     return in_process.runtime(args.model, args.torch_threads, batching_mode="step", skip_startup_check=True, **config)
 
 
-def step_s(rt, batch: int, tag: str, repeats: int, **fields) -> float:
-    """A step's seconds at ``batch`` (``fields`` over the requests'), the engine built as the server
-    builds it (timing deferred: no wait for the device between steps): the wall time of the
-    ``repeats`` steps between the first and the last (which decodes), synchronised at their ends
-    alone, as diffusers' calls are timed (gpu/speed.py)."""
+def step_s(rt, batch: int, tag: str, repeats: int, its: list | None = None, **fields) -> float:
+    """A step's seconds at ``batch`` (``fields`` over the requests'; ``its``: these work items,
+    of ``repeats`` + 2 steps, instead), the engine built as the server builds it (timing
+    deferred: no wait for the device between steps): the wall time of the ``repeats`` steps
+    between the first and the last (which decodes), synchronised at their ends alone, as
+    diffusers' calls are timed (gpu/speed.py)."""
     ends, steps, cuda = [], iter(range(repeats + 2)), str(rt.loaded.device).startswith("cuda")
 
     def each(out) -> None:
@@ -32,7 +33,7 @@ def step_s(rt, batch: int, tag: str, repeats: int, **fields) -> float:
             in_process.timed(lambda: None, cuda)  # the device's queued work done
             ends.append(time.perf_counter())
 
-    its = in_process.items(rt, batch, tag, repeats + 2, **fields)
+    its = its or in_process.items(rt, batch, tag, repeats + 2, **fields)
     in_process.stepped(rt.step_engine(defer_timing=True), {0: its}, each)
     return (ends[1] - ends[0]) / repeats
 

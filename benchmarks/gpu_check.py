@@ -25,6 +25,7 @@ import bench_step
 import gpu.rent  # noqa: F401 - each module's sections register themselves, in this order
 import gpu.speed  # noqa: F401
 import gpu.seed  # noqa: F401
+import gpu.sizes  # noqa: F401
 from gpu import CORE, FAMILIES, IMAGES, SECTIONS, Context, failures, section
 from kit import cli, in_process, stats
 from diffserve.executor.memory import oom as memory

@@ -70,7 +70,8 @@ def test_targets_are_judged_where_measured():
 
 @pytest.mark.slow
 def test_slice_tiny_ends_by_itself_inside_its_budget(tmp_path):
-    """The whole rehearsal (about 90 s on 2 cores): speed, rent and seed on the tiny models."""
+    """The whole rehearsal (about 100 s on 2 cores): speed, sizes, rent and seed on the tiny
+    models."""
     env = {**ENV, "OUT": str(tmp_path), "PYTHON": sys.executable, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(["bash", str(BENCH / "gpu" / "slice.sh"), "--tiny"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
@@ -88,10 +89,14 @@ def test_slice_tiny_ends_by_itself_inside_its_budget(tmp_path):
     assert speed["int8"]["x lossless, shape 1"] > 0
     assert "needs a CUDA GPU" in speed["fp8"]["skipped"] and speed["cuda graphs"]["skipped"] == "needs CUDA"
     assert "needs a CUDA GPU" in speed["fp8 weight-only (memory)"]["skipped"]
+    for family in ("flux", "qwen-image"):  # sizes in one forward, against a set per size
+        sizes = by[("sizes", family, "")]
+        assert sizes["mixes sizes"] == "" and sizes["aspect mix: apart / mixed"] > 0, sizes
+        assert sizes["target"].startswith("512+512: alone / mixed >= 1.19"), sizes
     for family in ("qwen-image", "wan"):
         assert by[("rent", family, "")]["one request"] == "answered"
     assert by[("rent", "flux", "")]["met"] is True  # a wake under 5 s
     for family in ("qwen-image", "flux", "z-image"):
         seed = by[("seed", family, "")]
         assert seed["exit code"] == 0 and seed["img/s, batch 2, c2"] > 0 and "met" in seed, seed
-    assert len(by) == 14 and sum(line["s"] for line in by.values()) < 540
+    assert len(by) == 16 and sum(line["s"] for line in by.values()) < 540

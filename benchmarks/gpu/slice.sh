@@ -27,7 +27,7 @@ else
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-for section in speed:flux rent:qwen-image,wan,flux seed:qwen-image,flux,z-image; do
+for section in speed:flux sizes:flux,qwen-image rent:qwen-image,wan,flux seed:qwen-image,flux,z-image; do
   name=${section%%:*} left=$((BUDGET - SECONDS)) code=0
   ((left >= 30)) || { echo "{\"section\": \"$name\", \"skipped\": \"$left s left\"}" | tee -a "$LINES"; continue; }
   timeout -k 5 "$left" "$PYTHON" benchmarks/gpu_check.py $TINY --only "$name" --families "${section#*:}" \
