@@ -274,14 +274,14 @@ def test_a_fault_in_any_per_request_stage_fails_only_that_request(stage, method)
 
 
 def test_flux_keeps_position_ids_for_a_bounded_number_of_sizes():
-    from diffserve.executor.families.packed_flow import IDS_CACHED
+    from diffserve.executor.families.base import KEPT
 
     _, _, engine = engine_for("tiny-flux")
     family = engine.family
     first = family._latent_ids(64, 64)
     for side in range(16, 16 * 40, 16):  # sizes are the clients' choice
         family._latent_ids(side, 32)
-    assert len(family._ids) == IDS_CACHED
+    assert len(family._kept_values) == KEPT
     assert torch.equal(family._latent_ids(64, 64), first)  # evicted ids are made again, the same
 
 
@@ -299,9 +299,9 @@ def test_two_sizes_run_at_once_in_sets_of_their_own_and_are_exact():
     while engine:
         out = engine.step()
         seen.add(out.batch_key)
-        forwards.append((out.batch_key[1:3], out.samples, out.sets))
+        forwards.append((out.size, out.samples, out.sets))
         images.update({o.item.request.request_id: o.images for o in out.finished})
-    assert forwards[0][0] == (96, 64)  # the new size started at the very next step
+    assert forwards[0][0] == "96x64"  # the new size started at the very next step
     assert forwards[0][2] == 2 and len(seen) == 2  # two running sets at once, taking turns
     assert max(samples for _, samples, _ in forwards) == 3  # the late small one joined its set
     for r in small + wide:
