@@ -385,7 +385,8 @@ class ServerConfig(SpeedOptions):
             if values.get(f.name) is not None:
                 value = values[f.name]
                 merged[f.name] = (tuple(value) if isinstance(f.default, tuple) else
-                                  ",".join(value) if f.metadata.get("repeat") else value)
+                                  ",".join(value) if f.metadata.get("repeat")
+                                  and not isinstance(value, str) else value)
             elif env and os.environ.get(env):
                 merged[f.name] = parse_value(f, os.environ[env])
         return cls(**merged)
