@@ -170,6 +170,7 @@ def test_several_models_parse_from_repeated_flags_and_each_engine_gets_its_own()
           "quantization": "int8-weight-only"}, "--quantization"),
         ({"model": "a=tiny-sd,b=random:nope"}, "no random architecture"),
         ({"model": "a=tiny-sd,b=tiny-sdxl", "lora_modules": ("b=/x",)}, "which --model names"),
+        ({"model": "a=tiny-sd,b=tiny-sdxl", "resident_host_bytes": 1}, "none sleeps"),
     ]:
         with pytest.raises(ConfigError, match=message):
             ServerConfig(**values)

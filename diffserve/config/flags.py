@@ -42,6 +42,10 @@ class ServerConfig(SpeedOptions):
     resident_model_bytes: int = option(
         0, "Several --model: most weight bytes the awake models hold together. 0 = no bound.",
         ge=0, le=1 << 50)
+    resident_host_bytes: int = option(
+        0, "Several --model: most weight bytes the sleeping models keep in host memory; a model "
+        "put to sleep past it goes to disk (reloaded from its files at its wake). 0 = no bound.",
+        ge=0, le=1 << 50)
     max_swap_wait_ms: float = option(
         5000.0, "Several --model: longest a request waits for its model to be swapped in while "
         "every resident model is busy; past it the busiest resident model's queue waits "

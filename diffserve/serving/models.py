@@ -45,7 +45,9 @@ class ModelSet:
         self.model_metrics = ModelMetrics(self.metrics.registry, self.names)
         self.limit = config.resident_models if swaps(config) else 0
         self.policy = SwapPolicy(self.names, self.limit, config.resident_model_bytes,
-                                 config.max_swap_wait_ms / 1000)
+                                 config.max_swap_wait_ms / 1000,
+                                 host_budget_bytes=config.resident_host_bytes,
+                                 host_copies=config.num_executors * config.degrees.size)
         self.engines: dict[str, Backend] = {}  # those that loaded
         self.residency = Residency({}, self.policy, self.records, self.model_metrics)
         self.default = self.names[0]
