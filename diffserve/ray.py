@@ -1,8 +1,11 @@
-"""Serving past one node on Ray Serve: every replica hosts one diffserve engine (a scheduler and
-its executors) behind Ray Serve's HTTP proxy, with the same routes, errors and streaming.
+"""Serving past one node on Ray Serve: every replica hosts what one ``diffserve serve`` hosts (a
+model's engine: a scheduler and its executors; several models: an engine each, routed and
+swapped as one server does) behind Ray Serve's HTTP proxy, with the same routes, errors and
+streaming.
 
     pip install '.[ray]'
     serve run diffserve.ray:app model=shapes num_replicas=2
+    serve run diffserve.ray:app model=sd=tiny-sd,xl=tiny-sdxl resident_models=1
 
 Arguments are ``diffserve serve``'s flags without the dashes (``dynamic_batch_max_size=8`` or
 ``dynamic-batch-max-size=8``), plus the deployment's own:
@@ -14,6 +17,9 @@ Arguments are ``diffserve serve``'s flags without the dashes (``dynamic_batch_ma
 - ``max_ongoing_requests``: the most a replica is sent at once (default 4x the target);
 - ``num_cpus`` / ``num_gpus``: what Ray reserves for each replica (default 1 / 0; on GPU nodes
   give ``num_gpus`` the replica's devices, e.g. ``num_gpus=2 data_parallel_size=2``).
+
+``model`` takes what ``--model`` takes, several models comma-separated (``model=a=X,b=Y``) or,
+in a Serve config file, as a list.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ def parse_args(args: dict[str, Any]) -> tuple[ServerConfig, dict[str, Any]]:
         name = key.replace("-", "_")
         if name in _DEPLOYMENT_ARGS:
             deployment[name] = _DEPLOYMENT_ARGS[name](value)
+        elif name in fields and fields[name].metadata.get("repeat") and isinstance(value, list):
+            values[name] = [str(v) for v in value]  # a Serve config's list: --model given twice
         elif name in fields:
             values[name] = parse_value(fields[name], str(value)) if isinstance(value, str) else value
         else:
@@ -70,13 +78,18 @@ def deployment_options(config: ServerConfig, given: dict[str, Any]) -> dict[str,
 
 
 def start_engine(config: ServerConfig):
-    """A replica's engine, started (its model loads in the engine's own processes)."""
+    """A replica's engines, started as ``diffserve serve`` starts them (its models load in the
+    engines' own processes): one model's :class:`~diffserve.serving.backend.Backend`, or several
+    models' :class:`~diffserve.serving.models.ModelSet`."""
     from diffserve.serving.backend import Backend
+    from diffserve.serving.models import ModelSet
 
     rank = _rank()
     if config.video_dir:
         config = dataclasses.replace(config, video_dir=f"{config.video_dir}/replica-{rank}")
-    return Backend(config)
+    if len(config.served_models) > 1:
+        return ModelSet(config)
+    return Backend(config.for_model(config.model_name))
 
 
 def _rank() -> int:
@@ -86,7 +99,8 @@ def _rank() -> int:
 
 
 def replica_app(host):
-    """The ASGI app of one replica over its engine ``host``, which has loaded its model. A video
+    """The ASGI app of one replica over its engine ``host`` (several models: their set), which
+    has loaded its model (several: the first ones; the others load as the app starts). A video
     model's replica keeps its jobs in a store of its own (``--video-dir``/replica-<rank>) and
     reaches the other replicas' jobs through them (:mod:`diffserve.frontend.videos.peers`)."""
     import logging
@@ -206,7 +220,7 @@ def app(args: dict[str, Any]):
     @serve.deployment(name="diffserve", **options)
     @serve.ingress(build)
     class Diffserve:
-        """One diffserve engine behind Ray Serve's HTTP proxy."""
+        """One diffserve server's engines behind Ray Serve's HTTP proxy."""
 
         async def __init__(self) -> None:
             # The model loads in the engine's processes; the wait for it runs off the replica's
@@ -227,12 +241,13 @@ def app(args: dict[str, Any]):
         async def __del__(self) -> None:
             if getattr(self, "loading", False):  # nothing to drain: the wait above ends at once
                 self.stopped = True
-                self.host.scheduler.kill()  # (its executors die with it)
+                self.host.kill()  # every engine's scheduler (its executors die with it)
             await super().__del__()  # the app's lifespan: the engine drains, then stops
 
         def check_health(self) -> None:
-            host = self.app.state.engine_host
-            if not host.scheduler.is_alive() or host.client.stopped_reason:
-                raise RuntimeError(host.client.stopped_reason or "the scheduler process died")
+            # Every model's engine: one that died fails the replica, as it stops diffserve serve.
+            problem = self.app.state.engine_host.health_problem()
+            if problem:
+                raise RuntimeError(problem)
 
     return Diffserve.bind()

@@ -1,6 +1,7 @@
 """Run inside a private network namespace that has only the loopback interface (see
-tests/test_ray.py): a local Ray cluster, ``serve run diffserve.ray:app`` with two replicas, and a
-plain ``diffserve serve`` for reference, all on 127.0.0.1; then, on the same cluster, the video
+tests/test_ray.py): a local Ray cluster, ``serve run diffserve.ray:app`` with two replicas of
+two models (room for one awake), and a plain ``diffserve serve`` of the same models for
+reference, all on 127.0.0.1; then, on the same cluster, the video
 application of tests/ray_video_driver.py. Prints one JSON line of findings, by part."""
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from server import pids_titled, process_title
 RAY_PORT = 8000  # Ray Serve's HTTP proxy, its default address inside the namespace
 GCS_PORT = 6379  # the cluster's head
 COUNT = 16
+XL_COUNT = 4  # requests for the second model, sent among the default model's
+# The same list of models on both: the default named by its path, a second one by its own.
+MODELS = ("tiny-sd", "xl=tiny-sdxl")
 
 
 def image(b64: str) -> np.ndarray:
@@ -168,6 +172,37 @@ def stop_while_loading(logs: Path, env: dict) -> dict:
                                                     "its model loaded") for text in said)}
 
 
+def scheduler_of(executor_pid: int) -> int:
+    return int(Path(f"/proc/{executor_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def engine_killed(serve: ServerProcess, c: httpx.Client) -> dict:
+    """The second model's scheduler killed in one replica: Ray Serve's health check, which
+    watches every model's engine, replaces that whole replica (its default model's engine goes
+    too), and both models serve again."""
+    executors = {name: m["executors"][0]["pid"]
+                 for name, m in c.get(f"{serve.url}/health").json()["models"].items()}
+    xl, sd = scheduler_of(executors["xl"]), scheduler_of(executors["tiny-sd"])
+    os.kill(xl, signal.SIGKILL)
+    deadline = time.monotonic() + scaled(240)
+    while alive(sd) and time.monotonic() < deadline:  # the replica's stop (no event reaches here)
+        time.sleep(0.5)
+    replaced = not alive(sd)
+    while replicas_running() < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    after = [c.post(f"{serve.url}/v1/images/generations",
+                    json={"model": model, "prompt": "after", "seed": 3}).status_code
+             for model in ("xl", "tiny-sd", "xl")]
+    return {"replaced": replaced, "replicas": replicas_running(), "after": after}
+
+
 def main() -> None:
     # Ctrl-C works on what this starts, as in a terminal, even where this was started with SIGINT
     # ignored (a shell's background job, a runner that ignores it): an ignored signal is inherited
@@ -175,7 +210,7 @@ def main() -> None:
     # ignoring it. A handler is not inherited: the children start with SIGINT at its default.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # The plain server needs no cluster: it starts while the cluster does.
-    single = ServerProcess.diffserve("--model", "tiny-sd", "--torch-threads", "1",
+    single = ServerProcess.diffserve("--model", ",".join(MODELS), "--torch-threads", "1",
                                      log_path=Path(tempfile.mkdtemp(prefix="diffserve-single-"))
                                      / "single.log", startup_timeout_s=scaled(300),
                                      stop_timeout_s=scaled(30)).launch()
@@ -185,8 +220,9 @@ def main() -> None:
     try:
         logs, env = start_cluster()
         start_serve(env)
-        serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=tiny-sd",
-                               "num_replicas=2", "torch_threads=1"], RAY_PORT, logs / "serve.log",
+        serve = ServerProcess(["serve", "run", "diffserve.ray:app", "model=" + ",".join(MODELS),
+                               "resident_models=1", "num_replicas=2", "torch_threads=1"],
+                              RAY_PORT, logs / "serve.log",
                               env=env, name="serve run", startup_timeout_s=scaled(300),
                               stop_timeout_s=scaled(30))
         with serving(serve, found):
@@ -194,9 +230,19 @@ def main() -> None:
             wait_for_replicas(serve)
             bodies = [{"prompt": f"request {i} of {COUNT}", "seed": 40 + 7 * i, "n": 1 + i % 2}
                       for i in range(COUNT)]
-            with httpx.Client(timeout=scaled(180)) as c, ThreadPoolExecutor(COUNT) as pool:
+            for i in range(XL_COUNT):  # among the others, for the model asleep at start
+                bodies.insert(4 * i + 2, {"model": "xl", "prompt": f"xl {i}", "seed": 5 + i})
+            with httpx.Client(timeout=scaled(180)) as c, ThreadPoolExecutor(len(bodies)) as pool:
                 on_ray = list(pool.map(lambda b: c.post(f"{serve.url}/v1/images/generations", json=b), bodies))
                 alone = [c.post(f"{single.url}/v1/images/generations", json=b) for b in bodies]
+                found["xl_statuses"] = [r.status_code for r, b in zip(on_ray, bodies) if "model" in b]
+                found["xl_worst_diff"] = max(
+                    (int(np.abs(image(x.json()["data"][0]["b64_json"])
+                                - image(y.json()["data"][0]["b64_json"])).max())
+                     for x, y, b in zip(on_ray, alone, bodies) if "model" in b
+                     and x.status_code == 200), default=None)
+                on_ray, alone = ([r for r, b in zip(rs, bodies) if "model" not in b]
+                                 for rs in (on_ray, alone))
                 found["statuses"] = [r.status_code for r in on_ray]
                 found["worst_diff"] = max(
                     int(np.abs(image(a["b64_json"]) - image(b["b64_json"])).max())
@@ -212,6 +258,7 @@ def main() -> None:
                                           if line.startswith("event: ")]
                 found["models"] = c.get(f"{serve.url}/v1/models").json()
                 found["health"] = c.get(f"{serve.url}/health").status_code
+                found["engine_killed"] = engine_killed(serve, c)
         single.stop()
         result["stop_while_loading"] = stop_while_loading(logs, env)
         import ray

@@ -170,6 +170,23 @@ def test_several_models_parse_from_repeated_flags_and_each_engine_gets_its_own()
           "quantization": "int8-weight-only"}, "--quantization"),
         ({"model": "a=tiny-sd,b=random:nope"}, "no random architecture"),
         ({"model": "a=tiny-sd,b=tiny-sdxl", "lora_modules": ("b=/x",)}, "which --model names"),
+        ({"model": "a=tiny-sd,b=tiny-sdxl", "resident_host_bytes": 1}, "none sleeps"),
     ]:
         with pytest.raises(ConfigError, match=message):
             ServerConfig(**values)
+
+
+def test_several_models_with_data_parallel_executors_each_run_every_executor():
+    """--data-parallel-size N with several models: each model's engine starts N executors, on
+    the same devices (executor i of every model on device i); a swap sleeps or wakes a model on
+    all of its executors. Tensor parallelism is refused where models are swapped."""
+    config = ServerConfig(model="a=tiny-sd,b=tiny-sdxl", data_parallel_size=2,
+                          devices="cuda:0,cuda:1", resident_models=1)
+    for name in ("a", "b"):
+        engine = config.for_model(name)
+        assert engine.num_executors == 2
+        assert engine.executor_devices() == ["cuda:0", "cuda:1"]
+    ServerConfig(model="a=tiny-sd,b=tiny-sdxl", tensor_parallel_size=2, devices="cuda:0,cuda:1")
+    with pytest.raises(ConfigError, match="--tensor-parallel-size with --resident-models"):
+        ServerConfig(model="a=tiny-sd,b=tiny-sdxl", tensor_parallel_size=2,
+                     devices="cuda:0,cuda:1", resident_models=1)

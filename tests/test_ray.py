@@ -94,6 +94,27 @@ def test_two_replicas_serve_the_same_api_and_images_as_one_server(found):
 
 
 @pytest.mark.early("ray")
+def test_the_application_serves_several_models_as_one_server_does(found):
+    """The same list of models as ``diffserve serve`` (room for one awake): the second model's
+    requests, sent among the default model's, are answered with the plain server's images."""
+    found = found["images"]
+    assert found["xl_statuses"] == [200] * 4
+    assert found["xl_worst_diff"] <= 2
+    cards = {card["id"]: card for card in found["models"]["data"]}
+    assert list(cards) == ["tiny-sd", "xl"]
+    assert {card["location"] for card in cards.values()} <= {"device", "host"}
+
+
+@pytest.mark.early("ray")
+def test_a_replica_whose_second_model_engine_dies_is_replaced(found):
+    """Ray Serve's health check watches every model's engine: the second model's scheduler
+    killed in one replica replaces the whole replica, and both models serve again."""
+    killed = found["images"]["engine_killed"]
+    assert killed["replaced"] and killed["replicas"] == 2, killed
+    assert killed["after"] == [200, 200, 200], killed
+
+
+@pytest.mark.early("ray")
 def test_serve_run_stops_at_once_while_its_replicas_load(found):
     """Ctrl-C as the second replica starts loading its model: a replica still loading stops
     without waiting for the load to finish (or for Ray's grace period, which waits behind a
@@ -133,6 +154,18 @@ def test_the_application_builder_reads_serve_run_arguments():
                                              "target_ongoing_requests": 16}
     with pytest.raises(ValueError, match="unknown argument 'nonsense'"):
         parse_args({"nonsense": "1"})
+
+
+def test_the_application_builder_takes_several_models_as_diffserve_serve_does():
+    from diffserve.ray import parse_args
+
+    config, _ = parse_args({"model": "sd=tiny-sd,xl=tiny-sdxl", "resident_models": "1"})
+    assert config.served_models == {"sd": "tiny-sd", "xl": "tiny-sdxl"}
+    assert config.resident_models == 1
+    config, _ = parse_args({"model": ["sd=tiny-sd", "xl=tiny-sdxl"]})  # a Serve config's list
+    assert config.served_models == {"sd": "tiny-sd", "xl": "tiny-sdxl"}
+    with pytest.raises(ValueError, match="names 'sd' twice"):
+        parse_args({"model": "sd=tiny-sd,sd=tiny-sdxl"})
 
 
 def test_the_shipped_serve_config_names_this_application():

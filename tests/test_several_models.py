@@ -179,3 +179,27 @@ def test_an_executor_killed_while_its_model_is_swapped_in_comes_back_and_serves(
     assert_own_image(generate(server, payload), reference, payload)
     cards = {c["id"]: c for c in httpx.get(server.url + "/v1/models").json()["data"]}
     assert cards[asleep]["location"] == "device"
+
+
+@pytest.fixture(scope="module")
+@serves(spec("--model", "sd=tiny-sd", "--model", "px=tiny-pixart-sigma", "--resident-models", "1",
+             # Every model put to sleep passes the host budget: it sleeps on disk (level 2).
+             "--resident-host-bytes", "1", "--max-swap-wait-ms", "2000", model=None,
+             timeout_s=300))
+def on_disk(request):
+    srv = LAUNCHES.take(request).start()
+    with srv.client(timeout=300) as srv.http:
+        yield srv
+    assert srv.stop() == 0, srv.log
+
+
+def test_a_model_asleep_on_disk_past_the_host_budget_wakes_and_serves_exactly(on_disk, reference):
+    def where() -> dict[str, str]:
+        return {c["id"]: c["location"] for c in httpx.get(on_disk.url + "/v1/models").json()["data"]}
+
+    assert where() == {"sd": "disk", "px": "device"}  # sd slept for px to load, past the budget
+    for name in ("sd", "px"):  # each woken from disk (its weights read again from its files)
+        payload = body(name, 80)
+        assert_own_image(generate(on_disk, payload), reference, payload)
+        assert where()[name] == "device"
+    assert where() == {"sd": "disk", "px": "device"}

@@ -42,6 +42,10 @@ class ServerConfig(SpeedOptions):
     resident_model_bytes: int = option(
         0, "Several --model: most weight bytes the awake models hold together. 0 = no bound.",
         ge=0, le=1 << 50)
+    resident_host_bytes: int = option(
+        0, "Several --model: most weight bytes the sleeping models keep in host memory; a model "
+        "put to sleep past it goes to disk (reloaded from its files at its wake). 0 = no bound.",
+        ge=0, le=1 << 50)
     max_swap_wait_ms: float = option(
         5000.0, "Several --model: longest a request waits for its model to be swapped in while "
         "every resident model is busy; past it the busiest resident model's queue waits "
@@ -385,7 +389,8 @@ class ServerConfig(SpeedOptions):
             if values.get(f.name) is not None:
                 value = values[f.name]
                 merged[f.name] = (tuple(value) if isinstance(f.default, tuple) else
-                                  ",".join(value) if f.metadata.get("repeat") else value)
+                                  ",".join(value) if f.metadata.get("repeat")
+                                  and not isinstance(value, str) else value)
             elif env and os.environ.get(env):
                 merged[f.name] = parse_value(f, os.environ[env])
         return cls(**merged)

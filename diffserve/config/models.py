@@ -80,6 +80,9 @@ def problems(config):
                                                                    config.control_models)):
         for name in set(names) & set(models):
             yield f"{flag} names {name!r}, which --model names too"
+    if config.resident_host_bytes and not swaps(config):
+        yield ("--resident-host-bytes bounds the models asleep, and none sleeps: give "
+               "--resident-models below the models' count or --resident-model-bytes")
     if config.enable_weight_updates:
         yield ("--enable-weight-updates with several --model: an update would not say which "
                "model it is for; serve the trained model alone")

@@ -15,6 +15,11 @@ Rules, in order:
 - one swap at a time: the caller reports its end (:meth:`SwapPolicy.done`).
 
 The oldest waiting model is served first, so no model starves another.
+
+Past a host budget (``host_budget_bytes``: the most weight bytes the sleeping models keep in host
+memory), a model put to sleep goes to disk instead (level 2: its weights dropped, read again from
+its files at its wake) where it does not fit beside those already asleep in host memory. A model
+asleep in host memory stays there: moving it to disk would take a wake of its own.
 """
 
 from __future__ import annotations
@@ -32,24 +37,31 @@ class ModelState:
     waiting_since: float | None = None  # asleep with requests: since when
     last_used: float = 0.0  # when it last had requests in flight
     resident_since: float = 0.0
+    on_disk: bool = False  # asleep with its weights dropped (level 2)
 
 
 @dataclass(frozen=True)
 class Swap:
-    """Put ``out`` to sleep, in order, then wake ``into`` (``into`` None: only sleep them)."""
+    """Put ``out`` to sleep, in order, then wake ``into`` (``into`` None: only sleep them);
+    those of ``out`` also in ``disk`` sleep on disk (level 2), the others in host memory."""
 
     out: tuple[str, ...]
     into: str | None
+    disk: tuple[str, ...] = ()
 
 
 class SwapPolicy:
     def __init__(self, names: list[str], limit: int = 0, budget_bytes: int = 0,
-                 max_wait_s: float = 5.0, idle_grace_s: float | None = None) -> None:
+                 max_wait_s: float = 5.0, idle_grace_s: float | None = None,
+                 host_budget_bytes: int = 0, host_copies: int = 1) -> None:
         """``limit``: most models awake (0: no limit); ``budget_bytes``: most weight bytes awake
         (0: none); ``idle_grace_s``: how long a model must have been idle to give way before the
-        bound (default: a tenth of ``max_wait_s``)."""
+        bound (default: a tenth of ``max_wait_s``); ``host_budget_bytes``: most weight bytes
+        asleep in host memory (0: none; past it, on disk), where each model sleeps as
+        ``host_copies`` copies (one per executor's rank: each keeps its own)."""
         self.models = {name: ModelState(name) for name in names}
         self.limit, self.budget_bytes, self.max_wait_s = limit, budget_bytes, max_wait_s
+        self.host_budget_bytes, self.host_copies = host_budget_bytes, host_copies
         self.idle_grace_s = max_wait_s / 10 if idle_grace_s is None else idle_grace_s
         self.swapping: Swap | None = None
 
@@ -78,12 +90,13 @@ class SwapPolicy:
         """A swap ended: the models of ``slept`` sleep, and ``into`` is awake where ``woke``."""
         for name in slept:
             state = self.models[name]
-            state.resident = False
+            state.resident, state.on_disk = False, name in swap.disk
             if state.in_flight:  # its queue waits from now
                 state.waiting_since = now
         if swap.into is not None and woke:
             state = self.models[swap.into]
             state.resident, state.resident_since, state.waiting_since = True, now, None
+            state.on_disk = False
         self.swapping = None
 
     # -- decisions -------------------------------------------------------------------------
@@ -94,7 +107,7 @@ class SwapPolicy:
         out = []
         while awake and not self._fits(awake):
             out.append(awake.pop().name)
-        return Swap(tuple(out), None) if out else None
+        return Swap(tuple(out), None, self.to_disk(out)) if out else None
 
     def next_swap(self, now: float) -> Swap | None:
         if self.swapping is not None:
@@ -114,8 +127,27 @@ class SwapPolicy:
             if len(out) == len(order):
                 return None  # it waits for a resident model to go idle, or for its bound
             out.append(order[len(out)])
-        self.swapping = Swap(tuple(m.name for m in out), wanted.name)
+        names = [m.name for m in out]
+        self.swapping = Swap(tuple(names), wanted.name, self.to_disk(names, wanted.name))
         return self.swapping
+
+    def to_disk(self, out: list[str], into: str | None = None) -> tuple[str, ...]:
+        """Which of ``out``, put to sleep in this order, go to disk: each that would take the
+        bytes asleep in host memory past the host budget (``into``, woken by the same swap, no
+        longer counts: its host copy goes as it wakes)."""
+        if not self.host_budget_bytes:
+            return ()
+        held = sum(m.size for m in self.models.values()
+                   if not m.resident and not m.failed and not m.on_disk and m.name != into)
+        held *= self.host_copies
+        disk = []
+        for name in out:
+            size = self.models[name].size * self.host_copies
+            if held + size <= self.host_budget_bytes:
+                held += size
+            else:
+                disk.append(name)
+        return tuple(disk)
 
     def time_until_decision(self, now: float) -> float | None:
         """Seconds until a waiting model's bound, or an idle model's grace, passes (a decision

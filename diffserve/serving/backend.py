@@ -85,6 +85,16 @@ class Backend:
             loop.remove_reader(sentinel)
             await self.client.close()
 
+    def health_problem(self) -> str | None:
+        """Why the engine can no longer serve (its scheduler died or stopped), or None."""
+        if not self.scheduler.is_alive() or self.client.stopped_reason:
+            return self.client.stopped_reason or "the scheduler process died"
+        return None
+
+    def kill(self) -> None:
+        """Kill the scheduler at once (its executors die with it): a stop while it loads."""
+        self.scheduler.kill()
+
     def stop(self) -> None:
         """Ask the scheduler to stop (it answers what is left and stops the executors), make
         sure it did, and remove what the engine left on disk."""

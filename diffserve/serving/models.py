@@ -45,7 +45,9 @@ class ModelSet:
         self.model_metrics = ModelMetrics(self.metrics.registry, self.names)
         self.limit = config.resident_models if swaps(config) else 0
         self.policy = SwapPolicy(self.names, self.limit, config.resident_model_bytes,
-                                 config.max_swap_wait_ms / 1000)
+                                 config.max_swap_wait_ms / 1000,
+                                 host_budget_bytes=config.resident_host_bytes,
+                                 host_copies=config.num_executors * config.degrees.size)
         self.engines: dict[str, Backend] = {}  # those that loaded
         self.residency = Residency({}, self.policy, self.records, self.model_metrics)
         self.default = self.names[0]
@@ -55,9 +57,12 @@ class ModelSet:
         # of them sleeps (:meth:`serving`), so that a device never holds more than it may.
         self._all: dict[str, Backend] = {}  # the engines started
         self._later = list(self.names)  # the models not started yet
+        self._killed = False
         self._start(self.limit or len(self.names))
 
     def _start(self, count: int) -> list[str]:
+        if self._killed:
+            return []
         names, self._later = self._later[:count], self._later[count:]
         for name in names:
             self._all[name] = Backend(self.config.for_model(name), self.metrics_dir, self.metrics)
@@ -127,6 +132,21 @@ class ModelSet:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    def health_problem(self) -> str | None:
+        """Why some loaded model's engine can no longer serve, or None (a Ray Serve replica's
+        health: one that died fails the replica, as it stops ``diffserve serve``)."""
+        for name, backend in list(self.engines.items()):
+            problem = backend.health_problem()
+            if problem:
+                return f"model {name!r}: {problem}"
+        return None
+
+    def kill(self) -> None:
+        """Kill every engine started, and start no other (a stop while the models load)."""
+        self._killed = True
+        for backend in list(self._all.values()):
+            backend.kill()
 
     def stop(self) -> None:
         for name, backend in self._all.items():

@@ -1,7 +1,8 @@
 """Which of several models are awake, applied: a task in the frontend's event loop that watches
 each model's requests in flight, asks the swap policy (:mod:`diffserve.policies.swaps`) and
-carries out its swaps as the engines' own level-1 sleep and wake (the weights to host memory
-and back, never a rebuild), timing each. Also what /v1/models and /metrics say of each model."""
+carries out its swaps as the engines' own sleep and wake (level 1: the weights to host memory
+and back; level 2, past the host budget: dropped, and read again from the model's files at the
+wake; never a rebuild), timing each. Also what /v1/models and /metrics say of each model."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ log = logging.getLogger("diffserve")
 
 RETRY_S = 0.5  # a swap an engine refused (its executor restarting) is asked again after this
 _SWAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-DEVICE, HOST, FAILED = "device", "host", "failed"
+DEVICE, HOST, DISK, FAILED = "device", "host", "disk", "failed"
 
 
 @dataclass
@@ -41,7 +42,7 @@ class ModelMetrics:
 
         self.swaps_total = Counter(
             "diffserve_model_swaps", "Model swaps: in (woken for its requests) or out (put to "
-            "sleep in host memory to make room).", ["model", "direction"], registry=registry)
+            "sleep, in host memory or on disk, to make room).", ["model", "direction"], registry=registry)
         self.swap_seconds = Histogram(
             "diffserve_model_swap_seconds", "Time of a model's swap in (its wake) or out (its "
             "sleep, after its running work).", ["model", "direction"], buckets=_SWAP_BUCKETS,
@@ -87,10 +88,10 @@ class Residency:
     async def swap(self, out: str | None, into: str | None) -> bool:
         """Put ``out`` to sleep or wake ``into`` now (at start, around a model's load)."""
         name, op = (out, SLEEP) if out is not None else (into, WAKE)
-        ok = await self._command(name, op)
+        swap = Swap((out,) if out else (), into, self.policy.to_disk([out]) if out else ())
+        ok = await self._command(name, op, 2 if name in swap.disk else 1)
         if ok:
-            self.policy.done(Swap((out,) if out else (), into), time.monotonic(),
-                             (out,) if out else (), bool(into))
+            self.policy.done(swap, time.monotonic(), swap.out, bool(into))
         return ok
 
     def arrived(self) -> None:
@@ -130,7 +131,7 @@ class Residency:
     async def _apply(self, swap: Swap) -> None:
         slept: list[str] = []
         for name in swap.out:
-            if not await self._command(name, SLEEP):
+            if not await self._command(name, SLEEP, 2 if name in swap.disk else 1):
                 break
             slept.append(name)
         woke = (swap.into is not None and len(slept) == len(swap.out)
@@ -139,11 +140,11 @@ class Residency:
         if len(slept) < len(swap.out) or (swap.into is not None and not woke):
             await asyncio.sleep(RETRY_S)  # an engine could not: its executor may be restarting
 
-    async def _command(self, name: str, op: str) -> bool:
-        """One model's sleep or wake, timed; whether it happened."""
+    async def _command(self, name: str, op: str, level: int = 1) -> bool:
+        """One model's sleep (at ``level``) or wake, timed; whether it happened."""
         began = time.perf_counter()
         try:
-            result = await self.clients[name].weights_command(WeightCommand("", op, level=1))
+            result = await self.clients[name].weights_command(WeightCommand("", op, level=level))
         except APIError as error:
             log.warning("model %r could not %s: %s", name, op, error.message)
             return False
@@ -153,11 +154,12 @@ class Residency:
         seconds = time.perf_counter() - began
         direction = "in" if op == WAKE else "out"
         record = self.records[name]
-        record.location = DEVICE if op == WAKE else HOST
+        record.location = DEVICE if op == WAKE else HOST if level == 1 else DISK
         record.swapped_at, record.last_swap_s = time.time(), seconds
         self.counts.swaps_total.labels(model=name, direction=direction).inc()
         self.counts.swap_seconds.labels(model=name, direction=direction).observe(seconds)
-        log.info("model %r swapped %s in %.3f s", name, direction, seconds)
+        log.info("model %r swapped %s%s in %.3f s", name, direction,
+                 " (to disk)" if op == SLEEP and level == 2 else "", seconds)
         return True
 
     def update_gauges(self) -> None:

@@ -112,3 +112,37 @@ def test_the_grace_can_be_set():
     p.observe("a", 0, 1.5)
     p.observe("b", 1, 1.5)
     assert p.next_swap(1.5) == Swap(("a",), "b")
+
+
+def test_past_the_host_budget_a_model_put_to_sleep_goes_to_disk():
+    p = SwapPolicy(["a", "b", "c"], 1, max_wait_s=5.0, idle_grace_s=0.0, host_budget_bytes=150)
+    for name in "abc":
+        p.loaded(name, 100, 0.0)
+    start = p.over_budget()  # c sleeps first: it fits in host memory; b does not, beside it
+    assert start == Swap(("c", "b"), None, ("b",))
+    p.done(start, 0.0, ("c", "b"), False)
+    assert (p.models["c"].on_disk, p.models["b"].on_disk) == (False, True)
+    p.observe("b", 1, 1.0)  # b's requests: a (idle) makes room, and host memory is full
+    swap = p.next_swap(1.0)
+    assert swap == Swap(("a",), "b", ("a",))
+    p.done(swap, 1.5, ("a",), True)
+    assert p.models["a"].on_disk and not p.models["b"].on_disk
+    p.observe("b", 0, 2.0)
+    p.observe("c", 1, 2.0)  # c wakes from host memory: b, put to sleep, now fits there
+    swap = p.next_swap(2.0)
+    assert swap == Swap(("b",), "c", ())
+    p.done(swap, 2.5, ("b",), True)
+    assert [p.models[n].on_disk for n in "abc"] == [True, False, False]
+
+
+def test_without_a_host_budget_nothing_goes_to_disk():
+    p = asleep_c(limit=1)
+    assert p.over_budget() == Swap(("b",), None)
+    assert p.to_disk(["a", "b"]) == ()
+
+
+def test_the_host_budget_counts_every_executors_copy():
+    p = SwapPolicy(["a", "b"], 1, host_budget_bytes=150, host_copies=2)  # two executors each
+    p.loaded("a", 100, 0.0)
+    p.loaded("b", 100, 0.0)
+    assert p.over_budget() == Swap(("b",), None, ("b",))  # 2 x 100 bytes do not fit in 150
