@@ -107,7 +107,8 @@ class Runtime:
                           self.task_modes, self.unavailable, self.group,
                           self.controls.describe() if self.controls else [])
         return dataclasses.replace(info, speed=dict(self.speed), mixed_sizes=self.mixed_sizes,
-                                   mixed_in_grid=bool(self.family and self.family.mixes_in_grid))
+                                   mixed_in_grid=bool(self.family and self.family.mixes_in_grid),
+                                   row_cost=flops.row_cost(self.flops, info))
 
     @property
     def threaded_stages(self) -> bool:

@@ -10,7 +10,7 @@ from typing import Collection
 
 from diffserve.config.flags import ServerConfig
 from diffserve.policies import QUEUE_POLICIES
-from diffserve.wire.costs import image_cost, uses_cfg, video_cost
+from diffserve.wire.costs import RowCost, image_cost, uses_cfg, video_cost
 from diffserve.errors import invalid_request, model_not_found
 from diffserve.frontend.controls import control_cost, control_stack
 from diffserve.frontend.spec import RequestSpec
@@ -166,9 +166,10 @@ def to_engine_request(body: RequestSpec, request_id: str, info: ModelInfo,
     negative = body.negative_prompt or ""
     cfg = uses_cfg(info.guidance_rule, guidance, negative)
     controls = control_stack(body.controls, info, config, task)
+    row = RowCost.of(info.row_cost)  # the model's fitted FLOPs a row, or its tokens
     cost = (video_cost(width, height, frames, info.width, info.height, info.num_frames,
-                       info.frame_stride, cfg) if frames
-            else image_cost(width, height, info.width, info.height, cfg)
+                       info.frame_stride, cfg, row) if frames
+            else image_cost(width, height, info.width, info.height, cfg, row)
             * (1 + control_cost(controls, info)))
     if info.memory_cost_bound and cost > info.memory_cost_bound:
         raise invalid_request(

@@ -39,7 +39,7 @@ from diffserve.scheduler.batcher import Batcher
 from diffserve.scheduler.completion import Completion
 from diffserve.scheduler.decisions import Finished
 from diffserve.scheduler.placement import Placement
-from diffserve.scheduler.slots import ExecutorSlot
+from diffserve.scheduler.slots import ExecutorSlot, Pricing
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +103,16 @@ class SchedulerCore(Placement, Completion):
     def set_mode(self, mode: str, max_batch_cost: float | None = None,
                  max_running_cost: float | None = None,
                  task_modes: dict[str, str] | None = None,
-                 mixed_sizes: frozenset[str] = frozenset(), grid_padding: bool = False) -> None:
+                 mixed_sizes: frozenset[str] = frozenset(), pricing: Pricing | None = None) -> None:
         """The batching mode the executors run, each task's where it differs, the tasks whose
-        sizes share a forward (``grid_padding``: padded to one grid, not to the longest row's
-        tokens), and the model's cost bounds (known once the first one has loaded)."""
+        sizes share a forward (``pricing``: how their padding is priced), and the model's cost
+        bounds (known once the first one has loaded)."""
         self.max_batch_cost = max_batch_cost or self.max_batch_cost
         self.max_running_cost = max_running_cost or self.max_running_cost
         task_modes = {task: m for task, m in (task_modes or {}).items() if m != mode}
         mixed_sizes = frozenset(mixed_sizes)
         for slot in self.slots:
-            slot.grid_padding = grid_padding
+            slot.pricing = pricing or Pricing()
         if len(self.batcher) and (mode, task_modes, mixed_sizes) != (
                 self.mode, self.batcher.task_modes, self.batcher.mixed_sizes):
             raise RuntimeError("cannot change the batching mode while requests wait")

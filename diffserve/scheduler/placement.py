@@ -60,14 +60,14 @@ class Placement:
         elif self.batcher.is_call(batch_key) and batch_key in slot.sets:
             return None  # that call is under way: the next one waits for it
         else:
-            running = slot.sets.get(batch_key, RunningSet(grid=slot.grid_padding))
+            running = slot.sets.get(batch_key, RunningSet(pricing=slot.pricing))
             room = self.max_batch_size - running.samples
             room_cost = min(self.max_batch_cost - running.cost,
                             self.max_running_cost - slot.cost - reserve)
         if self.batcher.mixes_sizes(batch_key):  # a join can widen every row's padding
-            running = slot.sets.get(batch_key, RunningSet(grid=slot.grid_padding))
-            seat.padded = PaddedRoom(running.density, set(running.by_size),
-                                     room_cost + running.cost, slot.grid_padding)
+            running = slot.sets.get(batch_key, RunningSet(pricing=slot.pricing))
+            seat.padded = PaddedRoom(running.rows, set(running.by_size),
+                                     room_cost + running.cost, slot.pricing)
         if not self.batcher.fits(batch_key, room, room_cost, seat):
             return None
         return _Placement(slot, room, room_cost, batch_key in slot.sets, seat)

@@ -9,20 +9,40 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from diffserve.wire.costs import TOKENS, RowCost, latent_frames
 from diffserve.wire.request import WorkItem
 
 
-def padded_pixels(sizes, grid: bool) -> int:
-    """The pixels every row of a forward over images of ``sizes`` ((width, height, frames) each;
-    an image's frames 0) is padded to: the largest image's (tokens padded to the longest
-    row's), or, where the family lays its rows out in one grid (``grid``), the tallest's height
-    times the widest's width (times the most frames)."""
-    if not sizes:
-        return 0
-    if grid:
-        return (max(w for w, _, _ in sizes) * max(h for _, h, _ in sizes)
-                * max(max(f, 1) for _, _, f in sizes))
-    return max(w * h * max(f, 1) for w, h, f in sizes)
+@dataclass(frozen=True)
+class Pricing:
+    """How a running set's forward is priced where its rows' sizes differ (the step engine pads
+    them): each row's cost at the padded size (``grid``: the tallest's height by the widest's
+    width by the most frames, else the largest image's), by the model's ``row`` cost against a
+    size relative to its native one (``native``: width, height, frames, the VAE's frame
+    stride)."""
+
+    grid: bool = False
+    row: RowCost = TOKENS
+    native: tuple[int, int, int, int] = (1, 1, 0, 1)
+
+    def size(self, width: int, height: int, frames: int) -> float:
+        """A row's size relative to a native row's (its cost's p)."""
+        w, h, f, stride = self.native
+        return (width * height * latent_frames(frames, stride)
+                / (w * h * latent_frames(f, stride)))
+
+    def padded(self, sizes) -> float:
+        """The size every row of a forward over ``sizes`` ((width, height, frames)) computes."""
+        if not sizes:
+            return 0.0
+        if self.grid:
+            return self.size(max(w for w, _, _ in sizes), max(h for _, h, _ in sizes),
+                             max(f for _, _, f in sizes))
+        return max(self.size(*size) for size in sizes)
+
+    def rows(self, size, cost: float) -> float:
+        """The rows an image of ``size`` and ``cost`` takes (its cost over one row's)."""
+        return cost / self.row(self.size(*size))
 
 
 def size_of(request) -> tuple[int, int, int]:
@@ -35,20 +55,22 @@ class RunningSet:
 
     samples: int = 0
     # (width, height, frames) -> (its images, their cost): a set whose rows' sizes differ (the
-    # step engine mixes them in one forward) pads every row (``grid``: see padded_pixels).
+    # step engine mixes them in one forward) pads every row (``pricing``).
     by_size: dict[tuple[int, int, int], list] = field(default_factory=dict)
-    grid: bool = False
+    pricing: Pricing = field(default_factory=Pricing)
 
     @property
     def cost(self) -> float:
-        """What its forward costs: its images', each priced at the padded size where their
-        sizes differ (the padding counts)."""
-        return self.density * padded_pixels(self.by_size, self.grid)
+        """What its forward costs: its images', each of their rows priced at the padded size
+        where their sizes differ (the padding counts)."""
+        if len(self.by_size) < 2:
+            return sum(cost for _, cost in self.by_size.values())
+        return self.rows * self.pricing.row(self.pricing.padded(self.by_size))
 
     @property
-    def density(self) -> float:
-        """Its images' cost per pixel, summed: its cost is this times its padded pixels."""
-        return sum(cost / padded_pixels([size], False) for size, (_, cost) in self.by_size.items())
+    def rows(self) -> float:
+        """Its images' rows (two an image with guidance; its cost, over one row's)."""
+        return sum(self.pricing.rows(size, cost) for size, (_, cost) in self.by_size.items())
 
     def change(self, item: WorkItem, sign: int) -> None:
         r = item.request
@@ -80,26 +102,26 @@ class AdapterRoom:
 
 @dataclass
 class PaddedRoom:
-    """The cost room of a running set whose rows' sizes differ (the step engine pads each):
-    ``density`` (its images' cost per pixel, summed) times the padded pixels of ``sizes`` stays
-    within ``limit``, the images that join counted in both."""
+    """The cost room of a running set whose rows' sizes differ (the step engine pads each): its
+    ``rows`` priced at the padded size of ``sizes`` stay within ``limit``, the images that join
+    counted in both."""
 
-    density: float
+    rows: float
     sizes: set[tuple[int, int, int]]
     limit: float
-    grid: bool = False
+    pricing: Pricing
 
     def images(self, request) -> int | float:
         """How many images of ``request`` fit (inf where it costs nothing)."""
-        area = padded_pixels([size_of(request)], False)
         if request.cost <= 0:
             return math.inf
-        padded = padded_pixels(self.sizes | {size_of(request)}, self.grid)
-        return max(0, math.floor((self.limit / padded - self.density) * area / request.cost
-                                 + 1e-9))
+        pricing, size = self.pricing, size_of(request)
+        one_row = pricing.row(pricing.padded(self.sizes | {size}))
+        per_image = pricing.rows(size, request.cost)
+        return max(0, math.floor((self.limit / one_row - self.rows) / per_image + 1e-9))
 
     def take(self, request, count: int) -> None:
-        self.density += count * request.cost / padded_pixels([size_of(request)], False)
+        self.rows += count * self.pricing.rows(size_of(request), request.cost)
         self.sizes.add(size_of(request))
 
 
@@ -137,7 +159,7 @@ class ExecutorSlot:
     adapters: Counter = field(default_factory=Counter)  # adapter name -> items holding it
     paused: dict[tuple[str, int], tuple[WorkItem, tuple]] = field(default_factory=dict)
     free_since: float = 0.0  # when it last had nothing to do
-    grid_padding: bool = False  # its model pads mixed sizes to one grid (RunningSet.grid)
+    pricing: Pricing = field(default_factory=Pricing)  # its model's, for sets that mix sizes
 
     @property
     def samples(self) -> int:
@@ -175,7 +197,7 @@ class ExecutorSlot:
 
     def without(self, keys) -> "ExecutorSlot":
         """What it would hold with these running items gone (for choosing what to pause)."""
-        other = ExecutorSlot(self.index, self.ready, grid_padding=self.grid_padding)
+        other = ExecutorSlot(self.index, self.ready, pricing=self.pricing)
         for key, (item, batch_key) in self.items.items():
             if key not in keys:
                 other.put(item, batch_key)
@@ -183,7 +205,7 @@ class ExecutorSlot:
 
     def put(self, item: WorkItem, batch_key: tuple) -> None:
         self.items[item.key] = (item, batch_key)
-        self.sets.setdefault(batch_key, RunningSet(grid=self.grid_padding)).change(item, 1)
+        self.sets.setdefault(batch_key, RunningSet(pricing=self.pricing)).change(item, 1)
         self.adapters.update(name for name, _ in item.request.loras)
 
     def get(self, key: tuple[str, int]) -> WorkItem | None:

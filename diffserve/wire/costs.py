@@ -1,12 +1,16 @@
-"""What an image costs the denoiser: its rows (two with classifier-free guidance) times its
-latent pixels, in units of one row at the model's native size. A 1024x1024 image costs four times
-a 512x512 one; the same image with guidance costs twice one without.
+"""What an image costs the denoiser: its rows (two with classifier-free guidance) times a row's
+cost at its size (:class:`RowCost`: its tokens, and where the model's FLOPs were fitted, its
+attention's square too), in units of one row at the model's native size. By tokens alone a
+1024x1024 image costs four times a 512x512 one; the same image with guidance costs twice one
+without.
 
 Torch-free: the frontend prices each request when it validates it, by the guidance rule the
 model info carries, and the scheduler admits by the price it carries.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 # When a pipeline runs classifier-free guidance (two rows an image):
 ABOVE_ONE = "above_one"  # a guidance scale above 1 (most pipelines; request mode's rule)
@@ -27,8 +31,32 @@ def uses_cfg(rule: str, guidance_scale: float, negative_prompt: str) -> bool:
     return guidance_scale > (0 if rule == ABOVE_ZERO else 1)
 
 
-def image_cost(width: int, height: int, native_width: int, native_height: int, cfg: bool) -> float:
-    return (2 if cfg else 1) * (width * height) / (native_width * native_height)
+@dataclass(frozen=True)
+class RowCost:
+    """One denoiser row's cost against its size p (its pixels, times its latent frames, over the
+    native size's): ``a + b*p + c*p*p``, in units of one native row (a + b + c = 1). The linear
+    layers grow with the tokens, self-attention with their square, what the text adds not at
+    all: the model's FLOP fit gives the three (diffserve.executor.accel.flops); without one, the
+    tokens alone (0, 1, 0)."""
+
+    a: float = 0.0
+    b: float = 1.0
+    c: float = 0.0
+
+    def __call__(self, p: float) -> float:
+        return self.a + self.b * p + self.c * p * p
+
+    @classmethod
+    def of(cls, coefficients) -> "RowCost":
+        return cls(*coefficients) if coefficients else cls()
+
+
+TOKENS = RowCost()
+
+
+def image_cost(width: int, height: int, native_width: int, native_height: int, cfg: bool,
+               row: RowCost = TOKENS) -> float:
+    return (2 if cfg else 1) * row((width * height) / (native_width * native_height))
 
 
 def default_bounds(max_batch_size: int, max_batch_cost: float, max_running_cost: float,
@@ -46,8 +74,9 @@ def latent_frames(frames: int, stride: int) -> int:
 
 
 def video_cost(width: int, height: int, frames: int, native_width: int, native_height: int,
-               native_frames: int, stride: int, cfg: bool) -> float:
-    """A video's cost: latent frames x latent pixels x rows, in units of one row of the model's
-    native size and frame count."""
-    return (image_cost(width, height, native_width, native_height, cfg)
-            * latent_frames(frames, stride) / latent_frames(native_frames, stride))
+               native_frames: int, stride: int, cfg: bool, row: RowCost = TOKENS) -> float:
+    """A video's cost: its rows' cost at latent frames x latent pixels, in units of one row of
+    the model's native size and frame count."""
+    p = (width * height * latent_frames(frames, stride)
+         / (native_width * native_height * latent_frames(native_frames, stride)))
+    return (2 if cfg else 1) * row(p)

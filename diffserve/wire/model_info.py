@@ -90,6 +90,11 @@ class ModelInfo:
     # Where they do: each row padded to the tallest's height by the widest's width (one grid),
     # else to the longest row's tokens; admission prices the padding by the same rule.
     mixed_in_grid: bool = False
+    # One denoiser row's cost against its size relative to the native one, (a, b, c) of
+    # a + b*p + c*p*p (diffserve.wire.costs.RowCost; empty: by its tokens alone): fitted from
+    # the model's FLOPs, attention's square included. The frontend prices requests by it, the
+    # scheduler a set's padding.
+    row_cost: tuple[float, ...] = ()
     unavailable_tasks: dict[str, str] = field(default_factory=dict)
     # Each executor's parallel group ({"ulysses", "ring", "cfg", "tp", "groups"}) and where its
     # components sit (one executor's view).

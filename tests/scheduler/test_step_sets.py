@@ -2,6 +2,8 @@
 sockets, a fake clock."""
 
 from diffserve.wire.protocol import REQUEST_MODE, STEP_MODE, batch_key_fields
+from diffserve.scheduler.slots import Pricing
+from diffserve.wire.costs import RowCost
 from diffserve.wire.request import ImageRequest
 from diffserve.scheduler.core import DELAY, FULL, JOIN, NEW_SET
 from helpers import make_request, ready_core as core, run, taken
@@ -213,7 +215,7 @@ def test_where_the_engine_mixes_sizes_they_share_one_set_priced_with_its_padding
 
 def test_where_sizes_share_one_grid_the_padding_is_the_tallest_by_the_widest():
     c = core(max_size=8, delay=0.0, mode=STEP_MODE)
-    c.set_mode(STEP_MODE, 8.0, 12.0, None, frozenset({"generate"}), grid_padding=True)
+    c.set_mode(STEP_MODE, 8.0, 12.0, None, frozenset({"generate"}), Pricing(grid=True))
     c.add(make_request(request_id="wide", width=128, height=64, cost=2.0), [], 0.0)
     c.add(make_request(request_id="tall", width=64, height=128, cost=2.0), [], 0.0)
     (both,) = c.dispatch(0.0)
@@ -222,3 +224,22 @@ def test_where_sizes_share_one_grid_the_padding_is_the_tallest_by_the_widest():
     assert c.slots[0].cost == 8.0
     c.add(make_request(request_id="small", cost=1.0), [], 0.1)
     assert c.dispatch(0.1) == []  # a third row would take the forward past its 8.0
+
+
+def test_a_sets_padding_is_priced_by_the_models_row_cost():
+    """Where the model's FLOPs were fitted, a row's cost grows with attention's square: a set's
+    rows are priced at the padded size by that curve, not by the tokens alone."""
+    row = RowCost(0.2, 0.6, 0.2)  # a native row: 1.0; twice its pixels: 0.2 + 1.2 + 0.8 = 2.2
+    c = core(max_size=8, delay=0.0, mode=STEP_MODE)
+    c.set_mode(STEP_MODE, 6.0, 12.0, None, frozenset({"generate"}),
+               Pricing(row=row, native=(64, 64, 0, 1)))
+    c.add(make_request(request_id="native", n=2, cost=1.0), [], 0.0)
+    c.add(make_request(request_id="wide", width=128, height=64, cost=2.2), [], 0.0)
+    c.add(make_request(request_id="another", width=128, height=64, cost=2.2), [], 0.0)
+    (first,) = c.dispatch(0.0)
+    # Every row at the wide size: 3 x 2.2 = 6.6 would pass the 6.0; the native pair and one
+    # wide row fill 6.6 too, so the wide ones wait: 2 native rows alone cost 2.0.
+    assert taken([first]) == [[("native", 0, 2)]]
+    assert c.slots[0].cost == 2.0
+    (running,) = c.slots[0].sets.values()
+    assert running.rows == 2.0

@@ -233,6 +233,22 @@ def tokens_of(model: FlopModel, info, width: int, height: int, frames: int = 0) 
     return model.per_pixel * width * height * latent_frames
 
 
+def row_cost(model: FlopModel | None, info) -> tuple[float, ...]:
+    """One row's cost against its size relative to the native size's, p: (a, b, c) of
+    a + b*p + c*p*p with a + b + c = 1 (diffserve.wire.costs.RowCost), from the FLOP model;
+    () without one, or where the fit is not a cost that grows with the size."""
+    if model is None:
+        return ()
+    native = tokens_of(model, info, info.width, info.height, info.num_frames)
+    whole = model.per_row(native)
+    if whole <= 0 or native <= 0:
+        return ()
+    a, b, c = model.a / whole, model.b * native / whole, model.c * native * native / whole
+    if min(b, c) < 0 or a < -0.5:  # a fit the size does not explain: price by the tokens
+        return ()
+    return (a, b, c)
+
+
 def rows_per_image(info, guidance_scale: float | None = None, negative_prompt: str = "") -> int:
     """The denoiser rows one image takes a step: two under classifier-free guidance, which a
     model with true CFG (Qwen-Image's rule) runs only with a negative prompt."""
