@@ -34,7 +34,6 @@ from diffserve.wire.protocol import (
     decode,
     encode,
 )
-from diffserve.wire.costs import RowCost
 from diffserve.wire.weight_commands import SHARED
 from diffserve.scheduler.adapters import AdapterOutcome, AdapterRegistry
 from diffserve.scheduler.weight_updates import Actions, WeightControl
@@ -290,9 +289,7 @@ class SchedulerProc:
             self.core.set_mode(info.batching_mode, info.max_batch_cost, info.max_running_cost,
                                info.task_modes, frozenset(
                                    key for key in info.mixed_sizes if info.mixes_sizes(key)),
-                               Pricing(info.mixed_in_grid, RowCost.of(info.row_cost),
-                                       (info.width, info.height, info.num_frames,
-                                        info.frame_stride)))
+                               Pricing.of(info))
             self.metrics.batching_mode.labels(mode=info.batching_mode).set(1)
             self.to_frontend.send_multipart(encode(Kind.READY, info))
             self.announced = True

@@ -25,6 +25,12 @@ class Pricing:
     row: RowCost = TOKENS
     native: tuple[int, int, int, int] = (1, 1, 0, 1)
 
+    @classmethod
+    def of(cls, info) -> "Pricing":
+        """A model's, from its information (diffserve.wire.model_info.ModelInfo)."""
+        return cls(info.mixed_in_grid, RowCost.of(info.row_cost),
+                   (info.width, info.height, info.num_frames, info.frame_stride))
+
     def size(self, width: int, height: int, frames: int) -> float:
         """A row's size relative to a native row's (its cost's p)."""
         w, h, f, stride = self.native
