@@ -15,9 +15,9 @@ for text in quotes, ByT5; flow matching (Euler, a fixed shift) over evenly space
   image encoder): the condition channels hold the input image's latents in the first latent
   frame (mask 1 there), and the vision tokens its SigLIP features, each made by the pipeline's
   own helpers at the request's size. The pipeline picks its size from the image's aspect and
-  its ``target_size``; the served size is the request's (the server fits the image to it) and
-  the reference calls the pipeline with ``target_size`` set to the size's square root of area,
-  whose bucket is the request's size (docs/videos.md). The DiT decides text-to-video for the
+  its ``target_size``, a rule that misses many sizes on the stride; the served size is the
+  request's (the server fits the image to it) and the reference calls the pipeline with its
+  size pick made the request's (``size_as_asked``; docs/videos.md). The DiT decides text-to-video for the
   whole batch (all image features zero), so the two tasks' rows never share a forward; the
   image-to-video model serves image-to-video only, as Wan's does.
 """
