@@ -71,7 +71,7 @@ def denoiser_and_vae(task_type: str) -> dict:
         block_out_channels=(8, 8, 8, 8), layers_per_block=1, spatial_compression_ratio=8,
         temporal_compression_ratio=2, downsample_match_channel=False,
         upsample_match_channel=False)
-    return dict(transformer=transformer, vae=vae)
+    return {"transformer": transformer, "vae": vae}
 
 
 def build(directory: Path) -> None:
@@ -100,7 +100,7 @@ def image_encoder() -> dict:
         hidden_size=12, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
         image_size=32, patch_size=8))
     processor = SiglipImageProcessor(size={"height": 32, "width": 32})
-    return dict(image_encoder=encoder, feature_extractor=processor)
+    return {"image_encoder": encoder, "feature_extractor": processor}
 
 
 def build_image_to_video(directory: Path) -> None:
@@ -124,7 +124,7 @@ def build_image_to_video(directory: Path) -> None:
 EMBEDDED = {
     "tiny-hunyuan-video15": ("HunyuanVideo 1.5 text-to-video (3D DiT, video VAE, Qwen2.5-VL and "
                              "ByT5) with random weights, 32x32, 9 frames, 4 steps", build),
-    "tiny-hunyuan-video15-i2v": ("HunyuanVideo 1.5 image-to-video (3D DiT, video VAE, Qwen2.5-VL "
-                                 "and ByT5, SigLIP image encoder) with random weights, 32x32, 9 "
-                                 "frames, 4 steps", build_image_to_video),
+    "tiny-hunyuan-video15-i2v": (("HunyuanVideo 1.5 image-to-video (3D DiT, video VAE, "
+                                  "Qwen2.5-VL and ByT5, SigLIP image encoder) with random "
+                                  "weights, 32x32, 9 frames, 4 steps"), build_image_to_video),
 }
