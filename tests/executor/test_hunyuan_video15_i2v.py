@@ -63,3 +63,18 @@ def test_videos_equal_the_pipeline_alone(model):
         assert got.shape == expected.shape == (1, request.num_frames, request.height,
                                                request.width, 3)
         assert max_diff(got, expected) <= TOLERANCE, request.request_id
+
+
+def test_request_mode_serves_the_requested_size(model):
+    """Request mode calls the pipeline itself: its size pick is the request's there too (48x32,
+    where the pipeline's own rule, by its 32x32 target, would make 32x24)."""
+    from diffserve.executor.request.runner import RequestRunner
+    from diffserve.wire.request import Work, WorkItem
+
+    loaded, pipelines, family = model
+    request, image = video(5, frames=3, steps=2, width=48, height=32)
+    (outcome,) = RequestRunner(loaded, pipelines, family).execute(
+        Work(1, [WorkItem(request, 0, 1)]), [[image]])
+    assert outcome.error is None, outcome.error
+    assert outcome.images.shape == (1, 3, 32, 48, 3)
+    assert max_diff(outcome.images, solo(loaded, pipelines, request, image=image)) <= TOLERANCE
