@@ -87,3 +87,20 @@ def guidance_on_guider(pipe, scale: float):
         yield
     finally:
         guider.guidance_scale = kept
+
+
+@contextmanager
+def size_as_asked(pipe, width: int, height: int):
+    """For the duration of a call, the request's size as the size a pipeline that picks its own
+    from the input image's aspect (HunyuanVideo 1.5's image-to-video: a bucket of its
+    ``target_size``'s area, which cannot reach every size on the stride) makes; nothing for the
+    others. The server fits the image to the size first, so the pipeline's crop is a no-op."""
+    processor = getattr(pipe, "video_processor", None)
+    if processor is None or not hasattr(processor, "calculate_default_height_width"):
+        yield
+        return
+    processor.calculate_default_height_width = lambda **_: (height, width)
+    try:
+        yield
+    finally:
+        del processor.calculate_default_height_width

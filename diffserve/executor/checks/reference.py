@@ -15,7 +15,7 @@ from diffserve.executor.families.control_hooks import control_kwargs
 from diffserve.executor.families.known import family_for
 from diffserve.executor.families.outputs import to_uint8
 from diffserve.executor.model.loading import FORCED_KWARGS, LoadedModel
-from diffserve.executor.pipeline import built_from, guidance_on_guider
+from diffserve.executor.pipeline import built_from, guidance_on_guider, size_as_asked
 from diffserve.wire.request import ImageRequest
 
 
@@ -77,7 +77,8 @@ def solo(loaded: LoadedModel, pipelines: dict, request: ImageRequest, image=None
         (picture,) = pictures  # one image a row
         kwargs["image"] = [picture] * count
     kwargs.update(controlled)
-    with torch.inference_mode(), guidance_on_guider(pipe, request.guidance_scale):
+    with (torch.inference_mode(), guidance_on_guider(pipe, request.guidance_scale),
+          size_as_asked(pipe, request.width, request.height)):
         output = pipe(**kwargs)
     pixels = to_uint8(output.frames if request.num_frames else output.images)
     if sound:

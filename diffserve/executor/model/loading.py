@@ -143,7 +143,10 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", torch_thre
         quant.log_weights(quantization, list(denoisers(pipe).values()))
     pipe.set_progress_bar_config(disable=True)
     accepts = frozenset(inspect.signature(pipe.__call__).parameters)
-    for required in ("prompt", "generator", "num_inference_steps", "height", "width"):
+    # HunyuanVideo 1.5's image-to-video picks its size from the image (size_as_asked).
+    sized = hasattr(getattr(pipe, "video_processor", None), "calculate_default_height_width")
+    for required in ("prompt", "generator", "num_inference_steps") + (
+            () if sized else ("height", "width")):
         if required not in accepts:
             raise ValueError(f"{type(pipe).__name__} is not a text-to-image pipeline this server "
                              f"can drive: its __call__ takes no {required!r}")

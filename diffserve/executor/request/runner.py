@@ -26,7 +26,7 @@ from diffserve.executor.families.schedulers import PIPELINE_LOCK, scheduler_swap
 from diffserve.executor.families.outputs import NonFiniteOutput, split_finite, to_uint8
 from diffserve.executor.model.loading import LoadedModel
 from diffserve.executor.model.samplers import build as build_sampler
-from diffserve.executor.pipeline import guidance_on_guider
+from diffserve.executor.pipeline import guidance_on_guider, size_as_asked
 from diffserve.executor.results import Outcome, PartialImage, partial_steps
 from diffserve.wire.request import Work, WorkItem
 from diffserve.wire.tasks import REFERENCE
@@ -181,7 +181,8 @@ class RequestRunner:
         if "callback_on_step_end" in accepts:
             kwargs["callback_on_step_end"] = self._step_callback(samples)
         with (PIPELINE_LOCK, self.torch.inference_mode(), self._adapters(first.loras),
-              self._sampler(pipe, first), guidance_on_guider(pipe, first.guidance_scale)):
+              self._sampler(pipe, first), guidance_on_guider(pipe, first.guidance_scale),
+              size_as_asked(pipe, first.width, first.height)):
             output = pipe(**kwargs)
         # Video pipelines answer frames (k, frames, H, W, 3) where image ones answer images.
         made = np.asarray(output.frames if first.num_frames else output.images)

@@ -11,10 +11,20 @@ for text in quotes, ByT5; flow matching (Euler, a fixed shift) over evenly space
   the forward for its rows.
 - **Sizes**: the rows of one forward share a size and frame count (request shapes): each size
   and length is a running set of its own, as for Wan.
+- **Image-to-video** (``HunyuanVideo15ImageToVideoPipeline``, its own checkpoint with a SigLIP
+  image encoder): the condition channels hold the input image's latents in the first latent
+  frame (mask 1 there), and the vision tokens its SigLIP features, each made by the pipeline's
+  own helpers at the request's size. The pipeline picks its size from the image's aspect and
+  its ``target_size``, a rule that misses many sizes on the stride; the served size is the
+  request's (the server fits the image to it) and the reference calls the pipeline with its
+  size pick made the request's (``size_as_asked``; docs/videos.md). The DiT decides text-to-video for the
+  whole batch (all image features zero), so the two tasks' rows never share a forward; the
+  image-to-video model serves image-to-video only, as Wan's does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +41,8 @@ class HunyuanVideo15Conditioning(Conditioning):
     prompt_mask: Any
     glyph_embeds: Any  # ByT5's, zeros where the prompt quotes no text
     glyph_mask: Any
+    image_embeds: Any = None  # image-to-video: the input image's SigLIP features, per row
+    condition: Any = None  # image-to-video: the first frame's latents then its mask, per row
 
 
 class HunyuanVideo15(Family):
@@ -61,16 +73,31 @@ class HunyuanVideo15(Family):
         timesteps = self.schedule(scheduler, steps, width, height)
         latents = pipe.prepare_latents(len(generators), pipe.num_channels_latents, height, width,
                                        frames, self.dtype, self.device, generators)
-        return Prepared(timesteps, latents, encoded.positive, encoded.negative)
+        if not task.first_frame:
+            return Prepared(timesteps, latents, encoded.positive, encoded.negative)
+        from PIL import Image
+
+        picture = Image.fromarray(inputs["image"])
+        embeds = pipe.encode_image(picture, len(generators), self.device, self.dtype)
+        condition, mask = pipe.prepare_cond_latents_and_mask(
+            latents, picture, len(generators), height, width, self.dtype, self.device)
+        extra = {"image_embeds": embeds, "condition": self.torch.cat([condition, mask], dim=1)}
+        positive = dataclasses.replace(encoded.positive, **extra)
+        negative = (None if encoded.negative is None
+                    else dataclasses.replace(encoded.negative, **extra))
+        return Prepared(timesteps, latents, positive, negative)
 
     def forward(self, latents, timesteps, cond, guidance, width, height):
         pipe, torch, dtype = self.pipe, self.torch, self.dtype
         x = latents.to(dtype)
-        condition, mask = pipe.prepare_cond_latents_and_mask(x, dtype, x.device)
-        vision = torch.zeros(x.shape[0], pipe.vision_num_semantic_tokens, pipe.vision_states_dim,
-                             dtype=dtype, device=x.device)
+        if cond.condition is not None:  # image-to-video
+            condition, vision = cond.condition.to(dtype), cond.image_embeds
+        else:
+            condition = torch.cat(pipe.prepare_cond_latents_and_mask(x, dtype, x.device), dim=1)
+            vision = torch.zeros(x.shape[0], pipe.vision_num_semantic_tokens,
+                                 pipe.vision_states_dim, dtype=dtype, device=x.device)
         return pipe.transformer(
-            hidden_states=torch.cat([x, condition, mask], dim=1), image_embeds=vision,
+            hidden_states=torch.cat([x, condition], dim=1), image_embeds=vision,
             timestep=timesteps.to(dtype), encoder_hidden_states=cond.prompt_embeds,
             encoder_attention_mask=cond.prompt_mask, encoder_hidden_states_2=cond.glyph_embeds,
             encoder_attention_mask_2=cond.glyph_mask, return_dict=False)[0]
@@ -93,4 +120,10 @@ class HunyuanVideo15(Family):
         yield  # a generator of one part (never reached)
 
 
-FAMILIES = (HunyuanVideo15,)
+class HunyuanVideo15ImageToVideo(HunyuanVideo15):
+    name = "hunyuan-video15-i2v"
+    pipelines = ("HunyuanVideo15ImageToVideoPipeline",)
+    generates = False  # its pipeline needs the first frame
+
+
+FAMILIES = (HunyuanVideo15, HunyuanVideo15ImageToVideo)

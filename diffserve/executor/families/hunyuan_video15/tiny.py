@@ -56,30 +56,66 @@ def text_encoders() -> dict:
                 text_encoder_2=encoder_2)
 
 
-def build(directory: Path) -> None:
-    """HunyuanVideo15Pipeline: a one-block 3D DiT (and one refiner block), a VAE 8x spatial and
-    2x temporal, 32x32 native, 9 frames, 4 steps."""
-    from diffusers import (
-        AutoencoderKLHunyuanVideo15,
-        ClassifierFreeGuidance,
-        FlowMatchEulerDiscreteScheduler,
-        HunyuanVideo15Pipeline,
-        HunyuanVideo15Transformer3DModel,
-    )
+def denoiser_and_vae(task_type: str) -> dict:
+    """The one-block 3D DiT (and one refiner block) for ``task_type``, and the VAE 8x spatial
+    and 2x temporal."""
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
 
     transformer = seeded(
         0, HunyuanVideo15Transformer3DModel, in_channels=9, out_channels=4,
         num_attention_heads=2, attention_head_dim=8, num_layers=1, num_refiner_layers=1,
         mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16, text_embed_2_dim=32,
-        image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=32, task_type="t2v")
+        image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=32, task_type=task_type)
     vae = seeded(
         0, AutoencoderKLHunyuanVideo15, in_channels=3, out_channels=3, latent_channels=4,
         block_out_channels=(8, 8, 8, 8), layers_per_block=1, spatial_compression_ratio=8,
         temporal_compression_ratio=2, downsample_match_channel=False,
         upsample_match_channel=False)
+    return {"transformer": transformer, "vae": vae}
+
+
+def build(directory: Path) -> None:
+    """HunyuanVideo15Pipeline: a one-block 3D DiT (and one refiner block), a VAE 8x spatial and
+    2x temporal, 32x32 native, 9 frames, 4 steps."""
+    from diffusers import (
+        ClassifierFreeGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+    )
+
     pipe = HunyuanVideo15Pipeline(
-        transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        guider=ClassifierFreeGuidance(guidance_scale=6.0), **text_encoders())
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        guider=ClassifierFreeGuidance(guidance_scale=6.0), **denoiser_and_vae("t2v"),
+        **text_encoders())
+    save(pipe, directory, spatial_stride=16, guidance_scale=6.0, size=32, num_frames=FRAMES,
+         fps=24)
+
+
+def image_encoder() -> dict:
+    """SigLIP's vision tower (12 wide: the DiT's image embedding width, one layer, 16 tokens of
+    a 32x32 picture) and its image processor."""
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    encoder = seeded(0, SiglipVisionModel, SiglipVisionConfig(
+        hidden_size=12, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=8))
+    processor = SiglipImageProcessor(size={"height": 32, "width": 32})
+    return {"image_encoder": encoder, "feature_extractor": processor}
+
+
+def build_image_to_video(directory: Path) -> None:
+    """HunyuanVideo15ImageToVideoPipeline: the same modules as :func:`build` (an image-to-video
+    DiT) and a SigLIP image encoder; 32x32, 9 frames, 4 steps."""
+    from diffusers import (
+        ClassifierFreeGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15ImageToVideoPipeline,
+    )
+
+    pipe = HunyuanVideo15ImageToVideoPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        guider=ClassifierFreeGuidance(guidance_scale=6.0), **denoiser_and_vae("i2v"),
+        **text_encoders(), **image_encoder())
     save(pipe, directory, spatial_stride=16, guidance_scale=6.0, size=32, num_frames=FRAMES,
          fps=24)
 
@@ -88,4 +124,7 @@ def build(directory: Path) -> None:
 EMBEDDED = {
     "tiny-hunyuan-video15": ("HunyuanVideo 1.5 text-to-video (3D DiT, video VAE, Qwen2.5-VL and "
                              "ByT5) with random weights, 32x32, 9 frames, 4 steps", build),
+    "tiny-hunyuan-video15-i2v": (("HunyuanVideo 1.5 image-to-video (3D DiT, video VAE, "
+                                  "Qwen2.5-VL and ByT5, SigLIP image encoder) with random "
+                                  "weights, 32x32, 9 frames, 4 steps"), build_image_to_video),
 }
