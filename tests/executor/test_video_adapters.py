@@ -87,3 +87,17 @@ def test_rows_with_and_without_adapters_share_forwards_and_are_exact(setup):
     plain = expected(setup, plan[3], loras=())
     plain = plain[0] if setup.sound else plain
     assert max_diff(outcomes["b"].images, plain) > 8  # the adapter changes the video visibly
+
+
+def test_a_pipeline_without_a_lora_loader_refuses_adapters_at_start():
+    """HunyuanVideo 1.5's pipelines have no LoRA loader in diffusers 0.42: the server says so
+    at start rather than failing on the first adapter's file."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    from diffserve.config.flags import ServerConfig
+    from diffserve.executor.lora.store import served_adapters
+
+    pipe = HunyuanVideo15Pipeline.__new__(HunyuanVideo15Pipeline)
+    config = ServerConfig(enable_lora_runtime_updates=True, lora_dir="/tmp")
+    with pytest.raises(RuntimeError, match="HunyuanVideo15Pipeline has no LoRA loader"):
+        served_adapters(pipe, config)
