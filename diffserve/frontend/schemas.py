@@ -15,6 +15,16 @@ LORA_SCALE_LIMIT = 4.0
 CONTROL_SCALE_LIMIT = 10.0
 
 
+def json_list(value):
+    """A form field is text: lists of objects (adapters, controls) come as JSON."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError("must be a JSON list of objects") from None
+    return value
+
+
 class LoraRef(BaseModel):
     """One adapter of a request's stack."""
 
@@ -141,12 +151,7 @@ class ImageEditForm(ImageOptions):
     @classmethod
     def _json_form_field(cls, value):
         """A form field is text: the adapters and the controls come as JSON lists."""
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError:
-                raise ValueError("must be a JSON list of objects") from None
-        return value
+        return json_list(value)
 
 
 class ImageRef(BaseModel):

@@ -63,11 +63,11 @@ def rollout_spec(body: RolloutRequest) -> RequestSpec:
 
 
 def video_spec(body: VideoCreate, num_frames: int) -> RequestSpec:
-    """A video is one unstreamed sample with the model's own sampler and no adapters; its
-    steps are reported as it runs."""
+    """A video is one unstreamed sample with the model's own sampler; its steps are reported as
+    it runs."""
     return RequestSpec(prompt=body.prompt, model=body.model, size=body.size, seed=body.seed,
                        negative_prompt=body.negative_prompt,
                        num_inference_steps=body.num_inference_steps,
                        guidance_scale=body.guidance_scale, priority=body.priority,
                        num_frames=num_frames, guidance_scale_2=body.guidance_scale_2,
-                       progress=True)
+                       loras=tuple(body.loras or ()), progress=True)

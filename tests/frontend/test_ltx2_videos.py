@@ -2,15 +2,18 @@
 against ``diffserve serve`` on tiny-ltx2: four jobs at once share forwards and each MP4 has an
 H.264 stream and an AAC stream at the model's rate, its frames the plain pipeline's; ``audio:
 false`` leaves the sound out; /v1/models says the model makes sound; bad frame counts and sizes
-are 400s naming the field; a restart keeps completed jobs with their sound."""
+are 400s naming the field; a restart keeps completed jobs with their sound; a job with a LoRA
+adapter (loaded at run time) is the pipeline with that adapter, and an unknown one is a 400."""
 
 from __future__ import annotations
 
 import io
+import json
 import signal
 import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,6 +33,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)  # the SDK marks 
 MODEL = "tiny-ltx2"
 RATE = 8000  # tiny-ltx2's vocoder
 MIN_PSNR = 35.0
+LORA_DIR = tempfile.mkdtemp(prefix="loras-ltx2-")
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -39,7 +43,8 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 @serves(spec("--torch-threads", "1", "--video-dir", tempfile.mkdtemp(prefix="videos-ltx2-"),
-             "--max-video-jobs", "8", model=MODEL))
+             "--max-video-jobs", "8", "--enable-lora-runtime-updates", "--lora-dir", LORA_DIR,
+             model=MODEL))
 def ltx2(request):
     with LAUNCHES.take(request) as server:
         yield server
@@ -147,6 +152,59 @@ def test_bad_input_is_a_400_naming_the_field(ltx2, fields, param):
     with ltx2.client() as c:
         error = assert_openai_error(c.post("/v1/videos", json=fields), 400)
         assert error["param"] == param, error
+
+
+def test_a_job_with_an_adapter_is_the_pipeline_with_it(ltx2, tmp_path):
+    """The adapter is loaded at run time (and unloaded after), so the other tests' server
+    serves none. The SDK sends a multipart form, where ``loras`` is its JSON text."""
+    from pathlib import Path
+
+    from diffusers import DiffusionPipeline
+
+    from diffserve.builders.random.loras import write_lora
+    from diffserve.builders.registry import resolve_model
+    from diffserve.executor.checks.reference import with_adapters
+
+    path = write_lora(MODEL, Path(LORA_DIR) / "V", rank=4, seed=5)
+    client = sdk(ltx2)
+    with ltx2.client() as c:
+        assert c.post("/v1/load_lora_adapter",
+                      json={"lora_name": "V", "lora_path": path}).status_code == 200
+        error = assert_openai_error(c.post("/v1/videos", json={
+            "prompt": "x", "loras": [{"name": "nope", "scale": 1.0}]}), 404)
+        assert error["param"] == "loras[0].name", error
+        error = assert_openai_error(c.post("/v1/videos", json={
+            "prompt": "x", "loras": [{"name": "V", "scale": 9.0}]}), 400)
+        assert error["param"] == "loras[0].scale", error
+    try:
+        job = {"prompt": "a lit stage", "size": "32x32", "poll_interval_ms": 50}
+        fields = {"seed": 12, "num_frames": 9, "num_inference_steps": 3}
+        plain = client.videos.create_and_poll(**job, extra_body=fields)
+        adapted = client.videos.create_and_poll(
+            **job, extra_body={**fields, "loras": json.dumps([{"name": "V", "scale": 0.8}])})
+        by_model = client.videos.create_and_poll(**job, model="V", extra_body=fields)
+    finally:
+        with ltx2.client() as c:
+            assert c.post("/v1/unload_lora_adapter", json={"lora_name": "V"}).status_code == 200
+    assert plain.status == adapted.status == by_model.status == "completed"
+    pipe = DiffusionPipeline.from_pretrained(resolve_model(MODEL))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(path, adapter_name="V")
+    loaded = SimpleNamespace(pipe=pipe, call_kwargs=load_model(MODEL, torch_threads=1).call_kwargs)
+    frames = {}
+    for name, video in (("plain", plain), ("adapted", adapted), ("by_model", by_model)):
+        frames[name], _ = mp4(client, video.id, tmp_path)
+    for name, loras in (("adapted", [("V", 0.8)]), ("by_model", [("V", 1.0)])):
+        request = ImageRequest("ref", MODEL, 32, 32, num_inference_steps=3, guidance_scale=4.0,
+                               prompt="a lit stage", seed=12, num_frames=9, loras=tuple(loras))
+        adapted_pipe = SimpleNamespace(pipe=with_adapters(pipe, loras),
+                                       call_kwargs=loaded.call_kwargs)
+        expected = solo(adapted_pipe, {}, request)[0]
+        alone = tmp_path / f"{name}-alone.mp4"
+        encode_mp4(expected, 24, alone)
+        assert psnr(frames[name], decode_mp4(alone)) >= MIN_PSNR, name
+    # The adapter shows: further from the plain job than the match above allows.
+    assert psnr(frames["plain"], frames["adapted"]) < MIN_PSNR - 5
 
 
 RESTARTED = ("--torch-threads", "1", "--video-dir", tempfile.mkdtemp(prefix="videos-ltx2-restart-"))

@@ -19,7 +19,8 @@ from diffserve.wire.model_info import ModelInfo
 from diffserve.wire.tasks import GENERATE
 from diffserve.wire.request import DEFAULT_STEPS, SEED_MAX, SEED_MODULUS, ImageRequest
 
-SHARED = ("prompt", "seed", "num_inference_steps", "guidance_scale", "priority", "user")
+SHARED = ("prompt", "seed", "num_inference_steps", "guidance_scale", "priority", "user",
+          "loras")
 WAN = ModelInfo(name="tiny-wan", pipeline_class="WanPipeline", width=32, height=32,
                 spatial_stride=16, default_steps=4, max_steps=1000, default_guidance_scale=5.0,
                 supports_negative_prompt=True, device="cpu", dtype="float32",
@@ -83,3 +84,28 @@ def test_each_route_makes_its_own_typed_spec():
 
 def test_one_default_step_count():
     assert ImageRequest("r", "m", 64, 64).num_inference_steps == DEFAULT_STEPS
+
+
+def test_a_videos_body_stacks_adapters_as_an_images_body_does():
+    """The same field and the same checks: a JSON list (or, in a multipart form, its text),
+    each name served, each scale in bounds, ``model=ADAPTER`` first at scale 1."""
+    from diffserve.errors import APIError
+
+    text = '[{"name": "style", "scale": 0.5}]'
+    video = video_spec(validate(VideoCreate, {"prompt": "x", "model": "ink", "loras": text}), 9)
+    request = to_engine_request(video, "video_2", WAN, ServerConfig(), GENERATE,
+                                adapters=("ink", "style"))
+    assert request.loras == (("ink", 1.0), ("style", 0.5))
+    for fields, param in (({"loras": [{"name": "style", "scale": 9}]}, "loras[0].scale"),
+                          ({"loras": "not json"}, "loras")):
+        try:
+            validate(VideoCreate, {"prompt": "x", **fields})
+            raise AssertionError(fields)
+        except APIError as error:
+            assert error.status == 400 and error.param == param, (fields, error.param)
+    try:
+        to_engine_request(video_spec(VideoCreate(prompt="x", loras=[{"name": "nope"}]), 9),
+                          "video_3", WAN, ServerConfig(), GENERATE, adapters=("style",))
+        raise AssertionError("an unknown adapter was taken")
+    except APIError as error:
+        assert error.param == "loras[0].name", error.param

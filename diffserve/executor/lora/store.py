@@ -223,6 +223,10 @@ def served_adapters(pipe, config, on_event=lambda event, **kw: None) -> "Adapter
     serves none (nothing of PEFT is then imported or hooked)."""
     if not config.serves_adapters:
         return None
+    if not hasattr(pipe, "load_lora_weights"):  # e.g. HunyuanVideo 1.5 in diffusers 0.42
+        raise RuntimeError(f"--lora-modules / --enable-lora-runtime-updates: "
+                           f"{type(pipe).__name__} has no LoRA loader in diffusers, so this model "
+                           "serves no adapters")
     store = AdapterStore(pipe, config.max_loras, config.max_lora_rank, on_event)
     for name, path in config.lora_adapters.items():
         try:

@@ -165,7 +165,8 @@ def video_routes(serving: Serving, jobs: VideoJobs, peers: Peers | None = None) 
             inputs = in_manifest_order(request.manifest, {FIRST_FRAME.name: [first]})
         params = {"seed": request.seed, "num_frames": frames, "fps": fps,
                   "num_inference_steps": request.num_inference_steps,
-                  "guidance_scale": request.guidance_scale, "task": task.name, "audio": sound}
+                  "guidance_scale": request.guidance_scale, "task": task.name, "audio": sound,
+                  "loras": [list(pair) for pair in request.loras]}
         seconds = body.seconds if body.seconds is not None and body.num_frames is None \
             else seconds_text(frames, fps)
         return video_object(jobs.create(request, inputs, params, seconds))

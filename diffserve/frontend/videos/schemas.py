@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from diffserve.frontend.bounds import Guidance, Priority, Prompt, Seed, Steps, User
+from diffserve.frontend.schemas import LoraRef, json_list
 
 MAX_FPS = 120
 
@@ -20,7 +21,8 @@ class VideoCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: Prompt = Field(description="What the video shows.")
-    model: str | None = Field(None, description="Must be the served model's name if given.")
+    model: str | None = Field(None, description="The served model's name, or a served LoRA "
+                              "adapter's (that adapter at scale 1), as the images API's.")
     seconds: str | None = Field(None, pattern=r"^\d+(\.\d+)?$", description="Duration: frames "
                                 "are seconds x fps, rounded to the model's frame rule.")
     size: str | None = Field(None, description='"WIDTHxHEIGHT" (default: the model\'s native).')
@@ -39,6 +41,10 @@ class VideoCreate(BaseModel):
                                "no true.")
     priority: Priority | None = Field(None, description="Its priority class, as the images "
                                       "API's.")
+    loras: list[LoraRef] | None = Field(
+        None, description="LoRA adapters to apply, in order, each with its scale, as the images "
+        "API's (families whose diffusers pipeline takes LoRA: LTX-2, Wan). In a multipart form: "
+        "a JSON list.")
     user: User | None = None
 
     @field_validator("seconds", mode="before")
@@ -46,6 +52,11 @@ class VideoCreate(BaseModel):
     def _number(cls, value):
         """JSON clients may send a number; the SDK sends a string."""
         return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _json_form_field(cls, value):
+        return json_list(value)
 
 
 class VideoError(BaseModel):
