@@ -72,8 +72,9 @@ def test_a_job_left_queued_is_run_by_the_next_server(tmp_path):
         return ImageRequest("r1", "m", 8, 8, prompt=parsed.prompt, seed=parsed.seed), [], parsed
 
     async def main():
-        scheduler = SimpleNamespace(ready=True, submit=submit,
-                                    model_info=SimpleNamespace(spatial_stride=8))
+        info = SimpleNamespace(spatial_stride=8)
+        scheduler = SimpleNamespace(ready=True, submit=submit, model_info=info,
+                                    route=lambda name: (info, {}))
         from concurrent.futures import ThreadPoolExecutor
         serving = Serving(None, scheduler, None, ThreadPoolExecutor(1))
         jobs = ImageJobs(ImageJobStore(tmp_path), serving, Webhooks(""), ttl_s=60)
