@@ -167,3 +167,28 @@ def image_host(status: int = 200, body: bytes = b"", location: str | None = None
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@contextlib.contextmanager
+def rows_per_forward(family):
+    """The rows each denoiser forward of ``family`` carries while the block runs (a list that
+    grows as they run)."""
+    seen, real = [], family.forward
+
+    def forward(latents, *rest, **kwargs):
+        seen.append(latents.shape[0])
+        return real(latents, *rest, **kwargs)
+
+    family.forward = forward
+    try:
+        yield seen
+    finally:
+        family.forward = real
+
+
+def psnr(a, b) -> float:
+    """Peak signal-to-noise ratio of two uint8 arrays, in dB (inf where they are equal)."""
+    import numpy as np
+
+    mse = np.mean((a.astype(float) - b.astype(float)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)

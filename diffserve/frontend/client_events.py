@@ -60,3 +60,15 @@ class _Pending:
         if self.wants_tensors:
             return sum(stop - start for start, (stop, _) in self.tensors.items()) == self.n
         return len(self.images) == self.n
+
+
+async def final_event(submission) -> "DoneEvent":
+    """A submission's one final answer (its partial images and progress passed over); the
+    submission closed after, whatever happens."""
+    try:
+        while True:
+            event = await submission.next()
+            if isinstance(event, DoneEvent):
+                return event
+    finally:
+        submission.close()

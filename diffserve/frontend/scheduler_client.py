@@ -44,6 +44,7 @@ from diffserve.frontend.client_events import (  # noqa: F401 - the events' home 
     ProgressEvent,
     StartupError,
     _Pending,
+    final_event,
 )
 from diffserve.wire.rollouts import join_parts
 from diffserve.wire.weight_commands import WeightCommand, WeightResult
@@ -169,14 +170,7 @@ class SchedulerClient:
 
     async def generate(self, request: ImageRequest, frames: list[Any] = ()) -> DoneEvent:
         """Send a request and wait for its one final answer (partial images are not asked for)."""
-        submission = await self.submit(request, frames)
-        try:
-            while True:
-                event = await submission.next()
-                if isinstance(event, DoneEvent):
-                    return event
-        finally:
-            submission.close()
+        return await final_event(await self.submit(request, frames))
 
     async def adapter_command(self, op: str, name: str, path: str = "") -> AdapterResult:
         """Load (or replace) or unload a LoRA adapter in every executor; the engine's answer."""

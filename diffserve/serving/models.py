@@ -20,7 +20,7 @@ from diffserve import metrics
 from diffserve.config.flags import ServerConfig
 from diffserve.config.models import swaps
 from diffserve.errors import APIError, model_not_found, unavailable
-from diffserve.frontend.scheduler_client import DoneEvent, StartupError
+from diffserve.frontend.client_events import DoneEvent, StartupError, final_event
 from diffserve.policies.swaps import SwapPolicy
 from diffserve.serving.backend import Backend
 from diffserve.serving.residency import (
@@ -238,14 +238,7 @@ class ModelSet:
         return submission
 
     async def generate(self, request, frames=()) -> DoneEvent:
-        submission = await self.submit(request, frames)
-        try:
-            while True:
-                event = await submission.next()
-                if isinstance(event, DoneEvent):
-                    return event
-        finally:
-            submission.close()
+        return await final_event(await self.submit(request, frames))
 
     async def adapter_command(self, *args, **kwargs):
         return await self._default.adapter_command(*args, **kwargs)

@@ -59,18 +59,24 @@ def requests(model: str):
             make_request(request_id="t", model=model, seed=4, steps=4, loras=(("T", 1.0),))]
 
 
-def test_step_mode_shares_forwards_across_stacks_and_is_exact(setup):
-    engine = StepEngine(setup.family, adapters=setup.store)
-    plan = requests(setup.model)
-    assert not engine.admit([WorkItem(r, 0, 1) for r in plan[:2]], [[], []])
-    engine.step()
-    assert not engine.admit([WorkItem(r, 0, 1) for r in plan[2:]], [[], []])  # join at step 1
+def stepped(engine) -> tuple[dict, list[int]]:
+    """Step ``engine`` to the end: each request's images, and the images each forward carried."""
     images, carried = {}, []
     while engine:
         out = engine.step()
         carried.append(out.samples)
         images.update({o.item.request.request_id: o.images for o in out.finished
                        if o.error is None})
+    return images, carried
+
+
+def test_step_mode_shares_forwards_across_stacks_and_is_exact(setup):
+    engine = StepEngine(setup.family, adapters=setup.store)
+    plan = requests(setup.model)
+    assert not engine.admit([WorkItem(r, 0, 1) for r in plan[:2]], [[], []])
+    engine.step()
+    assert not engine.admit([WorkItem(r, 0, 1) for r in plan[2:]], [[], []])  # join at step 1
+    images, carried = stepped(engine)
     assert max(carried) == 4  # all four stacks in one forward
     for r in plan:
         assert max_diff(images[r.request_id], expected(setup, r)) <= 2, r.request_id
@@ -103,12 +109,7 @@ def test_step_mode_mixes_sizes_and_stacks_in_one_forward(setup):
             for r, (w, h) in zip(requests(setup.model), sizes)]
     engine = StepEngine(setup.family, adapters=setup.store, mixed_sizes=frozenset({"generate"}))
     assert not engine.admit([WorkItem(r, 0, 1) for r in plan], [[]] * len(plan))
-    images, carried = {}, []
-    while engine:
-        out = engine.step()
-        carried.append(out.samples)
-        images.update({o.item.request.request_id: o.images for o in out.finished
-                       if o.error is None})
+    images, carried = stepped(engine)
     assert carried[0] == 4  # four sizes, four stacks, one forward
     for r in plan:
         assert max_diff(images[r.request_id], expected(setup, r)) <= 2, r.request_id

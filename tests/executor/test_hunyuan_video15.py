@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
-from helpers import make_request, run_plan
+from helpers import make_request, psnr, rows_per_forward, run_plan
 
 from diffserve.executor.checks.reference import max_diff, solo
 from diffserve.executor.families.known import family_for
@@ -21,11 +20,6 @@ from diffserve.executor.step.engine import StepEngine
 MODEL = "tiny-hunyuan-video15"
 TOLERANCE = 2
 MIN_PSNR = 35.0
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(float) - b.astype(float)) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +45,8 @@ def test_videos_equal_the_pipeline_alone(model, tmp_path):
     c = video(steps=3, guidance=1.0, seed=3)  # no guidance: one row
     d = video(frames=5, steps=2, seed=4, width=48)  # another running set
     plan = {0: [(a, [])], 1: [(b, []), (d, [])], 2: [(c, [])]}
-    shared = []
-    real = family.forward
-
-    def forward(latents, *rest, **host):
-        shared.append(latents.shape[0])
-        return real(latents, *rest, **host)
-
-    family.forward = forward
-    try:
+    with rows_per_forward(family) as shared:
         images = run_plan(StepEngine(family), plan)
-    finally:
-        family.forward = real
     assert max(shared) >= 4  # a's and b's guided rows shared forwards
     for request in (a, b, c, d):
         expected = solo(loaded, pipelines, request)

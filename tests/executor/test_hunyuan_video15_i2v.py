@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import make_request, run_plan
+from helpers import make_request, rows_per_forward, run_plan
 
 from diffserve.executor.checks.reference import max_diff, solo
 from diffserve.executor.families.known import family_for
@@ -44,18 +44,8 @@ def test_videos_equal_the_pipeline_alone(model):
     c, ic = video(3, steps=2, guidance=1.0)  # no guidance: one row
     d, idd = video(4, frames=3, steps=2, width=48, height=32)  # another size: a set of its own
     plan = {0: [(a, [ia])], 1: [(b, [ib]), (d, [idd])], 2: [(c, [ic])]}
-    shared = []
-    real = family.forward
-
-    def forward(latents, *rest, **host):
-        shared.append(latents.shape[0])
-        return real(latents, *rest, **host)
-
-    family.forward = forward
-    try:
+    with rows_per_forward(family) as shared:
         images = run_plan(StepEngine(family), plan)
-    finally:
-        family.forward = real
     assert max(shared) >= 4  # a's and b's guided rows shared forwards
     for request, image in ((a, ia), (b, ib), (c, ic), (d, idd)):
         expected = solo(loaded, pipelines, request, image=image)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import make_request
+from helpers import make_request, psnr, rows_per_forward
 
 from diffserve.executor.checks.reference import max_diff, solo
 from diffserve.executor.families.known import family_for
@@ -22,11 +22,6 @@ TOLERANCE = 2
 # guidance on velocities where the pipeline guides the denoised estimate).
 WAVE_TOLERANCE = 1e-4
 MIN_PSNR = 35.0
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(float) - b.astype(float)) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +66,8 @@ def test_videos_with_sound_equal_the_pipeline_alone(model, tmp_path):
     c = video(steps=5, guidance=1.0, seed=3)  # no guidance: one row
     d = video(frames=5, steps=4, seed=4, width=64)  # another running set
     plan = {0: [a], 2: [b, d], 3: [c]}
-    shared = []
-    real = family.forward
-
-    def forward(latents, *rest, **host):
-        shared.append(latents.shape[0])
-        return real(latents, *rest, **host)
-
-    family.forward = forward
-    try:
+    with rows_per_forward(family) as shared:
         outcomes = run(StepEngine(family), plan)
-    finally:
-        family.forward = real
     assert max(shared) >= 4  # a's and b's guided rows shared forwards
     for request in (a, b, c, d):
         got = outcomes[request.request_id]

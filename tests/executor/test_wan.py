@@ -13,7 +13,7 @@ from diffserve.executor.model.task_pipelines import task_pipelines
 from diffserve.executor.request.runner import RequestRunner
 from diffserve.executor.step.engine import StepEngine
 from diffserve.wire.request import Work, WorkItem
-from helpers import make_request, run_plan
+from helpers import make_request, rows_per_forward, run_plan
 from diffserve.executor.checks.reference import max_diff, sample_image, solo
 
 TOLERANCE = 2
@@ -53,16 +53,8 @@ def test_wan21_videos_joining_mid_run_equal_the_pipeline_alone():
     c = video("tiny-wan", steps=5, guidance=1.0, seed=3)  # no guidance: one row
     d = video("tiny-wan", frames=5, steps=4, seed=4, width=48)  # another running set
     plan = {0: [(a, [])], 2: [(b, []), (d, [])], 3: [(c, [])]}
-    engine = StepEngine(family)
-    shared = []
-    real = family.forward
-
-    def forward(latents, *rest, **host):
-        shared.append(latents.shape[0])
-        return real(latents, *rest, **host)
-
-    family.forward = forward
-    images = run_plan(engine, plan)
+    with rows_per_forward(family) as shared:
+        images = run_plan(StepEngine(family), plan)
     check(loaded, pipelines, images, plan)
     assert max(shared) >= 4  # a's and b's guided rows shared forwards
 

@@ -43,6 +43,37 @@ def rows_of(torch, rows: RowSizes, text_length: int, positions: dict, device) ->
                     mask)
 
 
+def masked(rows: FluxRows, attention_mask):
+    """The forward's key mask; beside a float bias the model hands its processors (Chroma's),
+    the bias kept and the padding masked."""
+    return (rows.mask if attention_mask is None
+            else attention_mask.masked_fill(~rows.mask, float("-inf")))
+
+
+def joint_attention(attn, rows: FluxRows, inner, projections, attention_mask):
+    """A Flux-style joint attention over ``projections`` (query, key, value of the image
+    stream, then of the text stream or None): the text's before the image's, each row with its
+    own positions, the padding masked; the output before the attention's out-projections."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    import torch
+
+    query, key, value, text_q, text_k, text_v = projections
+    query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
+    query, key = attn.norm_q(query), attn.norm_k(key)
+    if attn.added_kv_proj_dim is not None:
+        text_q, text_k, text_v = (t.unflatten(-1, (-1, attn.head_dim))
+                                  for t in (text_q, text_k, text_v))
+        text_q, text_k = attn.norm_added_q(text_q), attn.norm_added_k(text_k)
+        query = torch.cat([text_q, query], dim=1)
+        key = torch.cat([text_k, key], dim=1)
+        value = torch.cat([text_v, value], dim=1)
+    query = rotate_pairs(query, rows.cos, rows.sin)
+    key = rotate_pairs(key, rows.cos, rows.sin)
+    out = dispatch_attention_fn(query, key, value, attn_mask=masked(rows, attention_mask),
+                                backend=masked_backend(inner))
+    return out.flatten(2, 3).to(query.dtype)
+
+
 class RowsProcessor:
     """The per-row processor standing in for ``inner`` (a ``FluxAttnProcessor``) in a mixed
     forward: the same computation with each row's positions and the padding masked. (A class
@@ -54,30 +85,10 @@ class RowsProcessor:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.transformers.transformer_flux import _get_qkv_projections
-        import torch
 
-        rows, inner = self.rows, self.inner
-        query, key, value, text_q, text_k, text_v = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states)
-        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        if attn.added_kv_proj_dim is not None:
-            text_q, text_k, text_v = (t.unflatten(-1, (-1, attn.head_dim))
-                                      for t in (text_q, text_k, text_v))
-            text_q, text_k = attn.norm_added_q(text_q), attn.norm_added_k(text_k)
-            query = torch.cat([text_q, query], dim=1)
-            key = torch.cat([text_k, key], dim=1)
-            value = torch.cat([text_v, value], dim=1)
-        query = rotate_pairs(query, rows.cos, rows.sin)
-        key = rotate_pairs(key, rows.cos, rows.sin)
-        # Chroma's transformer hands its processors a float bias: kept, the padding masked.
-        mask = (rows.mask if attention_mask is None
-                else attention_mask.masked_fill(~rows.mask, float("-inf")))
-        out = dispatch_attention_fn(query, key, value, attn_mask=mask,
-                                    backend=masked_backend(inner))
-        out = out.flatten(2, 3).to(query.dtype)
+        out = joint_attention(attn, self.rows, self.inner, _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states), attention_mask)
         if encoder_hidden_states is None:
             return out
         text, image = out.split_with_sizes(

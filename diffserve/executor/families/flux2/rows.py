@@ -5,7 +5,7 @@ share one projection). Each row's rotary positions are its text ids' then its ow
 
 from __future__ import annotations
 
-from diffserve.executor.families.flux.rows import FluxRows, rows_of
+from diffserve.executor.families.flux.rows import FluxRows, joint_attention, masked, rows_of
 from diffserve.executor.families.row_sizes import RowSizes, masked_backend, rotate_pairs
 
 
@@ -19,11 +19,6 @@ def flux2_rows(torch, transformer, rows: RowSizes, text_ids, image_ids: dict) ->
     return rows_of(torch, rows, text_ids.shape[0], positions, text_ids.device)
 
 
-def _mask(rows: FluxRows, attention_mask):
-    return (rows.mask if attention_mask is None
-            else attention_mask.masked_fill(~rows.mask, float("-inf")))
-
-
 class DoubleProcessor:
     """Stands in for ``Flux2AttnProcessor`` in a mixed forward. (A class with the processor's
     own signature: an attention module passes on only the keywords its processor names.)"""
@@ -33,27 +28,10 @@ class DoubleProcessor:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.transformers.transformer_flux2 import _get_qkv_projections
-        import torch
 
-        rows = self.rows
-        query, key, value, text_q, text_k, text_v = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states)
-        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        if attn.added_kv_proj_dim is not None:
-            text_q, text_k, text_v = (t.unflatten(-1, (-1, attn.head_dim))
-                                      for t in (text_q, text_k, text_v))
-            text_q, text_k = attn.norm_added_q(text_q), attn.norm_added_k(text_k)
-            query = torch.cat([text_q, query], dim=1)
-            key = torch.cat([text_k, key], dim=1)
-            value = torch.cat([text_v, value], dim=1)
-        query = rotate_pairs(query, rows.cos, rows.sin)
-        key = rotate_pairs(key, rows.cos, rows.sin)
-        out = dispatch_attention_fn(query, key, value, attn_mask=_mask(rows, attention_mask),
-                                    backend=masked_backend(self.inner))
-        out = out.flatten(2, 3).to(query.dtype)
+        out = joint_attention(attn, self.rows, self.inner, _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states), attention_mask)
         text = None
         if encoder_hidden_states is not None:
             text, out = out.split_with_sizes(
@@ -82,7 +60,7 @@ class SingleProcessor:
         query, key = attn.norm_q(query), attn.norm_k(key)
         query = rotate_pairs(query, rows.cos, rows.sin)
         key = rotate_pairs(key, rows.cos, rows.sin)
-        out = dispatch_attention_fn(query, key, value, attn_mask=_mask(rows, attention_mask),
+        out = dispatch_attention_fn(query, key, value, attn_mask=masked(rows, attention_mask),
                                     backend=masked_backend(self.inner))
         out = out.flatten(2, 3).to(query.dtype)
         return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
