@@ -41,16 +41,6 @@ class RowSizes:
         if not self.length:
             object.__setattr__(self, "length", max(self.tokens))
 
-    @property
-    def longest(self) -> int:
-        """The tokens every row is padded to."""
-        return self.length
-
-    @property
-    def padding(self) -> int:
-        """Padded tokens the forward carries."""
-        return sum(self.length - t for t in self.tokens)
-
     def valid(self, torch, device):
         """(rows, length) bool: True at each row's own tokens."""
         at = torch.arange(self.length, device=device)

@@ -39,15 +39,22 @@ class SizeHooks:
             own *= latents[0].shape[axis]
         return cells * self.row_tokens(latents[0]) // own
 
+    def row_processors(self) -> tuple[type, ...]:
+        """The attention processors a mixed forward stands its per-row ones in for (a family's
+        ``rows.kinds()``; none where it needs none)."""
+        return ()
+
     def mixes_sizes_now(self) -> str | None:
         """Why rows of different sizes cannot share a forward of the model as loaded (None:
-        they can)."""
-        return None if self.mixes_sizes else f"{self.name} runs one size a forward"
-
-    def _mixing_refused(self, kinds: tuple[type, ...]) -> str | None:
+        they can): a family that does not mix them, or a denoiser whose attention runs a
+        processor the family's per-row one cannot stand in for (an IP-Adapter's, a user's)."""
         from diffserve.executor.families.row_sizes import foreign_processors
 
-        foreign = foreign_processors(self.denoiser, kinds)
+        if not self.mixes_sizes:
+            return f"{self.name} runs one size a forward"
+        kinds = self.row_processors()
+        foreign = sorted({p for denoiser in (self.denoisers if kinds else ())
+                          for p in foreign_processors(denoiser, kinds)})
         return (f"its attention runs {', '.join(foreign)}, which a forward of several sizes "
                 "cannot stand in for" if foreign else None)
 

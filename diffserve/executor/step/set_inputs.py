@@ -54,7 +54,6 @@ class SetInputs:
                                for _ in range(u.rows)))
         # None: one size (and, for videos, one frame count)
         self.sizes = sizes if len(set(zip(sizes.sizes, sizes.shapes))) > 1 else None
-        self.tokens = sum(sizes.tokens) if self.sizes else None
         self._torch = torch
         self._device = device
         self._guided: dict[tuple[int, ...], tuple[Any, Any]] = {}  # units -> their (neg, pos) rows

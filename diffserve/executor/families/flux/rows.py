@@ -33,7 +33,7 @@ def rows_of(torch, rows: RowSizes, text_length: int, positions: dict, device) ->
     """``positions``: each size's (cos, sin) over its text tokens, then its image tokens."""
     cos = {size: c for size, (c, _) in positions.items()}
     sin = {size: s for size, (_, s) in positions.items()}
-    length = text_length + rows.longest
+    length = text_length + rows.length
     ones = lambda shape, like: like.new_ones(shape)  # noqa: E731 - the padding turns nothing
     zeros = lambda shape, like: like.new_zeros(shape)  # noqa: E731
     valid = rows.valid(torch, device)

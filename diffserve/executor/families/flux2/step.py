@@ -129,9 +129,8 @@ class Flux2(PackedFlow):
 
     # -- rows of different sizes in one forward (diffserve.executor.families.row_sizes)
 
-    def mixes_sizes_now(self) -> str | None:
-        # A subclass that lays its rows out otherwise (FLUX.1 Fill) says mixes_sizes = False.
-        return super().mixes_sizes_now() or self._mixing_refused(rows.kinds())
+    def row_processors(self):
+        return rows.kinds()
 
     def _rows_attention(self, sizes, cond):
         transformer = self.pipe.transformer

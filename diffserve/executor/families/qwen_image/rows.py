@@ -31,7 +31,7 @@ def qwen_rows(torch, transformer, rows: RowSizes, grids: dict, text_length: int,
         image[size], text[size] = transformer.pos_embed([grids[size]], max_txt_seq_len=text_length,
                                                         device=device)
     ones = lambda shape, like: like.new_ones(shape)  # noqa: E731 - the padding turns nothing
-    return QwenRows(by_row(torch, image, rows, rows.longest, ones),
+    return QwenRows(by_row(torch, image, rows, rows.length, ones),
                     torch.stack([text[size] for size in rows.sizes]), rows.valid(torch, device))
 
 

@@ -53,9 +53,8 @@ class StableDiffusion3(Family):
 
     # -- rows of different sizes in one forward (diffserve.executor.families.patched_rows)
 
-    def mixes_sizes_now(self) -> str | None:
-        # A subclass that lays its rows out otherwise (FLUX.1 Fill) says mixes_sizes = False.
-        return super().mixes_sizes_now() or self._mixing_refused(rows.kinds())
+    def row_processors(self):
+        return rows.kinds()
 
     def row_tokens(self, latents) -> int:
         patch = self.pipe.transformer.config.patch_size

@@ -133,19 +133,14 @@ class Wan(Family):
             out[index] = part
         return out
 
+    def row_processors(self):
+        return rows.kinds()
+
     def mixes_sizes_now(self) -> str | None:
-        if not self.mixes_sizes:
-            return super().mixes_sizes_now()
-        if self.pipe.config.get("expand_timesteps"):
+        why = super().mixes_sizes_now()
+        if why is None and self.pipe.config.get("expand_timesteps"):
             return "its timesteps per token"
-        return self._mixing_refused(rows.kinds())
-
-    def _mixing_refused(self, kinds):
-        from diffserve.executor.families.row_sizes import foreign_processors
-
-        foreign = sorted({p for d in self.denoisers for p in foreign_processors(d, kinds)})
-        return (f"its attention runs {', '.join(foreign)}, which a forward of several sizes "
-                "cannot stand in for" if foreign else None)
+        return why
 
     @contextmanager
     def _rows_masked(self, sizes):
