@@ -77,15 +77,17 @@ def denoiser_and_vae(task_type: str) -> dict:
 def build(directory: Path) -> None:
     """HunyuanVideo15Pipeline: a one-block 3D DiT (and one refiner block), a VAE 8x spatial and
     2x temporal, 32x32 native, 9 frames, 4 steps."""
-    from diffusers import (
-        ClassifierFreeGuidance,
-        FlowMatchEulerDiscreteScheduler,
-        HunyuanVideo15Pipeline,
-    )
+    _build(directory, "HunyuanVideo15Pipeline", denoiser_and_vae("t2v"))
 
-    pipe = HunyuanVideo15Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        guider=ClassifierFreeGuidance(guidance_scale=6.0), **denoiser_and_vae("t2v"),
+
+def _build(directory: Path, pipeline: str, modules: dict) -> None:
+    """``pipeline`` over ``modules`` and the text encoders, with its schedule and guider, saved
+    with its serving defaults."""
+    import diffusers
+
+    pipe = getattr(diffusers, pipeline)(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
+        guider=diffusers.ClassifierFreeGuidance(guidance_scale=6.0), **modules,
         **text_encoders())
     save(pipe, directory, spatial_stride=16, guidance_scale=6.0, size=32, num_frames=FRAMES,
          fps=24)
@@ -106,18 +108,8 @@ def image_encoder() -> dict:
 def build_image_to_video(directory: Path) -> None:
     """HunyuanVideo15ImageToVideoPipeline: the same modules as :func:`build` (an image-to-video
     DiT) and a SigLIP image encoder; 32x32, 9 frames, 4 steps."""
-    from diffusers import (
-        ClassifierFreeGuidance,
-        FlowMatchEulerDiscreteScheduler,
-        HunyuanVideo15ImageToVideoPipeline,
-    )
-
-    pipe = HunyuanVideo15ImageToVideoPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        guider=ClassifierFreeGuidance(guidance_scale=6.0), **denoiser_and_vae("i2v"),
-        **text_encoders(), **image_encoder())
-    save(pipe, directory, spatial_stride=16, guidance_scale=6.0, size=32, num_frames=FRAMES,
-         fps=24)
+    _build(directory, "HunyuanVideo15ImageToVideoPipeline",
+           {**denoiser_and_vae("i2v"), **image_encoder()})
 
 
 # name -> (description, builder); a builder writes the model into the directory it is given.
